@@ -1,0 +1,20 @@
+"""h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
+
+from h5feed.convert import ConvertReport, convert
+from h5feed.errors import H5feedError, SourceError, StoreError
+from h5feed.store import RawSample, Store
+from h5feed.verify import describe_store, verify_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConvertReport",
+    "H5feedError",
+    "RawSample",
+    "SourceError",
+    "Store",
+    "StoreError",
+    "convert",
+    "describe_store",
+    "verify_store",
+]

@@ -1,0 +1,118 @@
+"""The `h5feed` command: a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from h5feed.errors import H5feedError
+
+log = logging.getLogger("h5feed")
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from h5feed.convert import convert
+
+    report = convert(
+        args.src,
+        args.dst,
+        format=args.format,
+        workers=args.workers,
+        codec=args.codec,
+        chunk_tokens=args.chunk_tokens,
+        skip_bad=args.skip_bad,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
+    log.info(
+        "%s: %d samples, %d tokens (%d converted now, %d from an earlier run, %d skipped) in %.1f s, %.0f MB/s in",
+        report.store, report.num_samples, report.num_tokens, report.converted_now, report.resumed,
+        len(report.skipped), report.seconds, rate,
+    )
+    for skipped in report.skipped:
+        log.warning("skipped %s: %s", skipped["path"], skipped["problem"])
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from h5feed.verify import verify_store
+
+    report = verify_store(args.store, args.against, progress=not args.quiet)
+    for mismatch in report.mismatches:
+        log.error("MISMATCH %s", mismatch)
+    what = "checksums and source files" if report.compared_with_source else "checksums"
+    if report.ok:
+        log.info("%s: %d samples OK (%s)", report.store, report.samples_checked, what)
+        return 0
+    log.error("%s: %d mismatch(es) in %d samples (%s)", report.store, len(report.mismatches), report.samples_checked, what)
+    return 1
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from h5feed.verify import describe_store
+
+    summary = describe_store(args.store)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    width = max(len(k) for k in summary)
+    for key, value in summary.items():
+        if key == "skipped":
+            value = len(value)
+            for skipped in summary["skipped"]:
+                print(f"  skipped {skipped['path']}: {skipped['problem']}")
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h5feed", description="Feed large per-sample hidden states to a GPU trainer.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert per-sample .pt/.ckpt/.safetensors files into one Zarr store")
+    p.add_argument("src", help="folder of sample files (searched recursively)")
+    p.add_argument("dst", help="the store to write (a folder); an unfinished one is resumed")
+    p.add_argument("--format", choices=["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt",
+                                        "speculators-safetensors"], help="input format (default: detected)")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="worker processes; 0 converts in this process (default: %(default)s)")
+    p.add_argument("--codec", choices=["zstd", "lz4", "none"], default="zstd",
+                   help="zstd: Blosc zstd-1, byte shuffle, 1 MiB blocks; lz4: Blosc lz4 + bitshuffle (default: %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--skip-bad", action="store_true", help="skip unreadable files and record them in the store")
+    p.add_argument("--overwrite", action="store_true", help="delete DST first")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("verify", help="check a store's checksums, or compare it bit for bit with its sources")
+    p.add_argument("store")
+    p.add_argument("--against", metavar="SRC", help="the source folder to compare every tensor with")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("inspect", help="what a store holds: samples, tokens, shapes, codec, compression")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args))
+    except H5feedError as exc:
+        log.error("h5feed %s: error: %s", args.command, exc)
+        return 1
+    except KeyboardInterrupt:
+        log.error("h5feed %s: interrupted; run the same command again to resume", args.command)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

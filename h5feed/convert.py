@@ -1,0 +1,454 @@
+"""`h5feed convert`: per-sample source files to one store, in parallel, resumable, verified.
+
+Conversion runs in three steps, each safe to kill:
+
+1. *Plan*: probe every source file (shape only), fix the sample order and each
+   sample's first row, and write the plan into the store.  Nothing is decided
+   later, so a resumed run writes exactly the bytes an uninterrupted one would.
+2. *Convert*: worker processes write samples; each sample owns whole chunks, so
+   workers never touch the same file, and zarr writes each chunk atomically.
+   The main process appends each finished sample to a journal.
+3. *Finalize*: write the sample index and checksums, then flip the store's
+   status to "complete" (one atomic write).  Readers refuse a store before that.
+
+Running the same command again skips the samples in the journal.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from h5feed.errors import H5feedError, SourceError, StoreError
+from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format
+from h5feed.store import (
+    ATTRS_KEY,
+    CHECKSUMMED,
+    HIDDEN_ARRAYS,
+    StoreInfo,
+    checksums,
+    chunk_codec,
+    read_info,
+    storage_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "h5feed-plan.json"
+JOURNAL_FILE = "h5feed-journal.jsonl"
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did, for the CLI and for tests."""
+
+    store: Path
+    num_samples: int
+    num_tokens: int
+    converted_now: int
+    resumed: int
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _PlannedSample:
+    relpath: str
+    sample_index: int
+    num_tokens: int
+    start: int
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    workers: int = 1,
+    codec: str = "zstd",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    skip_bad: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConvertReport:
+    """Convert every sample file under `src` into the store `dst` (see the module docstring)."""
+    src_path, dst_path = Path(src).resolve(), Path(dst)
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be at least 1")
+    chunk_codec(codec)  # validates the name before anything is written
+    fmt = FORMATS[format] if format else detect_format(src_path)  # type: ignore[index]
+    sources = fmt.discover(src_path)
+    options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens}
+    started = time.perf_counter()
+
+    if overwrite and dst_path.exists():
+        shutil.rmtree(dst_path)
+    if (dst_path / "zarr.json").exists():
+        info = read_info(dst_path)
+        if info.status == "complete":
+            _remove_work_files(dst_path)
+            log.info("%s is already complete: nothing to do", dst_path)
+            return ConvertReport(dst_path, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
+        if not (dst_path / PLAN_FILE).exists():  # killed while planning: nothing was converted yet
+            shutil.rmtree(dst_path)
+    elif dst_path.exists() and any(dst_path.iterdir()):
+        raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
+
+    with _executor(workers) as pool:
+        if (dst_path / PLAN_FILE).exists():
+            plan = _read_plan(dst_path, sources, options)
+        else:
+            plan = _make_plan(pool, fmt, sources, options, src_path, dst_path, skip_bad, progress)
+        samples = [_PlannedSample(**s) for s in plan["samples"]]
+        done = _read_journal(dst_path)
+        pending = [i for i in range(len(samples)) if i not in done]
+        report = ConvertReport(dst_path, 0, 0, 0, len(done))
+        if pending:
+            by_relpath = {s.relpath: s for s in sources}
+            _convert_pending(pool, fmt, dst_path, plan, samples, pending, by_relpath, workers, skip_bad, progress, report)
+            done = _read_journal(dst_path)
+    skipped: list[dict[str, str]] = list(plan["skipped"])
+    skipped += [{"path": samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r]
+    _finalize(dst_path, samples, done, skipped)
+    info = read_info(dst_path)
+    report.num_samples, report.num_tokens, report.skipped = info.num_samples, info.num_tokens, skipped
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# --- plan -------------------------------------------------------------------------------
+
+
+def _make_plan(
+    pool: Executor,
+    fmt: SourceFormat,
+    sources: list[SourceFile],
+    options: dict[str, Any],
+    src_root: Path,
+    dst: Path,
+    skip_bad: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
+    shapes: list[tuple[SourceFile, SampleShape]] = []
+    skipped: list[dict[str, str]] = []
+    reference: SampleShape | None = None
+    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, chunksize=16)
+    for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
+        try:
+            if isinstance(result, SourceError):
+                raise result
+            reference = reference or result
+            _check_same_shape(source, result, reference)
+            shapes.append((source, result))
+        except SourceError as exc:
+            if not skip_bad:
+                raise
+            log.warning("skipping %s", exc)
+            skipped.append({"path": source.relpath, "problem": exc.problem})
+    if reference is None:
+        raise SourceError(src_root, "no readable sample files (all were skipped)")
+
+    chunk_tokens = options["chunk_tokens"]
+    planned, row = [], 0
+    for source, shape in shapes:
+        planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row).__dict__)
+        row += math.ceil(shape.num_tokens / chunk_tokens) * chunk_tokens
+    info = StoreInfo(
+        source_format=fmt.name,
+        hidden_size=reference.hidden_size,
+        num_aux_layers=reference.num_aux_layers,
+        dtype=str(reference.dtype).removeprefix("torch."),
+        last_state_norm=fmt.last_state_norm,
+        codec=chunk_codec(options["codec"]),
+        chunk_tokens=chunk_tokens,
+        source_root=str(src_root),
+    )
+    _create_arrays(dst, info, total_rows=row)
+    plan = {"options": options, "samples": planned, "skipped": skipped, "total_rows": row}
+    _write_atomically(dst / PLAN_FILE, json.dumps(plan))
+    return plan
+
+
+def _check_same_shape(source: SourceFile, shape: SampleShape, reference: SampleShape) -> None:
+    for what, got, want in (
+        ("hidden size", shape.hidden_size, reference.hidden_size),
+        ("number of aux layers", shape.num_aux_layers, reference.num_aux_layers),
+        ("dtype", shape.dtype, reference.dtype),
+    ):
+        if got != want:
+            raise SourceError(source.path, f"{what} {got} differs from {want} of the first sample")
+
+
+def _probe_one(format_name: str, source: SourceFile) -> SampleShape | SourceError:
+    try:
+        return FORMATS[format_name].probe(source)  # type: ignore[index]
+    except SourceError as exc:
+        return exc
+
+
+def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any]) -> dict[str, Any]:
+    """The plan of an unfinished conversion, if this command is the same one that started it."""
+    try:
+        plan = json.loads((dst / PLAN_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError) as exc:
+        raise StoreError(dst, f"unfinished store without a readable plan ({exc}); pass --overwrite to start again") from exc
+    if plan["options"] != options:
+        raise StoreError(
+            dst, f"was started with {plan['options']}, not {options}: repeat that command to resume, or pass --overwrite"
+        )
+    planned = {s["relpath"] for s in plan["samples"]} | {s["path"] for s in plan["skipped"]}
+    missing = planned - {s.relpath for s in sources}
+    if missing:
+        raise StoreError(dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}")
+    return plan
+
+
+def _create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
+    import zarr
+
+    group = zarr.open_group(dst, mode="w", attributes={ATTRS_KEY: info.to_json()})
+    chunk_tokens, h, k = info.chunk_tokens, info.hidden_size, info.num_aux_layers
+    hidden_dtype = str(storage_dtype(info.torch_dtype)).removeprefix("torch.")
+    config = dict(info.codec)
+    name = config.pop("name")
+    compressors = [zarr.codecs.BloscCodec(typesize=2 if hidden_dtype == "uint16" else 4, **config)] if name == "blosc" else None
+    token_compressors = [zarr.codecs.BloscCodec(typesize=8, **config)] if name == "blosc" else None
+    rows = max(total_rows, 1)
+    for array, width, dtype, comp in (
+        ("aux_hidden_states", k * h, hidden_dtype, compressors),
+        ("last_hidden_states", h, hidden_dtype, compressors),
+        ("input_ids", None, "int64", token_compressors),
+        ("loss_mask", None, "int64", token_compressors),
+    ):
+        shape = (rows, width) if width else (rows,)
+        chunks = (chunk_tokens, width) if width else (chunk_tokens,)
+        group.create_array(array, shape=shape, chunks=chunks, dtype=dtype, compressors=comp, fill_value=0)
+
+
+# --- convert ------------------------------------------------------------------------------
+
+
+def _convert_pending(
+    pool: Executor,
+    fmt: SourceFormat,
+    dst: Path,
+    plan: dict[str, Any],
+    samples: list[_PlannedSample],
+    pending: list[int],
+    by_relpath: dict[str, SourceFile],
+    workers: int,
+    skip_bad: bool,
+    progress: bool,
+    report: ConvertReport,
+) -> None:
+    """Convert the samples not yet in the journal, a bounded number in flight."""
+    chunk_tokens = plan["options"]["chunk_tokens"]
+    bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
+               disable=not progress, smoothing=0.1)
+    failure: BaseException | None = None
+    todo = iter(pending)
+    in_flight: dict[Future[dict[str, Any]], int] = {}
+    with open(dst / JOURNAL_FILE, "a") as journal:
+
+        def submit_next() -> None:
+            for i in todo:
+                s = samples[i]
+                in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, s.num_tokens,
+                                      chunk_tokens)] = i
+                return
+
+        for _ in range(2 * max(1, workers)):
+            submit_next()
+        while in_flight:
+            finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in finished:
+                i = in_flight.pop(future)
+                try:
+                    record = future.result()
+                except SourceError as exc:
+                    if not skip_bad:
+                        failure = failure or exc
+                        continue
+                    log.warning("skipping %s", exc)
+                    record = {"skipped": exc.problem}
+                except OSError as exc:
+                    failure = failure or _disk_error(dst, samples[i], exc)
+                    continue
+                except Exception as exc:  # a crashed worker: BrokenProcessPool and the like
+                    failure = failure or H5feedError(f"converting {samples[i].relpath} failed: {exc!r}")
+                    continue
+                journal.write(json.dumps({"i": i, **record}) + "\n")
+                journal.flush()
+                report.converted_now += 1
+                report.bytes_in += record.get("bytes_in", 0)
+                report.bytes_out += record.get("bytes_out", 0)
+                bar.update(1)
+                elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                bar.set_postfix_str(f"in {report.bytes_in / elapsed / 1e6:.0f} MB/s, out {report.bytes_out / elapsed / 1e6:.0f} MB/s")
+                if failure is None:
+                    submit_next()
+    bar.close()
+    if failure is not None:
+        raise failure
+
+
+def _disk_error(dst: Path, sample: _PlannedSample, exc: OSError) -> H5feedError:
+    if exc.errno == errno.ENOSPC:
+        return StoreError(dst, f"disk full while writing {sample.relpath}: free space and run the same command to resume")
+    return StoreError(dst, f"writing {sample.relpath} failed: {exc}")
+
+
+def _executor(workers: int) -> Executor:
+    """Spawned worker processes (safe whatever threads torch or zarr started here); 0 runs in this process."""
+    if workers == 0:
+        return _InlineExecutor()
+    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker)
+
+
+class _InlineExecutor(Executor):
+    """Runs each task at submit time: `workers=0`, for debugging and small jobs."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+
+
+_open_arrays: dict[str, dict[str, Any]] = {}
+
+
+def _arrays(dst: str) -> dict[str, Any]:
+    """The store's arrays, opened once per worker process."""
+    import zarr
+
+    if dst not in _open_arrays:
+        group = zarr.open_group(dst, mode="r+")
+        # every chunk is written, even all zeros: a resumed run must leave no stale chunk behind
+        _open_arrays[dst] = {name: group[name].with_config({"write_empty_chunks": True}) for name in CHECKSUMMED}
+    return _open_arrays[dst]
+
+
+def _convert_one(format_name: str, dst: str, source: SourceFile, start: int, num_tokens: int, chunk_tokens: int) -> dict[str, Any]:
+    """Load one source file, check it against the plan, write its chunks; runs in a worker."""
+    sample = FORMATS[format_name].load(source)  # type: ignore[index]
+    if sample.shape.num_tokens != num_tokens:
+        raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
+    has_loss_mask = sample.loss_mask is not None
+    loss_mask = sample.loss_mask if has_loss_mask else torch.ones_like(sample.input_ids)
+    bits = storage_dtype(sample.aux_hidden_states.dtype)
+    tensors = {
+        "aux_hidden_states": sample.aux_hidden_states.view(bits),
+        "last_hidden_states": sample.last_hidden_state.view(bits),
+        "input_ids": sample.input_ids,
+        "loss_mask": loss_mask,
+    }
+    arrays = _arrays(dst)
+    bytes_out = 0
+    for name, tensor in tensors.items():
+        for first, block in _whole_chunks(tensor.numpy(), chunk_tokens):
+            arrays[name][start + first : start + first + len(block)] = block
+        bytes_out += _chunk_bytes(Path(dst) / name, start // chunk_tokens, math.ceil(num_tokens / chunk_tokens), name)
+    return {
+        "checksum": checksums(list(tensors.values())),
+        "has_loss_mask": has_loss_mask,
+        "bytes_in": source.path.stat().st_size,
+        "bytes_out": bytes_out,
+    }
+
+
+def _whole_chunks(array: np.ndarray, chunk_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+    """The rows as blocks of whole chunks, the last padded with zeros, so zarr never reads a chunk back."""
+    full = len(array) // chunk_tokens * chunk_tokens
+    if full:
+        yield 0, array[:full]
+    if full < len(array):
+        tail = np.zeros((chunk_tokens, *array.shape[1:]), dtype=array.dtype)
+        tail[: len(array) - full] = array[full:]
+        yield full, tail
+
+
+def _chunk_bytes(array_dir: Path, first_chunk: int, count: int, name: str) -> int:
+    suffix = "/0" if name in HIDDEN_ARRAYS else ""
+    return sum(os.stat(array_dir / f"c/{c}{suffix}").st_size for c in range(first_chunk, first_chunk + count))
+
+
+# --- journal and finalize ----------------------------------------------------------------
+
+
+def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
+    """Finished samples by plan position; a line cut short by a kill is ignored (its sample is redone)."""
+    done: dict[int, dict[str, Any]] = {}
+    try:
+        lines = (dst / JOURNAL_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return done
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[record.pop("i")] = record
+    return done
+
+
+def _finalize(dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]]) -> None:
+    import zarr
+
+    kept = [i for i in range(len(samples)) if "checksum" in done.get(i, {})]
+    group = zarr.open_group(dst, mode="r+")
+    index = group.require_group("index")
+    n = len(kept)
+    columns: dict[str, np.ndarray] = {
+        "sample_start": np.array([samples[i].start for i in kept], dtype=np.int64),
+        "sample_length": np.array([samples[i].num_tokens for i in kept], dtype=np.int64),
+        "source_index": np.array([samples[i].sample_index for i in kept], dtype=np.int64),
+        "checksum": np.array([done[i]["checksum"] for i in kept], dtype=np.uint32).reshape(n, 4),
+        "has_loss_mask": np.array([done[i]["has_loss_mask"] for i in kept], dtype=bool),
+        "source_path": np.array([samples[i].relpath for i in kept], dtype=str),
+    }
+    for name, values in columns.items():
+        array = index.create_array(name, shape=values.shape, chunks=values.shape if n else None,
+                                   dtype=values.dtype if name != "source_path" else str, overwrite=True)
+        if n:
+            array[...] = values
+    attrs = dict(group.attrs[ATTRS_KEY])
+    attrs.update(status="complete", num_samples=n, num_tokens=int(columns["sample_length"].sum()), skipped=skipped)
+    group.attrs[ATTRS_KEY] = attrs
+    _remove_work_files(dst)
+
+
+def _remove_work_files(dst: Path) -> None:
+    for name in (PLAN_FILE, JOURNAL_FILE):
+        (dst / name).unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,367 @@
+"""What the trainer imports: a drop-in map-style Dataset and a prefetching, sharded IterableDataset.
+
+Both read through `Store.read_sample` (only the rows the flavor can use, decoded
+straight into shared memory inside DataLoader workers) and build the trainer's
+own items with `h5feed.flavors`.  Both own a `LoaderCounters` table that the
+main process can read while training runs (`dataset.counters.snapshot()`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from h5feed.errors import StoreError
+from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
+from h5feed.metrics import LoaderCounters
+from h5feed.store import Store, default_allocator
+
+SampleSelector = Sequence[int | str | os.PathLike[str]]
+
+
+def split_samples(store: Store | str | os.PathLike[str], ratio: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """A seeded random split of a store's samples into (train, validation) store indices.
+
+    speculators' own `split_files` shuffles in `os.walk` order with Python's global
+    `random`; to reproduce a split made that way, pass its file lists as `samples=`.
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], not {ratio}")
+    n = len(_as_store(store))
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    cut = int(n * ratio)
+    return sorted(order[:cut]), sorted(order[cut:])
+
+
+def select_samples(store: Store, samples: SampleSelector | None) -> list[int]:
+    """Store indices for a selection of store indices and/or source paths (as the trainer lists its files)."""
+    if samples is None:
+        return list(range(len(store)))
+    by_path = {p: i for i, p in enumerate(store.source_paths)}
+    root = Path(store.info.source_root)
+    by_name: dict[str, list[int]] = {}
+    for i, p in enumerate(store.source_paths):
+        by_name.setdefault(Path(p).name, []).append(i)
+    selected = []
+    for s in samples:
+        if isinstance(s, (int, np.integer)):
+            if not 0 <= s < len(store):
+                raise IndexError(f"sample {s} out of range for {store.path} ({len(store)} samples)")
+            selected.append(int(s))
+            continue
+        path = Path(s)
+        rel = path.relative_to(root).as_posix() if path.is_absolute() and path.is_relative_to(root) else path.as_posix()
+        if rel in by_path:
+            selected.append(by_path[rel])
+        elif len(by_name.get(path.name, [])) == 1:
+            selected.append(by_name[path.name][0])
+        else:
+            found = "several samples" if by_name.get(path.name) else "no sample"
+            raise StoreError(store.path, f"{found} converted from {s}; the store holds files under {root}")
+    return selected
+
+
+def _as_store(store: Store | str | os.PathLike[str]) -> Store:
+    return store if isinstance(store, Store) else Store(store)
+
+
+class _FlavoredReader:
+    """What the Dataset and the Stream share: the store, the flavor, the selection and the counters."""
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        flavor: FlavorName | str,
+        max_len: int | None,
+        transform: Transform | None,
+        hidden_states_dtype: torch.dtype | None,
+        samples: SampleSelector | None,
+        missing_loss_mask: Literal["error", "ones"],
+    ) -> None:
+        self.store = _as_store(store)
+        self.flavor: Flavor = get_flavor(flavor)
+        if max_len is not None and max_len < 1:
+            raise ValueError("max_len must be a positive number of tokens or None")
+        self.max_len = max_len
+        self.transform = transform
+        self.hidden_states_dtype = hidden_states_dtype or self.flavor.default_hidden_states_dtype
+        self.indices = select_samples(self.store, samples)
+        self._check_norm()
+        self._check_loss_masks(missing_loss_mask)
+        self.counters = LoaderCounters()
+
+    def _check_norm(self) -> None:
+        held, wanted = self.store.info.last_state_norm, self.flavor.last_state_norm
+        if held != wanted:
+            what = {"pre": "before the final norm (pre-norm)", "post": "after the final norm (post-norm)"}
+            raise StoreError(
+                self.store.path,
+                f"flavor {self.flavor.name!r} needs the verifier's last hidden state {what[wanted]}, but this store "
+                f"holds it {what[held]} (converted from {self.store.info.source_format}); the two cannot be "
+                "converted into each other without the verifier's final-norm weight",
+            )
+
+    def _check_loss_masks(self, policy: str) -> None:
+        missing = [i for i in self.indices if not self.store.has_loss_mask[i]]
+        if missing and policy == "error":
+            names = ", ".join(self.store.source_paths[i] for i in missing[:3])
+            raise StoreError(
+                self.store.path,
+                f"{len(missing)} sample(s) had no loss_mask in their source files ({names}...); the trainer would fail "
+                "on them: pass missing_loss_mask='ones' to train on every token of those samples",
+            )
+
+    @property
+    def approx_lengths(self) -> list[int]:
+        """Exact token counts of the selected samples (speculators' batch samplers read this)."""
+        return [int(self.store.sample_lengths[i]) for i in self.indices]
+
+    def _read_item(self, store_index: int) -> Item:
+        counters = self.counters.worker()
+        counters.begin_sample(store_index)
+        tokens = self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
+        raw = self.store.read_sample(store_index, tokens, stats=counters)  # type: ignore[arg-type]
+        item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, default_allocator)
+        counters.end_sample(tokens)
+        return item
+
+
+class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
+    """Map-style drop-in for the trainers' own datasets: `dataset[i]` is the trainer's item for sample i.
+
+    Args:
+        store: path of an h5feed store (or an open `Store`).
+        flavor: whose items to yield: ``speculators-legacy`` (0.4, shifted), ``speculators`` (0.5+),
+            ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22).
+        max_len: the trainer's max_len: only the tokens its collate can use are read.
+        transform: called with the item dict where the trainer calls it (speculators noise transforms).
+            With a random transform and max_len, the noise is drawn on the rows read only.
+        hidden_states_dtype: dtype of the hidden-state keys (speculators casts; default as the trainer's).
+        samples: store indices and/or source paths (as in the trainer's own file lists) to select.
+        missing_loss_mask: what to do with samples whose source had no loss mask.
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        flavor: FlavorName | str = "speculators-legacy",
+        max_len: int | None = None,
+        transform: Transform | None = None,
+        hidden_states_dtype: torch.dtype | None = None,
+        *,
+        samples: SampleSelector | None = None,
+        missing_loss_mask: Literal["error", "ones"] = "error",
+    ) -> None:
+        super().__init__(store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Item:
+        return self._read_item(self.indices[index])
+
+
+_END = object()
+
+
+class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
+    """The fast path: a sharded, shuffled, prefetching IterableDataset of the same items.
+
+    Each epoch's order is a permutation seeded by (seed, epoch).  Rank r of W takes
+    every W-th sample of it; within a rank, DataLoader worker w takes the batches
+    j with j % num_workers == w, so the DataLoader delivers the rank's sequence in
+    order and a position in it is all a resume needs (see README "Resuming").
+    A thread in each worker reads and decodes up to `prefetch` samples ahead.
+
+    Extra args (the rest as `HiddenStatesDataset`):
+        shuffle: False, True, or "locality": shuffle blocks of `locality_block` samples that lie
+            next to each other on disk, and the samples within each block (kinder to a cold cache).
+        seed: the shuffle seed; the epoch is added (`set_epoch`).
+        equal_per_rank: pad each rank to the same count by repeating samples (as DistributedSampler
+            does), since unequal counts hang DDP; False reads every sample exactly once.
+        batch_size: the DataLoader's batch_size (`StreamLoader` sets it), so workers deal whole batches.
+        prefetch: samples read ahead per worker.
+        rank, world_size: default from torch.distributed when it is initialised, else 0 and 1.
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        flavor: FlavorName | str = "speculators-legacy",
+        max_len: int | None = None,
+        transform: Transform | None = None,
+        hidden_states_dtype: torch.dtype | None = None,
+        *,
+        samples: SampleSelector | None = None,
+        missing_loss_mask: Literal["error", "ones"] = "error",
+        shuffle: bool | Literal["locality"] = True,
+        locality_block: int = 32,
+        seed: int = 0,
+        equal_per_rank: bool = True,
+        batch_size: int = 1,
+        prefetch: int = 2,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__(store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask)
+        self.shuffle = shuffle
+        self.locality_block = locality_block
+        self.seed = seed
+        self.equal_per_rank = equal_per_rank
+        self.batch_size = batch_size
+        self.prefetch = prefetch
+        self._rank, self._world_size = rank, world_size
+        self.epoch = 0
+        self._start = 0  # position in the epoch order where this iteration starts (resume)
+        self._consumed = 0  # items of this rank taken by the trainer since _start (main process)
+        self._counted_by_loader = False  # a StreamLoader counts batches instead
+
+    # --- order and sharding ------------------------------------------------------------------
+    def rank_and_world_size(self) -> tuple[int, int]:
+        if self._rank is not None:
+            return self._rank, self._world_size or 1
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def epoch_order(self, epoch: int | None = None) -> list[int]:
+        """Store indices in this epoch's global order (the same on every rank)."""
+        epoch = self.epoch if epoch is None else epoch
+        indices = np.asarray(self.indices)
+        if not self.shuffle:
+            return indices.tolist()
+        rng = np.random.default_rng([self.seed, epoch])
+        if self.shuffle == "locality":
+            by_disk = indices[np.argsort(self.store.sample_starts[indices], kind="stable")]
+            blocks = [by_disk[i : i + self.locality_block] for i in range(0, len(by_disk), self.locality_block)]
+            return [int(x) for b in rng.permutation(len(blocks)) for x in rng.permutation(blocks[b])]
+        return indices[rng.permutation(len(indices))].tolist()
+
+    def rank_sequence(self) -> list[int]:
+        """This rank's samples from the resume position on, in the order the DataLoader delivers them."""
+        rank, world = self.rank_and_world_size()
+        order = self.epoch_order()
+        remaining = order[self._start :]
+        if self.equal_per_rank and remaining and len(remaining) % world:
+            pad = world - len(remaining) % world
+            remaining = remaining + (order * (pad // max(len(order), 1) + 1))[:pad]
+        return remaining[rank::world]
+
+    def _worker_sequence(self) -> list[int]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        sequence, b = self.rank_sequence(), self.batch_size
+        return [s for j in range(worker, -(-len(sequence) // b), workers) for s in sequence[j * b : (j + 1) * b]]
+
+    def __len__(self) -> int:
+        return len(self.rank_sequence())
+
+    # --- epochs and resume ---------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` from its beginning (call before each epoch, like DistributedSampler)."""
+        if epoch != self.epoch:
+            self.epoch, self._start, self._consumed = epoch, 0, 0
+
+    def note_consumed(self, items: int) -> None:
+        """Count items the trainer took (StreamLoader does this for you)."""
+        self._consumed += items
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch stands: a position in the epoch order that does not depend on worker count."""
+        _, world = self.rank_and_world_size()
+        position = min(self._start + self._consumed * world, len(self.indices))
+        return {"epoch": self.epoch, "seed": self.seed, "position": position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed {self.seed}")
+        self.epoch, self._start, self._consumed = int(state["epoch"]), int(state["position"]), 0
+
+    # --- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Item]:
+        sequence = self._worker_sequence()
+        in_main_process = get_worker_info() is None
+        for item in self._prefetched(sequence):
+            if in_main_process and not self._counted_by_loader:
+                self._consumed += 1  # before the yield: the item is the trainer's once it has it
+            yield item
+
+    def _prefetched(self, sequence: list[int]) -> Iterator[Item]:
+        """Items of `sequence`, read and decoded by a background thread at most `prefetch` ahead."""
+        counters = self.counters.worker()
+        counters.start()
+        if self.prefetch < 1:
+            for index in sequence:
+                yield self._read_item(index)
+            return
+        ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for index in sequence:
+                    item = self._read_item(index)
+                    while not stop.is_set():
+                        try:
+                            ready.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                    counters.set_queue_depth(ready.qsize())
+                ready.put(_END)
+            except BaseException as exc:  # handed to the consumer, which raises it
+                ready.put(exc)
+
+        thread = threading.Thread(target=produce, name="h5feed-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = ready.get()
+                counters.add_wait(time.perf_counter() - t0)
+                counters.set_queue_depth(ready.qsize())
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join()
+
+
+class StreamLoader(DataLoader):
+    """A DataLoader over a `HiddenStatesStream` that counts what the trainer takes, for exact resume.
+
+    Takes DataLoader's arguments; `state_dict()` / `load_state_dict()` delegate to the stream.
+    """
+
+    def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
+        dataset.batch_size = batch_size or 1
+        dataset._counted_by_loader = True
+        super().__init__(dataset, batch_size=batch_size, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        stream: HiddenStatesStream = self.dataset  # type: ignore[assignment]
+        for batch in super().__iter__():
+            stream.note_consumed(stream.batch_size)  # only the last batch can be short: position is clamped
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+

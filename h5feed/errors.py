@@ -1,0 +1,29 @@
+"""The errors h5feed raises on purpose: each names the file or store and the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class H5feedError(Exception):
+    """Base of every error h5feed raises on purpose."""
+
+
+class _PathError(H5feedError):
+    """An error about one file or folder: `str(err)` is "PATH: PROBLEM"."""
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
+        return type(self), (self.path, self.problem)
+
+
+class SourceError(_PathError):
+    """A source file that cannot be converted; names the file and the problem."""
+
+
+class StoreError(_PathError):
+    """A store that cannot be opened or read: unfinished, corrupt or of another layout."""

@@ -1,0 +1,223 @@
+"""Per-worker loader counters in shared memory, readable by the main process while training runs.
+
+The counters are one small float64 tensor in shared memory, created by the
+dataset in the main process before any worker starts.  torch passes it to
+workers by file descriptor under fork, spawn and forkserver alike, and the
+memory goes away with the last process that holds it: a crash leaves nothing
+behind in /dev/shm.  Each worker writes only its own row; the main process
+reads rows at any time (a snapshot is a copy, never a lock).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+MAX_WORKERS = 64  # rows of the table: DataLoader worker ids must stay below this
+
+
+class Field(IntEnum):
+    SAMPLES = 0
+    TOKENS = 1
+    BYTES_READ = 2  # from storage (compressed)
+    BYTES_DELIVERED = 3  # decoded tensors handed on
+    READ_SECONDS = 4
+    DECODE_SECONDS = 5
+    WAIT_SECONDS = 6  # time the worker's consumer waited on its prefetch queue
+    CURRENT_SAMPLE = 7  # store index of the sample being read, -1 when none
+    CURRENT_SINCE = 8  # wall time the current read started
+    CURRENT_BYTES = 9  # bytes read so far of the current sample
+    LAST_PROGRESS = 10  # wall time of the last chunk read or sample finished
+    QUEUE_DEPTH = 11  # samples decoded and waiting in the worker's prefetch queue
+    PID = 12
+    STARTED = 13  # wall time the worker started iterating, 0 before
+
+
+NUM_FIELDS = len(Field)
+
+
+class WorkerCounters:
+    """One worker's row, written by that worker.
+
+    It has the attributes of `store.ReadStats`, so `Store.read_sample(stats=...)` updates the
+    shared row chunk by chunk: a stall report can say how far a read got.
+    """
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self._row = row
+
+    def _add(self, field: Field, value: float) -> None:
+        self._row[field] += value
+
+    # --- the ReadStats protocol -----------------------------------------------------------
+    @property
+    def bytes_read(self) -> float:
+        return float(self._row[Field.BYTES_READ])
+
+    @bytes_read.setter
+    def bytes_read(self, value: float) -> None:
+        delta = value - float(self._row[Field.BYTES_READ])
+        self._row[Field.BYTES_READ] = value
+        self._row[Field.CURRENT_BYTES] += delta
+        self._row[Field.LAST_PROGRESS] = time.time()
+
+    @property
+    def bytes_delivered(self) -> float:
+        return float(self._row[Field.BYTES_DELIVERED])
+
+    @bytes_delivered.setter
+    def bytes_delivered(self, value: float) -> None:
+        self._row[Field.BYTES_DELIVERED] = value
+
+    @property
+    def read_seconds(self) -> float:
+        return float(self._row[Field.READ_SECONDS])
+
+    @read_seconds.setter
+    def read_seconds(self, value: float) -> None:
+        self._row[Field.READ_SECONDS] = value
+
+    @property
+    def decode_seconds(self) -> float:
+        return float(self._row[Field.DECODE_SECONDS])
+
+    @decode_seconds.setter
+    def decode_seconds(self, value: float) -> None:
+        self._row[Field.DECODE_SECONDS] = value
+
+    # --- sample life cycle ----------------------------------------------------------------
+    def start(self) -> None:
+        self._row[Field.PID] = os.getpid()
+        self._row[Field.STARTED] = time.time()
+        self._row[Field.CURRENT_SAMPLE] = -1
+
+    def begin_sample(self, index: int) -> None:
+        now = time.time()
+        self._row[Field.CURRENT_SAMPLE] = index
+        self._row[Field.CURRENT_SINCE] = now
+        self._row[Field.CURRENT_BYTES] = 0
+        if self._row[Field.STARTED] == 0:
+            self.start()
+
+    def end_sample(self, tokens: int) -> None:
+        self._add(Field.SAMPLES, 1)
+        self._add(Field.TOKENS, tokens)
+        self._row[Field.CURRENT_SAMPLE] = -1
+        self._row[Field.LAST_PROGRESS] = time.time()
+
+    def add_wait(self, seconds: float) -> None:
+        self._add(Field.WAIT_SECONDS, seconds)
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._row[Field.QUEUE_DEPTH] = depth
+
+
+@dataclass
+class WorkerSnapshot:
+    worker: int
+    pid: int
+    samples: int
+    tokens: int
+    bytes_read: int
+    bytes_delivered: int
+    read_seconds: float
+    decode_seconds: float
+    wait_seconds: float
+    queue_depth: int
+    current_sample: int | None  # None when idle
+    current_seconds: float  # how long the current read has taken so far
+    current_bytes: int
+    seconds_since_progress: float | None
+    samples_per_s: float = 0.0  # rates since the previous snapshot
+    bytes_read_per_s: float = 0.0
+    bytes_delivered_per_s: float = 0.0
+
+
+@dataclass
+class LoaderSnapshot:
+    time: float
+    workers: list[WorkerSnapshot]
+
+    def total(self, name: str) -> float:
+        return sum(getattr(w, name) for w in self.workers)
+
+    def as_dict(self) -> dict[str, Any]:
+        totals = {
+            name: self.total(name)
+            for name in ("samples", "tokens", "bytes_read", "bytes_delivered", "read_seconds", "decode_seconds",
+                         "wait_seconds", "samples_per_s", "bytes_read_per_s", "bytes_delivered_per_s", "queue_depth")
+        }
+        return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
+
+
+class LoaderCounters:
+    """The table of all workers' rows, owned by a dataset; picklable into its workers."""
+
+    def __init__(self, max_workers: int = MAX_WORKERS) -> None:
+        self.table = torch.zeros(max_workers, NUM_FIELDS, dtype=torch.float64).share_memory_()
+        self._previous: LoaderSnapshot | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"table": self.table}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.table = state["table"]
+        self._previous = None
+
+    def worker(self, worker_id: int | None = None) -> WorkerCounters:
+        """This process's row: the DataLoader worker id, or row 0 in the main process."""
+        if worker_id is None:
+            info = torch.utils.data.get_worker_info()
+            worker_id = info.id if info is not None else 0
+        if worker_id >= len(self.table):
+            raise ValueError(f"worker id {worker_id} exceeds the {len(self.table)} counter rows")
+        return WorkerCounters(self.table[worker_id])
+
+    def reset(self) -> None:
+        self.table.zero_()
+        self._previous = None
+
+    def snapshot(self) -> LoaderSnapshot:
+        """A copy of every active row, with rates against the previous snapshot."""
+        now = time.time()
+        table = self.table.clone()
+        workers = []
+        for worker_id, row in enumerate(table.tolist()):
+            if row[Field.STARTED] == 0:
+                continue
+            current = int(row[Field.CURRENT_SAMPLE])
+            workers.append(
+                WorkerSnapshot(
+                    worker=worker_id,
+                    pid=int(row[Field.PID]),
+                    samples=int(row[Field.SAMPLES]),
+                    tokens=int(row[Field.TOKENS]),
+                    bytes_read=int(row[Field.BYTES_READ]),
+                    bytes_delivered=int(row[Field.BYTES_DELIVERED]),
+                    read_seconds=row[Field.READ_SECONDS],
+                    decode_seconds=row[Field.DECODE_SECONDS],
+                    wait_seconds=row[Field.WAIT_SECONDS],
+                    queue_depth=int(row[Field.QUEUE_DEPTH]),
+                    current_sample=current if current >= 0 else None,
+                    current_seconds=now - row[Field.CURRENT_SINCE] if current >= 0 else 0.0,
+                    current_bytes=int(row[Field.CURRENT_BYTES]) if current >= 0 else 0,
+                    seconds_since_progress=now - row[Field.LAST_PROGRESS] if row[Field.LAST_PROGRESS] else None,
+                )
+            )
+        snap = LoaderSnapshot(now, workers)
+        if self._previous is not None:
+            dt = max(now - self._previous.time, 1e-9)
+            before = {w.worker: w for w in self._previous.workers}
+            for w in workers:
+                old = before.get(w.worker)
+                if old is not None:
+                    w.samples_per_s = (w.samples - old.samples) / dt
+                    w.bytes_read_per_s = (w.bytes_read - old.bytes_read) / dt
+                    w.bytes_delivered_per_s = (w.bytes_delivered - old.bytes_delivered) / dt
+        self._previous = snap
+        return snap

@@ -1,0 +1,117 @@
+"""`h5feed verify` and `h5feed inspect`: trust a store without trusting the converter."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from h5feed.errors import H5feedError
+from h5feed.formats import FORMATS, SourceFile
+from h5feed.store import CHECKSUMMED, Store, checksums, storage_dtype
+
+
+@dataclass
+class Mismatch:
+    sample: int
+    source_path: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"sample {self.sample} ({self.source_path}): {self.problem}"
+
+
+@dataclass
+class VerifyReport:
+    store: Path
+    samples_checked: int = 0
+    compared_with_source: bool = False
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def verify_store(
+    path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None, *, progress: bool = True
+) -> VerifyReport:
+    """Check every sample's checksums; with `against`, compare every tensor bit for bit with its source file."""
+    store = Store(path)
+    report = VerifyReport(Path(path), compared_with_source=against is not None)
+    source_format = FORMATS[store.info.source_format] if against is not None else None  # type: ignore[index]
+    for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):
+        relpath = store.source_paths[i]
+        try:
+            sample = store.read_sample(i)
+        except H5feedError as exc:
+            report.mismatches.append(Mismatch(i, relpath, str(exc)))
+            continue
+        stored = _stored_bits(sample)
+        for name, want, got in zip(CHECKSUMMED, store.checksums[i], checksums(list(stored.values()))):
+            if int(want) != got:
+                report.mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
+        if source_format is not None and against is not None:
+            source = SourceFile(Path(against) / relpath, int(store.source_indices[i]), relpath)
+            try:
+                original = source_format.load(source)
+            except H5feedError as exc:
+                report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
+                continue
+            loss_mask = original.loss_mask if original.loss_mask is not None else torch.ones_like(original.input_ids)
+            expected = _stored_bits(
+                type(sample)(original.input_ids, loss_mask, original.aux_hidden_states, original.last_hidden_state,
+                             len(original.input_ids), original.loss_mask is not None)
+            )
+            for name in CHECKSUMMED:
+                if expected[name].shape != stored[name].shape or not torch.equal(expected[name], stored[name]):
+                    report.mismatches.append(Mismatch(i, relpath, f"{name} differs from the source file"))
+        report.samples_checked += 1
+    return report
+
+
+def _stored_bits(sample: Any) -> dict[str, torch.Tensor]:
+    """The tensors as their on-disk bits, so that comparisons are bit-exact (NaN == NaN, -0 != +0)."""
+    bits = storage_dtype(sample.aux_hidden_states.dtype)
+    return {
+        "aux_hidden_states": sample.aux_hidden_states.view(bits),
+        "last_hidden_states": sample.last_hidden_state.view(bits),
+        "input_ids": sample.input_ids,
+        "loss_mask": sample.loss_mask,
+    }
+
+
+def describe_store(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The figures `h5feed inspect` prints: what is stored, how big, how well compressed."""
+    store = Store(path)
+    info = store.info
+    itemsize = info.torch_dtype.itemsize
+    tokens = int(store.sample_lengths.sum())
+    raw = tokens * ((info.num_aux_layers + 1) * info.hidden_size * itemsize + 2 * 8)
+    stored = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    return {
+        "store": str(path),
+        "samples": len(store),
+        "tokens": tokens,
+        "tokens_per_sample": {
+            "min": int(store.sample_lengths.min()) if len(store) else 0,
+            "mean": round(tokens / max(len(store), 1), 1),
+            "max": int(store.sample_lengths.max()) if len(store) else 0,
+        },
+        "hidden_size": info.hidden_size,
+        "num_aux_layers": info.num_aux_layers,
+        "dtype": info.dtype,
+        "last_state_norm": info.last_state_norm,
+        "source_format": info.source_format,
+        "source_root": info.source_root,
+        "codec": info.codec,
+        "chunk_tokens": info.chunk_tokens,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "compression_ratio": round(raw / stored, 3) if stored else None,
+        "skipped": info.skipped,
+    }
