@@ -1,7 +1,10 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
 from h5feed.convert import ConvertReport, convert
+from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.errors import H5feedError, SourceError, StoreError
+from h5feed.metrics import LoaderCounters, LoaderSnapshot
+from h5feed.monitor import Monitor, monitor
 from h5feed.store import RawSample, Store
 from h5feed.verify import describe_store, verify_store
 
@@ -10,11 +13,20 @@ __version__ = "0.1.0"
 __all__ = [
     "ConvertReport",
     "H5feedError",
+    "HiddenStatesDataset",
+    "HiddenStatesStream",
+    "LoaderCounters",
+    "LoaderSnapshot",
+    "Monitor",
     "RawSample",
     "SourceError",
     "Store",
     "StoreError",
+    "StreamLoader",
     "convert",
     "describe_store",
+    "monitor",
+    "select_samples",
+    "split_samples",
     "verify_store",
 ]

@@ -104,6 +104,7 @@ def convert(
     if (dst_path / "zarr.json").exists():
         info = read_info(dst_path)
         if info.status == "complete":
+            _check_complete_matches(dst_path, info, options)
             _remove_work_files(dst_path)
             log.info("%s is already complete: nothing to do", dst_path)
             return ConvertReport(dst_path, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
@@ -115,12 +116,13 @@ def convert(
     with _executor(workers) as pool:
         if (dst_path / PLAN_FILE).exists():
             plan = _read_plan(dst_path, sources, options)
+            _remove_partial_writes(dst_path)
         else:
             plan = _make_plan(pool, fmt, sources, options, src_path, dst_path, skip_bad, progress)
         samples = [_PlannedSample(**s) for s in plan["samples"]]
         done = _read_journal(dst_path)
         pending = [i for i in range(len(samples)) if i not in done]
-        report = ConvertReport(dst_path, 0, 0, 0, len(done))
+        report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
         if pending:
             by_relpath = {s.relpath: s for s in sources}
             _convert_pending(pool, fmt, dst_path, plan, samples, pending, by_relpath, workers, skip_bad, progress, report)
@@ -205,6 +207,15 @@ def _probe_one(format_name: str, source: SourceFile) -> SampleShape | SourceErro
         return exc
 
 
+def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any]) -> None:
+    """A rerun on a complete store asking for another codec, chunk size or format must not pass as done."""
+    have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens}
+    if have != {**options, "codec": chunk_codec(options["codec"])}:
+        raise StoreError(
+            dst, f"is complete but was converted with {have}, not {options}: choose another DST or pass --overwrite"
+        )
+
+
 def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any]) -> dict[str, Any]:
     """The plan of an unfinished conversion, if this command is the same one that started it."""
     try:
@@ -262,17 +273,21 @@ def _convert_pending(
 ) -> None:
     """Convert the samples not yet in the journal, a bounded number in flight."""
     chunk_tokens = plan["options"]["chunk_tokens"]
+    info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
                disable=not progress, smoothing=0.1)
     failure: BaseException | None = None
     todo = iter(pending)
     in_flight: dict[Future[dict[str, Any]], int] = {}
     with open(dst / JOURNAL_FILE, "a") as journal:
+        if journal.tell() and not (dst / JOURNAL_FILE).read_text().endswith("\n"):
+            journal.write("\n")  # end a line cut short by a kill, or the next record would be lost with it
 
         def submit_next() -> None:
             for i in todo:
                 s = samples[i]
-                in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, s.num_tokens,
+                expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
+                in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
                                       chunk_tokens)] = i
                 return
 
@@ -298,7 +313,7 @@ def _convert_pending(
                     continue
                 journal.write(json.dumps({"i": i, **record}) + "\n")
                 journal.flush()
-                report.converted_now += 1
+                report.converted_now += "checksum" in record  # a skipped file is counted in skipped only
                 report.bytes_in += record.get("bytes_in", 0)
                 report.bytes_out += record.get("bytes_out", 0)
                 bar.update(1)
@@ -354,11 +369,15 @@ def _arrays(dst: str) -> dict[str, Any]:
     return _open_arrays[dst]
 
 
-def _convert_one(format_name: str, dst: str, source: SourceFile, start: int, num_tokens: int, chunk_tokens: int) -> dict[str, Any]:
-    """Load one source file, check it against the plan, write its chunks; runs in a worker."""
+def _convert_one(
+    format_name: str, dst: str, source: SourceFile, start: int, expected: SampleShape, chunk_tokens: int
+) -> dict[str, Any]:
+    """Load one source file, check it against the plan (it may have changed since), write its chunks; in a worker."""
     sample = FORMATS[format_name].load(source)  # type: ignore[index]
+    num_tokens = expected.num_tokens
     if sample.shape.num_tokens != num_tokens:
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
+    _check_same_shape(source, sample.shape, expected)
     has_loss_mask = sample.loss_mask is not None
     loss_mask = sample.loss_mask if has_loss_mask else torch.ones_like(sample.input_ids)
     bits = storage_dtype(sample.aux_hidden_states.dtype)
@@ -441,6 +460,12 @@ def _finalize(dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str
     attrs.update(status="complete", num_samples=n, num_tokens=int(columns["sample_length"].sum()), skipped=skipped)
     group.attrs[ATTRS_KEY] = attrs
     _remove_work_files(dst)
+
+
+def _remove_partial_writes(dst: Path) -> None:
+    """zarr writes each file as NAME.<uuid>.partial and renames it: a killed run can leave one behind."""
+    for path in dst.rglob("*.partial"):
+        path.unlink()
 
 
 def _remove_work_files(dst: Path) -> None:

@@ -290,9 +290,11 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     # --- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item]:
         sequence = self._worker_sequence()
-        in_main_process = get_worker_info() is None
+        counting = get_worker_info() is None and not self._counted_by_loader
+        if counting:
+            self._consumed = 0  # every pass starts at _start: a second one without set_epoch replays the epoch
         for item in self._prefetched(sequence):
-            if in_main_process and not self._counted_by_loader:
+            if counting:
                 self._consumed += 1  # before the yield: the item is the trainer's once it has it
             yield item
 
@@ -307,22 +309,25 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
+        def put(item: Any) -> bool:
+            """Queue `item` unless the consumer has stopped: it may never take another, so never block."""
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             try:
                 for index in sequence:
-                    item = self._read_item(index)
-                    while not stop.is_set():
-                        try:
-                            ready.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put(self._read_item(index)):
                         return
                     counters.set_queue_depth(ready.qsize())
-                ready.put(_END)
+                put(_END)
             except BaseException as exc:  # handed to the consumer, which raises it
-                ready.put(exc)
+                put(exc)
 
         thread = threading.Thread(target=produce, name="h5feed-prefetch", daemon=True)
         thread.start()
@@ -355,6 +360,7 @@ class StreamLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         stream: HiddenStatesStream = self.dataset  # type: ignore[assignment]
+        stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
         for batch in super().__iter__():
             stream.note_consumed(stream.batch_size)  # only the last batch can be short: position is clamped
             yield batch

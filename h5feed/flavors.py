@@ -92,17 +92,22 @@ def _specforge_item(raw: RawSample, dtype: torch.dtype | None, transform: Transf
     return transform(item) if transform is not None else item
 
 
-def _shift_left(tensor: torch.Tensor) -> torch.Tensor:
-    """SpecForge's `padding(t, left=False)`: drop the first position of dim 1, append zeros."""
-    return torch.cat((tensor[:, 1:], torch.zeros_like(tensor[:, -1:])), dim=1)
+def _shift_left(tensor: torch.Tensor, allocate: Allocator) -> torch.Tensor:
+    """SpecForge's `padding(t, left=False)`: drop the first position of dim 1, append zeros.
+
+    Built in memory from `allocate`, as `_cast` is, so a worker hands it over without a copy."""
+    out = allocate(tuple(tensor.shape), tensor.dtype)
+    out[:, :-1] = tensor[:, 1:]
+    out[:, -1:] = 0
+    return out
 
 
 def _specforge_shifted_item(
     raw: RawSample, dtype: torch.dtype | None, transform: Transform | None, allocate: Allocator
 ) -> Item:
     item = _specforge_item(raw, dtype, None, allocate)
-    item["target"] = _shift_left(item["target"])
-    item["input_ids"] = _shift_left(item["input_ids"])
+    item["target"] = _shift_left(item["target"], allocate)
+    item["input_ids"] = _shift_left(item["input_ids"], allocate)
     return transform(item) if transform is not None else item
 
 

@@ -23,6 +23,8 @@ import re
 import threading
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Collection
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,9 +43,7 @@ __all__ = [
     "detect_format",
 ]
 
-FormatName = Literal[
-    "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors"
-]
+FormatName = Literal["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors"]
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,6 @@ class SourceSample:
 
 
 # --------------------------------------------------------------------------- helpers
-
-_MAX_INT64 = 2**63 - 1
 
 
 def _fmt_shape(t: torch.Tensor) -> str:
@@ -184,8 +182,6 @@ def _torch_load_path(path: Path) -> Any:
         raise SourceError(path, "empty file (0 bytes): truncated or never written")
     try:
         return torch.load(path, weights_only=True, map_location="cpu", mmap=magic == _ZIP_MAGIC)
-    except SourceError:
-        raise
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
         raise _load_error(path, e) from e
 
@@ -195,10 +191,8 @@ def _torch_load_gz(path: Path) -> Any:
     try:
         with gzip.open(path, "rb") as f:
             data = f.read()
-    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
-        raise SourceError(
-            path, f"truncated or corrupt gzip file ({type(e).__name__}: {e})"
-        ) from e
+    except (EOFError, zlib.error, OSError) as e:  # gzip.BadGzipFile is an OSError
+        raise SourceError(path, f"truncated or corrupt gzip file ({type(e).__name__}: {e})") from e
     if not data:
         raise SourceError(path, "gzip file holds 0 bytes: truncated or never written")
     try:
@@ -213,35 +207,38 @@ def _require_dict(path: Path, obj: Any) -> dict:
     return obj
 
 
-def _require_keys(path: Path, d: dict, keys: tuple[str, ...], fmt: str) -> None:
+def _require_keys(path: Path, d: Collection[str], keys: tuple[str, ...], fmt: str) -> None:
     missing = [k for k in keys if k not in d]
     if missing:
-        found = ", ".join(repr(k) for k in d.keys())
+        found = ", ".join(repr(k) for k in d)
         raise SourceError(
             path,
-            f"missing key(s) {', '.join(repr(k) for k in missing)} for format {fmt} "
-            f"(found keys: {found or 'none'})",
+            f"missing key(s) {', '.join(repr(k) for k in missing)} for format {fmt} (found keys: {found or 'none'})",
         )
 
 
-def _tensor(path: Path, d: dict, key: str, what: str | None = None) -> torch.Tensor:
+def _tensor(path: Path, d: dict, key: str) -> torch.Tensor:
     v = d[key]
-    label = what or repr(key)
     if not isinstance(v, torch.Tensor):
-        raise SourceError(path, f"{label} is a {type(v).__name__}, expected a tensor")
+        raise SourceError(path, f"{key!r} is a {type(v).__name__}, expected a tensor")
     return v
 
 
-def _token_vector(path: Path, d: dict, key: str, allow_batch_dim: bool = False) -> torch.Tensor:
-    """The token ids: an integer tensor [T] (or [1, T] where allowed), T >= 1."""
-    v = d[key]
+def _vector(path: Path, v: Any, key: str, expected: str) -> torch.Tensor:
+    """v as a tensor; a list of integers is converted."""
     if isinstance(v, (list, tuple)):
         try:
             v = torch.as_tensor(v)
         except (TypeError, ValueError, RuntimeError) as e:
             raise SourceError(path, f"{key!r} is a list that is not a flat list of integers ({e})") from e
     if not isinstance(v, torch.Tensor):
-        raise SourceError(path, f"{key!r} is a {type(v).__name__}, expected an integer tensor [T]")
+        raise SourceError(path, f"{key!r} is a {type(v).__name__}, expected {expected}")
+    return v
+
+
+def _token_vector(path: Path, v: Any, key: str, allow_batch_dim: bool = False) -> torch.Tensor:
+    """The token ids: an integer tensor [T] (or [1, T] where allowed), T >= 1."""
+    v = _vector(path, v, key, "an integer tensor [T]")
     if not _is_integer_dtype(v.dtype):
         raise SourceError(path, f"{key!r} has dtype {v.dtype}; token ids must be an integer dtype")
     if allow_batch_dim and v.dim() == 2 and v.shape[0] == 1:
@@ -254,18 +251,11 @@ def _token_vector(path: Path, d: dict, key: str, allow_batch_dim: bool = False) 
     return v
 
 
-def _mask_vector(path: Path, d: dict, key: str, num_tokens: int, allow_batch_dim: bool = False) -> torch.Tensor | None:
+def _mask_vector(path: Path, v: Any, key: str, num_tokens: int, allow_batch_dim: bool = False) -> torch.Tensor | None:
     """The loss mask: None when missing or None, else an integer/bool tensor [T]."""
-    v = d.get(key)
     if v is None:
         return None
-    if isinstance(v, (list, tuple)):
-        try:
-            v = torch.as_tensor(v)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise SourceError(path, f"{key!r} is a list that is not a flat list of integers ({e})") from e
-    if not isinstance(v, torch.Tensor):
-        raise SourceError(path, f"{key!r} is a {type(v).__name__}, expected an integer tensor [T] or None")
+    v = _vector(path, v, key, "an integer tensor [T] or None")
     if not (_is_integer_dtype(v.dtype) or v.dtype == torch.bool):
         raise SourceError(path, f"{key!r} has dtype {v.dtype}; a loss mask must be integer (0/1) or bool")
     if allow_batch_dim and v.dim() == 2 and v.shape[0] == 1:
@@ -284,22 +274,47 @@ def _hidden(path: Path, t: torch.Tensor, label: str, dims: str) -> None:
         raise SourceError(path, f"{label} must be {dims} ({dims.count(',') + 1}-D), got shape {_fmt_shape(t)}")
 
 
+def _aux_and_last(
+    path: Path, d: dict, aux_key: str, last_key: str, t: int, batched: bool
+) -> tuple[torch.Tensor, torch.Tensor, SampleShape]:
+    """The aux [T, K*H] and last [T, H] tensors of d, each stored as [1, T, ...] when batched."""
+    aux, last = _tensor(path, d, aux_key), _tensor(path, d, last_key)
+    lead = "[1, T, " if batched else "[T, "
+    _hidden(path, aux, repr(aux_key), lead + "K*H]")
+    _hidden(path, last, repr(last_key), lead + "H]")
+    for key, x in ((aux_key, aux), (last_key, last)):
+        if batched and x.shape[0] != 1:
+            raise SourceError(
+                path, f"{key!r} has a leading batch dim of {x.shape[0]}, expected 1 (shape {_fmt_shape(x)})"
+            )
+        if x.shape[int(batched)] != t:
+            raise SourceError(path, f"{key!r} has {x.shape[int(batched)]} tokens but 'input_ids' has {t}")
+    if batched:
+        aux, last = aux[0], last[0]
+    h = int(last.shape[1])
+    if h == 0 or aux.shape[1] == 0 or aux.shape[1] % h != 0:
+        raise SourceError(
+            path,
+            f"{aux_key!r} width {aux.shape[1]} is not a positive multiple of the hidden size "
+            f"{h} of {last_key!r}; expected {lead}K*H]",
+        )
+    if aux.dtype != last.dtype:
+        raise SourceError(path, f"{aux_key!r} is {aux.dtype} but {last_key!r} is {last.dtype}; expected one dtype")
+    return aux, last, SampleShape(t, h, int(aux.shape[1]) // h, aux.dtype)
+
+
 def _ids_to_int64(path: Path, ids: torch.Tensor, key: str) -> torch.Tensor:
     """int64 copy/view of token ids, refusing conversions that would change a value."""
-    if ids.dtype == torch.int64:
-        return ids.contiguous()
     if ids.dtype == torch.uint64:
-        if int(ids.max()) > _MAX_INT64:
+        as_int64 = ids.contiguous().view(torch.int64)  # same bits: values above 2**63-1 turn negative
+        if bool((as_int64 < 0).any()):
             raise SourceError(path, f"{key!r} is uint64 with values above the int64 range; cannot convert losslessly")
-    return ids.to(torch.int64).contiguous()
+        return as_int64
+    return ids.to(torch.int64).contiguous()  # every other integer dtype widens without loss
 
 
 def _mask_to_int64(mask: torch.Tensor | None) -> torch.Tensor | None:
-    if mask is None:
-        return None
-    if mask.dtype == torch.int64:
-        return mask.contiguous()
-    return mask.to(torch.int64).contiguous()
+    return None if mask is None else mask.to(torch.int64).contiguous()
 
 
 @dataclass
@@ -307,19 +322,15 @@ class _Checked:
     """A validated sample whose large tensors are not materialized yet."""
 
     input_ids: torch.Tensor
-    ids_key: str
     loss_mask: torch.Tensor | None
     aux: list[torch.Tensor] | torch.Tensor  # list: concatenate along -1
     last: torch.Tensor
     shape: SampleShape
 
     def materialize(self, path: Path) -> SourceSample:
-        if isinstance(self.aux, list):
-            aux = torch.cat(self.aux, dim=-1)
-        else:
-            aux = self.aux.contiguous()
+        aux = torch.cat(self.aux, dim=-1) if isinstance(self.aux, list) else self.aux.contiguous()
         return SourceSample(
-            input_ids=_ids_to_int64(path, self.input_ids, self.ids_key),
+            input_ids=_ids_to_int64(path, self.input_ids, "input_ids"),
             loss_mask=_mask_to_int64(self.loss_mask),
             aux_hidden_states=aux,
             last_hidden_state=self.last.contiguous(),
@@ -350,6 +361,11 @@ class SourceFormat(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
+    def __reduce__(self):
+        # Pickle by name, so that sending a format to a worker process neither
+        # copies its caches (memory-mapped Arrow tables) nor fails on its lock.
+        return (_format_by_name, (self.name,))
+
 
 class _TorchDictFormat(SourceFormat):
     """Formats that are one torch.save dict per sample."""
@@ -365,7 +381,7 @@ class _TorchDictFormat(SourceFormat):
         return found
 
     def _read(self, path: Path) -> dict:
-        return _require_dict(path, _torch_load_path(path))
+        return _require_dict(path, (_torch_load_gz if path.name.endswith(".gz") else _torch_load_path)(path))
 
     @abstractmethod
     def _check(self, path: Path, d: dict) -> _Checked: ...
@@ -387,7 +403,7 @@ class SpeculatorsLegacyPt(_TorchDictFormat):
 
     def _check(self, path: Path, d: dict) -> _Checked:
         _require_keys(path, d, ("input_ids", "hidden_states"), self.name)
-        ids = _token_vector(path, d, "input_ids")
+        ids = _token_vector(path, d["input_ids"], "input_ids")
         t = ids.shape[0]
         hs = d["hidden_states"]
         if not isinstance(hs, (list, tuple)):
@@ -419,9 +435,8 @@ class SpeculatorsLegacyPt(_TorchDictFormat):
                     f"{_fmt_shape(first)} {first.dtype}; every layer must have the same H and dtype",
                 )
         assert first is not None
-        mask = _mask_vector(path, d, "loss_mask", t)
-        shape = SampleShape(t, int(first.shape[1]), len(hs) - 1, first.dtype)
-        return _Checked(ids, "input_ids", mask, list(hs[:-1]), hs[-1], shape)
+        mask = _mask_vector(path, d.get("loss_mask"), "loss_mask", t)
+        return _Checked(ids, mask, list(hs[:-1]), hs[-1], SampleShape(t, int(first.shape[1]), len(hs) - 1, first.dtype))
 
 
 class SpeculatorsV0Pt(_TorchDictFormat):
@@ -434,26 +449,9 @@ class SpeculatorsV0Pt(_TorchDictFormat):
 
     def _check(self, path: Path, d: dict) -> _Checked:
         _require_keys(path, d, ("input_ids", "hidden_state", "target"), self.name)
-        ids = _token_vector(path, d, "input_ids")
-        t = ids.shape[0]
-        aux = _tensor(path, d, "hidden_state")
-        last = _tensor(path, d, "target")
-        _hidden(path, aux, "'hidden_state'", "[T, K*H]")
-        _hidden(path, last, "'target'", "[T, H]")
-        for label, x in (("'hidden_state'", aux), ("'target'", last)):
-            if x.shape[0] != t:
-                raise SourceError(path, f"{label} has {x.shape[0]} tokens but 'input_ids' has {t}")
-        h = int(last.shape[1])
-        if h == 0 or aux.shape[1] % h != 0 or aux.shape[1] == 0:
-            raise SourceError(
-                path,
-                f"'hidden_state' width {aux.shape[1]} is not a positive multiple of the hidden size "
-                f"{h} of 'target'; expected [T, K*H]",
-            )
-        if aux.dtype != last.dtype:
-            raise SourceError(path, f"'hidden_state' is {aux.dtype} but 'target' is {last.dtype}; expected one dtype")
-        mask = _mask_vector(path, d, "loss_mask", t)
-        return _Checked(ids, "input_ids", mask, aux, last, SampleShape(t, h, int(aux.shape[1]) // h, aux.dtype))
+        ids = _token_vector(path, d["input_ids"], "input_ids")
+        aux, last, shape = _aux_and_last(path, d, "hidden_state", "target", ids.shape[0], batched=False)
+        return _Checked(ids, _mask_vector(path, d.get("loss_mask"), "loss_mask", shape.num_tokens), aux, last, shape)
 
 
 class SpecForgeCkpt(_TorchDictFormat):
@@ -464,119 +462,41 @@ class SpecForgeCkpt(_TorchDictFormat):
     _pattern = re.compile(r"data_(\d+)\.ckpt(?:\.gz)?")
     _what = "data_{i}.ckpt or data_{i}.ckpt.gz"
 
-    def _read(self, path: Path) -> dict:
-        if path.name.endswith(".gz"):
-            return _require_dict(path, _torch_load_gz(path))
-        return _require_dict(path, _torch_load_path(path))
-
     def _check(self, path: Path, d: dict) -> _Checked:
         _require_keys(path, d, ("input_ids", "aux_hidden_state", "hidden_state"), self.name)
-        ids = _token_vector(path, d, "input_ids", allow_batch_dim=True)
-        t = ids.shape[0]
-        aux = _tensor(path, d, "aux_hidden_state")
-        last = _tensor(path, d, "hidden_state")
-        _hidden(path, aux, "'aux_hidden_state'", "[1, T, K*H]")
-        _hidden(path, last, "'hidden_state'", "[1, T, H]")
-        for label, x in (("'aux_hidden_state'", aux), ("'hidden_state'", last)):
-            if x.shape[0] != 1:
-                raise SourceError(path, f"{label} has a leading batch dim of {x.shape[0]}, expected 1 (shape {_fmt_shape(x)})")
-            if x.shape[1] != t:
-                raise SourceError(path, f"{label} has {x.shape[1]} tokens but 'input_ids' has {t}")
-        h = int(last.shape[2])
-        if h == 0 or aux.shape[2] == 0 or aux.shape[2] % h != 0:
-            raise SourceError(
-                path,
-                f"'aux_hidden_state' width {aux.shape[2]} is not a positive multiple of the hidden size "
-                f"{h} of 'hidden_state'; expected [1, T, K*H]",
-            )
-        if aux.dtype != last.dtype:
-            raise SourceError(path, f"'aux_hidden_state' is {aux.dtype} but 'hidden_state' is {last.dtype}; expected one dtype")
-        mask = _mask_vector(path, d, "loss_mask", t, allow_batch_dim=True)
-        shape = SampleShape(t, h, int(aux.shape[2]) // h, aux.dtype)
-        return _Checked(ids, "input_ids", mask, aux[0], last[0], shape)
+        ids = _token_vector(path, d["input_ids"], "input_ids", allow_batch_dim=True)
+        aux, last, shape = _aux_and_last(path, d, "aux_hidden_state", "hidden_state", ids.shape[0], batched=True)
+        mask = _mask_vector(path, d.get("loss_mask"), "loss_mask", shape.num_tokens, allow_batch_dim=True)
+        return _Checked(ids, mask, aux, last, shape)
 
 
 # --------------------------------------------------------------------------- D: safetensors + Arrow
 
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-_ST_MAX_HEADER = 100 * 1024 * 1024
 
+@contextmanager
+def _open_safetensors(path: Path):
+    """``safe_open`` the file, turning the library's errors into SourceErrors that name it.
 
-@dataclass(frozen=True)
-class _StEntry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
-
-
-def _read_safetensors_header(path: Path) -> tuple[dict[str, _StEntry], int]:
-    """Parse and check a safetensors header; returns the entries and the file size.
-
-    Done by hand (the format is 8 bytes of length + JSON) so that probing reads a
-    few hundred bytes, and so that a truncated file is caught by comparing each
-    tensor's end with the file size instead of failing later at a random place.
+    Keep the body to safetensors calls and checks: RuntimeError, ValueError and
+    TypeError raised in it are reported as a corrupt file too.
     """
+    from safetensors import SafetensorError, safe_open  # lazily: the other formats work without it
+
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise SourceError(path, f"truncated or not a safetensors file ({size} bytes)")
-            n = int.from_bytes(head, "little")
-            if n > _ST_MAX_HEADER or 8 + n > size:
-                raise SourceError(
-                    path,
-                    f"truncated or not a safetensors file (header claims {n} bytes, file has {size})",
-                )
-            raw = f.read(n)
+        with safe_open(str(path), framework="pt") as f:
+            yield f
     except OSError as e:
         raise SourceError(path, f"cannot be opened: {e.strerror or e}") from e
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(path, f"corrupt safetensors header ({e})") from e
-    if not isinstance(header, dict):
-        raise SourceError(path, "corrupt safetensors header (not a JSON object)")
-    base = 8 + n
-    entries: dict[str, _StEntry] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = _ST_DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            b, e = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SourceError(path, f"corrupt or unsupported safetensors entry {key!r}: {info!r} ({exc})") from exc
-        numel = 1
-        for s in shape:
-            numel *= s
-        if e - b != numel * dtype.itemsize or b < 0:
-            raise SourceError(path, f"corrupt safetensors entry {key!r}: offsets {b}..{e} do not fit shape {list(shape)} {dtype}")
-        if base + e > size:
-            raise SourceError(
-                path,
-                f"truncated safetensors file: tensor {key!r} ends at byte {base + e} but the file has {size} bytes",
-            )
-        entries[key] = _StEntry(dtype, shape, base + b, base + e)
-    return entries, size
+    except (SafetensorError, RuntimeError, ValueError, TypeError) as e:
+        raise SourceError(path, f"truncated or corrupt safetensors file ({type(e).__name__}: {e})") from e
+
+
+def _st_meta(f: Any, key: str) -> torch.Tensor:
+    """A meta tensor with the shape and dtype of tensor ``key`` of an open file: reads none of its data."""
+    sl = f.get_slice(key)
+    shape = sl.get_shape()
+    dtype = (sl[:0] if shape else f.get_tensor(key)).dtype  # an empty slice, or the one value of a 0-D tensor
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 class _ArrowRows:
@@ -621,9 +541,9 @@ class _ArrowRows:
             self.indices = itab.column("indices")
         self.num_rows = len(self.indices) if self.indices is not None else self.table.num_rows
         names = set(self.table.column_names)
-        self.input_ids = self.table.column("input_ids") if "input_ids" in names else None
-        self.loss_mask = self.table.column("loss_mask") if "loss_mask" in names else None
-        self.seq_len = self.table.column("seq_len") if "seq_len" in names else None
+        self.input_ids, self.loss_mask, self.seq_len = (
+            self.table.column(n) if n in names else None for n in ("input_ids", "loss_mask", "seq_len")
+        )
 
     @staticmethod
     def _read_ipc(path: Path):
@@ -635,55 +555,50 @@ class _ArrowRows:
             raise SourceError(path, f"cannot open Arrow file ({e})") from e
         try:
             return pa.ipc.open_stream(source).read_all()
-        except pa.ArrowInvalid:
+        except (pa.ArrowException, OSError):
             pass
         try:  # not what save_to_disk writes, but harmless to accept
             return pa.ipc.open_file(source).read_all()
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             raise SourceError(path, f"truncated or corrupt Arrow IPC file ({e})") from e
-
-    def _row(self, i: int) -> int:
-        if i < 0 or i >= self.num_rows:
-            raise IndexError(i)
-        return int(self.indices[i].as_py()) if self.indices is not None else i
 
     @staticmethod
     def _list_at(col, row: int, what: str, path: Path) -> torch.Tensor | None:
-        import numpy as np
-
-        scalar = col[row]
-        values = scalar.values
+        values = col[row].values
         if values is None:
             return None
         arr = values.to_numpy(zero_copy_only=False)
         if arr.dtype.kind not in "iub":
             raise SourceError(path, f"{what} has Arrow type {values.type}; expected integers")
-        return torch.from_numpy(np.array(arr, copy=True))
+        return torch.tensor(arr)  # a copy: arr may be a read-only view of the mapped file
 
-    def lookup(self, i: int, path: Path, full: bool) -> tuple[int | None, torch.Tensor | None, torch.Tensor | None, int | None]:
-        """(seq_len, loss_mask, input_ids, loss_mask_length) of row i; ids/mask only when full."""
-        try:
-            row = self._row(i)
-        except IndexError:
+    def lookup(
+        self, i: int, path: Path, num_tokens: int, full: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(loss_mask, input_ids) of row i, None unless full; checks its seq_len and mask length against the file."""
+        if not 0 <= i < self.num_rows:
             raise SourceError(
                 path,
                 f"no row {i} in the Arrow dataset at {self.root} ({self.num_rows} rows): "
                 "speculators pairs hs_{i}.safetensors with row i",
-            ) from None
-        seq_len = None
-        if self.seq_len is not None:
-            v = self.seq_len[row].as_py()
-            seq_len = None if v is None else int(v)
+            )
+        row = int(self.indices[i].as_py()) if self.indices is not None else i
+        where = f"row {i} of the Arrow dataset"
+        seq_len = None if self.seq_len is None else self.seq_len[row].as_py()
+        if seq_len is not None and int(seq_len) != num_tokens:
+            raise SourceError(path, f"{where} says seq_len={seq_len} but the file holds {num_tokens} tokens")
         mask = ids = None
-        mask_len = None
         if self.loss_mask is not None:
-            scalar = self.loss_mask[row]
-            mask_len = None if scalar.values is None else len(scalar.values)
+            values = self.loss_mask[row].values
+            if values is not None and len(values) != num_tokens:
+                raise SourceError(
+                    path, f"'loss_mask' of {where} has {len(values)} entries but the file holds {num_tokens} tokens"
+                )
             if full:
                 mask = self._list_at(self.loss_mask, row, f"'loss_mask' of row {i}", path)
         if full and self.input_ids is not None:
             ids = self._list_at(self.input_ids, row, f"'input_ids' of row {i}", path)
-        return seq_len, mask, ids, mask_len
+        return mask, ids
 
 
 class SpeculatorsSafetensors(SourceFormat):
@@ -699,14 +614,15 @@ class SpeculatorsSafetensors(SourceFormat):
 
     def discover(self, root: Path) -> list[SourceFile]:
         root = _check_root(root)
-        # Flat hidden_states/ (0.5-0.8) or sharded hidden_states/0000/ (newer): walk it all.
-        found = _discover(root, self._pattern, Path(os.path.abspath(root)) / "hidden_states")
+        absroot = Path(os.path.abspath(root))
+        # hidden_states/ is flat, or sharded in sub-folders (hidden_states/0000/) by newer speculators.
+        found = _discover(absroot, self._pattern, absroot / "hidden_states")
         if not found:
             hint = ""
-            if _discover(root, self._pattern, Path(os.path.abspath(root))):
+            if _discover(absroot, self._pattern):
                 hint = " (hs_*.safetensors files exist elsewhere: pass the folder that holds hidden_states/ and state.json)"
             raise SourceError(root, f"no hidden_states/hs_{{i}}.safetensors files found{hint}")
-        self._rows(Path(os.path.abspath(root)))  # fail early when the Arrow dataset is missing
+        self._rows(absroot)  # fail early when the Arrow dataset is missing
         return found
 
     @staticmethod
@@ -728,74 +644,44 @@ class SpeculatorsSafetensors(SourceFormat):
                 self._arrow[key] = rows
             return rows
 
-    def _check(self, source: SourceFile, full: bool):
-        path = source.path
-        entries, _ = _read_safetensors_header(path)
-        missing = [k for k in ("token_ids", "hidden_states") if k not in entries]
-        if missing:
+    def _file_shape(self, path: Path, f: Any) -> SampleShape:
+        """Checks the file's keys, dtypes and shapes from its header alone."""
+        _require_keys(path, list(f.keys()), ("token_ids", "hidden_states"), self.name)
+        t = _token_vector(path, _st_meta(f, "token_ids"), "token_ids").shape[0]
+        hs = _st_meta(f, "hidden_states")
+        _hidden(path, hs, "'hidden_states'", "[T, K+1, H]")
+        if hs.shape[0] != t:
+            raise SourceError(path, f"'hidden_states' has {hs.shape[0]} tokens but 'token_ids' has {t}")
+        if hs.shape[1] < 2:
             raise SourceError(
                 path,
-                f"missing key(s) {', '.join(repr(k) for k in missing)} for format {self.name} "
-                f"(found keys: {', '.join(repr(k) for k in entries) or 'none'})",
-            )
-        ids_e, hs_e = entries["token_ids"], entries["hidden_states"]
-        if not _is_integer_dtype(ids_e.dtype):
-            raise SourceError(path, f"'token_ids' has dtype {ids_e.dtype}; token ids must be an integer dtype")
-        if len(ids_e.shape) != 1:
-            raise SourceError(path, f"'token_ids' must be 1-D [T], got shape {list(ids_e.shape)}")
-        t = ids_e.shape[0]
-        if t == 0:
-            raise SourceError(path, "empty sample: 'token_ids' has 0 tokens")
-        if not hs_e.dtype.is_floating_point:
-            raise SourceError(path, f"'hidden_states' has dtype {hs_e.dtype}; hidden states must be floating point")
-        if len(hs_e.shape) != 3:
-            raise SourceError(path, f"'hidden_states' must be [T, K+1, H] (3-D), got shape {list(hs_e.shape)}")
-        if hs_e.shape[0] != t:
-            raise SourceError(path, f"'hidden_states' has {hs_e.shape[0]} tokens but 'token_ids' has {t}")
-        if hs_e.shape[1] < 2:
-            raise SourceError(
-                path,
-                f"'hidden_states' holds {hs_e.shape[1]} layer(s) (shape {list(hs_e.shape)}); expected "
+                f"'hidden_states' holds {hs.shape[1]} layer(s) (shape {_fmt_shape(hs)}); expected "
                 "K+1 >= 2 (K auxiliary layers, then the last layer)",
             )
-        k, h = hs_e.shape[1] - 1, hs_e.shape[2]
-        if h == 0:
-            raise SourceError(path, f"'hidden_states' has hidden size 0 (shape {list(hs_e.shape)})")
-        seq_len, mask, arrow_ids, mask_len = self._rows(self._data_root(source)).lookup(
-            source.sample_index, path, full
-        )
-        where = f"row {source.sample_index} of the Arrow dataset"
-        if seq_len is not None and seq_len != t:
-            raise SourceError(path, f"{where} says seq_len={seq_len} but the file holds {t} tokens")
-        if mask_len is not None and mask_len != t:
-            raise SourceError(path, f"'loss_mask' of {where} has {mask_len} entries but the file holds {t} tokens")
-        return entries, SampleShape(t, h, k, hs_e.dtype), mask, arrow_ids
+        if hs.shape[2] == 0:
+            raise SourceError(path, f"'hidden_states' has hidden size 0 (shape {_fmt_shape(hs)})")
+        return SampleShape(t, hs.shape[2], hs.shape[1] - 1, hs.dtype)
 
     def probe(self, source: SourceFile) -> SampleShape:
-        return self._check(source, full=False)[1]
+        with _open_safetensors(source.path) as f:
+            shape = self._file_shape(source.path, f)
+        self._rows(self._data_root(source)).lookup(source.sample_index, source.path, shape.num_tokens, full=False)
+        return shape
 
     def load(self, source: SourceFile) -> SourceSample:
         path = source.path
-        entries, shape, mask, arrow_ids = self._check(source, full=True)
-        t, k, h = shape.num_tokens, shape.num_aux_layers, shape.hidden_size
-        ids_e, hs_e = entries["token_ids"], entries["hidden_states"]
-        # Map the file privately and copy each part once, straight into its final
-        # contiguous tensor (no intermediate [T, K+1, H] copy).
-        try:
-            raw = torch.from_file(str(path), shared=False, size=os.path.getsize(path), dtype=torch.uint8)
-        except (RuntimeError, OSError) as e:
-            raise SourceError(path, f"cannot be memory-mapped ({e})") from e
-
-        def part(e: _StEntry) -> torch.Tensor:
-            b = raw[e.start : e.end]
-            if e.start % e.dtype.itemsize:
-                b = b.clone()  # unaligned: copy to an aligned buffer first
-            return b.view(e.dtype).view(e.shape)
-
-        hs = part(hs_e)
-        aux = hs[:, :k].contiguous().view(t, k * h)  # one copy (none when T == 1)
-        last = hs[:, k].contiguous()
-        input_ids = _ids_to_int64(path, part(ids_e), "token_ids")
+        with _open_safetensors(path) as f:
+            shape = self._file_shape(path, f)
+            t, k, h = shape.num_tokens, shape.num_aux_layers, shape.hidden_size
+            hs = f.get_slice("hidden_states")
+            aux, last, ids = hs[:, :k], hs[:, k:], f.get_tensor("token_ids")
+        mask, arrow_ids = self._rows(self._data_root(source)).lookup(source.sample_index, path, t, full=True)
+        # The slices are views of the library's private (copy-on-write) file mapping, or in
+        # older safetensors just these parts read: each part is copied once, straight into
+        # its final contiguous tensor, and the [T, K+1, H] block never is.
+        aux = aux.contiguous().view(t, k * h)  # no copy when T == 1
+        last = last.contiguous().view(t, h)
+        input_ids = _ids_to_int64(path, ids, "token_ids")
         if arrow_ids is not None and not torch.equal(arrow_ids.to(torch.int64), input_ids):
             raise SourceError(
                 path,
@@ -808,9 +694,12 @@ class SpeculatorsSafetensors(SourceFormat):
 # --------------------------------------------------------------------------- registry and detection
 
 FORMATS: dict[FormatName, SourceFormat] = {
-    f.name: f
-    for f in (SpeculatorsLegacyPt(), SpeculatorsV0Pt(), SpecForgeCkpt(), SpeculatorsSafetensors())
+    f.name: f for f in (SpeculatorsLegacyPt(), SpeculatorsV0Pt(), SpecForgeCkpt(), SpeculatorsSafetensors())
 }
+
+
+def _format_by_name(name: FormatName) -> SourceFormat:
+    return FORMATS[name]
 
 
 def detect_format(root: Path) -> SourceFormat:
@@ -836,7 +725,7 @@ def detect_format(root: Path) -> SourceFormat:
             return FORMATS["speculators-legacy-pt"]
         if "hidden_state" in d and "target" in d:
             return FORMATS["speculators-v0-pt"]
-        found = ", ".join(repr(k) for k in d.keys()) or "none"
+        found = ", ".join(repr(k) for k in d) or "none"
         raise SourceError(
             first,
             f"keys ({found}) match neither speculators legacy ('hidden_states' list) nor "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ TOKEN_ARRAYS = ("input_ids", "loss_mask")
 CHECKSUMMED = HIDDEN_ARRAYS + TOKEN_ARRAYS
 
 LastStateNorm = Literal["pre", "post"]
+
+# Read a compressed chunk's pages in one go (Linux), rather than one page fault at a time.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 # Bits of a float dtype stored as an unsigned integer of the same width:
 # zarr-python 3 has no bfloat16, and uint keeps every bit pattern exact.
@@ -257,27 +261,34 @@ class Store:
         return self.path / name / suffix
 
     def _read_chunk(self, name: str, chunk: int, out: np.ndarray, nbytes: int, stats: ReadStats) -> None:
+        """Uncompressed: read straight into `out`.  Compressed: map the file (populated in one go)
+        and decode from the page cache into `out`, so the compressed bytes are never copied."""
         path = self.chunk_path(name, chunk)
         t0 = time.perf_counter()
         try:
             with open(path, "rb", buffering=0) as f:
                 if not self._compressed:
                     got = f.readinto(memoryview(out).cast("B"))
-                    stats.bytes_read += got
                     stats.read_seconds += time.perf_counter() - t0
+                    stats.bytes_read += got
                     if got != nbytes:
                         raise StoreError(path, f"chunk holds {got} bytes, expected {nbytes}: the store is damaged")
                     return
-                data = f.read()
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise StoreError(path, "chunk file is empty: the store is damaged")
+                data = mmap.mmap(f.fileno(), size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
         except FileNotFoundError:
             raise StoreError(path, "chunk file is missing: the store is damaged; run `h5feed verify`") from None
         t1 = time.perf_counter()
         stats.read_seconds += t1 - t0
-        stats.bytes_read += len(data)
+        stats.bytes_read += size
         try:
             blosc.decompress(data, out)
         except Exception as exc:  # numcodecs raises RuntimeError/ValueError on bad frames
             raise StoreError(path, f"chunk cannot be decoded ({exc}): the store is damaged") from exc
+        finally:
+            data.close()
         stats.decode_seconds += time.perf_counter() - t1
 
 

@@ -39,12 +39,15 @@ VOCAB_SIZE = 32000
 LOG_SCALE_SIGMA = 0.7
 ARROW_BATCH_ROWS = 1000  # datasets' ArrowWriter writes record batches of 1000 rows
 
-__all__ = ["FORMAT_NAMES", "sample_lengths", "column_scales", "make_sample", "write_synthetic", "main"]
+__all__ = ["FORMAT_NAMES", "column_scales", "main", "make_sample", "sample_lengths", "write_synthetic"]
 
 
 def _seed(*parts: int) -> int:
     """A 63-bit seed mixed from integers, so nearby (seed, i) give unrelated streams."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
+    return int(
+        np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint32).view(np.uint64)[0]
+        >> 1
+    )
 
 
 def sample_lengths(num_samples: int, lengths: Sequence[int] | tuple[int, int], seed: int = 0) -> list[int]:
@@ -286,13 +289,17 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: write a synthetic source folder."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("dst", type=Path, help="folder to write into (created)")
     p.add_argument("--format", required=True, choices=FORMAT_NAMES)
     p.add_argument("--num-samples", type=int, required=True)
     p.add_argument("--hidden-size", type=int, required=True)
     p.add_argument("--aux-layers", type=int, default=3, help="K, the number of auxiliary layers (default 3)")
-    p.add_argument("--tokens", type=_parse_tokens, default=(64, 128), help="LO:HI range, N, or N1,N2,... (default 64:128)")
+    p.add_argument(
+        "--tokens", type=_parse_tokens, default=(64, 128), help="LO:HI range, N, or N1,N2,... (default 64:128)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--layout", choices=("flat", "rows"), default="flat")
@@ -303,8 +310,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         files = write_synthetic(
-            a.dst, a.format, a.num_samples, a.hidden_size, a.aux_layers, a.tokens, a.seed,
-            _DTYPES[a.dtype], a.layout, a.compress, a.rows_per_folder, not a.no_loss_mask,
+            a.dst,
+            a.format,
+            a.num_samples,
+            a.hidden_size,
+            a.aux_layers,
+            a.tokens,
+            a.seed,
+            _DTYPES[a.dtype],
+            a.layout,
+            a.compress,
+            a.rows_per_folder,
+            not a.no_loss_mask,
             arrow_shards=a.arrow_shards,
         )
     except ValueError as e:

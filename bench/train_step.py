@@ -1,0 +1,388 @@
+"""An EAGLE-3 drafter training step fed by the `.pt` baseline and by h5feed: how long the trainer waits for data.
+
+The whole GPU run (one H200, 16 cores; about 3 minutes), from the repository root,
+with the wheels h5feed needs beside torch in .whl/ (see the device notes):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/train_step.py --make-data 48 \
+        --hidden-size 7168 --workers 8 --convert-workers 16 --cold --out $OUT 2>&1 | tee $OUT/train_step.log
+
+A CPU smoke run (seconds):
+
+    python bench/train_step.py --make-data 4 --hidden-size 32 --tokens 40:60 --max-len 64 --workers 2 --out /tmp/ts
+
+Why: one H200 trains a Kimi-shaped EAGLE-3 drafter at ~15 samples/s, i.e. as
+much hidden-state data as its disk can give (DESIGN.md), so the loader, not the
+GPU, decides the speed.  This measures it end to end: the same model, the same
+samples in the same order, the same collate and DataLoader settings, first fed by
+speculators 0.4's `.pt` loader (`h5feed.baseline`), then by h5feed
+(`HiddenStatesStream` + `StreamLoader`), each from a cold page cache with
+`--cold`, each wrapped in `h5feed.monitor`, which gives data-wait % and GPU idle %.
+
+The step: fc from K*H to H over the aux hidden states, one Llama-style decoder
+layer on cat[embedding(input_ids), hidden] (2H -> H, as EAGLE-3 does: RMSNorm,
+rotary attention through `scaled_dot_product_attention`, SwiGLU MLP), lm_head to
+a 32k draft vocabulary, 3 training-time-test steps (the layer's output is the
+next step's hidden input, one token further ahead, with a loss on each) against
+the soft targets of a frozen verifier head, AdamW; bf16 autocast on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # h5feed and tools/ of this checkout
+
+import h5feed
+from h5feed.datasets import HiddenStatesStream, StreamLoader
+from h5feed.store import Store, default_allocator
+
+log = logging.getLogger("train_step")
+
+DRAFT_VOCAB = 32000
+TTT_STEPS = 3
+Batch = dict[str, torch.Tensor]
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    aux_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int = DRAFT_VOCAB
+
+    @classmethod
+    def for_hidden(cls, hidden: int, aux_layers: int) -> Shape:
+        """Kimi-K2 / DeepSeek-V3 proportions: H=7168 -> 56 heads of 128, 8 KV heads, a SwiGLU of 18432."""
+        head_dim = min(128, max(8, hidden // 4))
+        heads = hidden // head_dim
+        return cls(hidden, aux_layers, heads, max(1, heads // 7), head_dim, hidden * 18 // 7)
+
+
+def _rotary(position_ids: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, d]
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """EAGLE-3's Llama layer: attention reads [norm(embeds), norm(hidden)] (2H wide); the residual is the hidden."""
+
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.s = s
+        self.input_norm, self.hidden_norm, self.post_norm = (nn.RMSNorm(s.hidden, eps=1e-6) for _ in range(3))
+        self.q = nn.Linear(2 * s.hidden, s.heads * s.head_dim, bias=False)
+        self.k = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.v = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.o = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.gate = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down = nn.Linear(s.intermediate, s.hidden, bias=False)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden)], dim=-1)
+        q = self.q(x).view(b, t, self.s.heads, self.s.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.s.kv_heads, self.s.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.s.kv_heads, self.s.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        groups = self.s.heads // self.s.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = hidden + self.o(attn.transpose(1, 2).reshape(b, t, -1))
+        y = self.post_norm(h)
+        return h + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    """One token further ahead along the sequence, zero at the end."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+class Drafter(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.s = s
+        self.embed = nn.Embedding(s.vocab, s.hidden).requires_grad_(False)  # the verifier's, frozen
+        self.fc = nn.Linear(s.aux_layers * s.hidden, s.hidden, bias=False)
+        self.layer = DecoderLayer(s)
+        self.norm = nn.RMSNorm(s.hidden, eps=1e-6)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.verifier_norm = nn.RMSNorm(s.hidden, eps=1e-6).requires_grad_(False)
+        self.verifier_head = nn.Linear(s.hidden, s.vocab, bias=False).requires_grad_(False)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            target = torch.softmax(self.verifier_head(self.verifier_norm(batch["verifier_last_hidden_states"])).float(), -1)
+        mask = batch["loss_mask"].float()
+        embeds = self.embed(batch["input_ids"])
+        hidden = self.fc(batch["hidden_states"])
+        cos, sin = _rotary(batch["position_ids"], self.s.head_dim)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        for k in range(TTT_STEPS):
+            hidden = self.layer(embeds, hidden, cos, sin)
+            logp = torch.log_softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
+            loss = loss + (-(target * logp).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+            if k + 1 < TTT_STEPS:
+                embeds, target, mask = _shift(embeds), _shift(target), _shift(mask)
+        return loss / TTT_STEPS
+
+
+class Trainer:
+    def __init__(self, s: Shape, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        with device:
+            self.model = Drafter(s)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=1e-4, fused=self.cuda)
+        self.params = params
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            loss = self.model(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+class Collate:
+    """speculators 0.4's `create_collate_fn(max_len)` (cat, cut or zero-pad to max_len, batch dim, lengths cut).
+
+    Buffers come from `h5feed.store.default_allocator`: shared memory inside a worker, so the
+    batch reaches the trainer without another copy.  Both loaders use it.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+
+    def __call__(self, items: list[Batch]) -> Batch:
+        out: Batch = {}
+        for key in items[0]:
+            if key == "lengths":
+                continue
+            cat = torch.cat([item[key] for item in items]) if len(items) > 1 else items[0][key]
+            n = min(len(cat), self.max_len)
+            buf = default_allocator((self.max_len, *cat.shape[1:]), cat.dtype)
+            buf[:n].copy_(cat[:n])
+            buf[n:].zero_()
+            out[key] = buf.unsqueeze(0)
+        lengths, total = [], 0
+        for length in torch.cat([item["lengths"] for item in items]).tolist():
+            if length + total >= self.max_len:
+                lengths.append(self.max_len - total)
+                break
+            lengths.append(length)
+            total += length
+        out["lengths"] = torch.tensor(lengths, dtype=torch.long)
+        return out
+
+
+def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, convert_workers: int) -> Store:
+    """A synthetic Kimi-shaped `.pt` set and its store (`h5feed bench`'s builder: reused when complete)."""
+    from h5feed.bench import SyntheticSpec, ensure_default_set
+
+    spec = SyntheticSpec(num_samples=n, hidden_size=hidden, tokens=tokens)
+    return Store(ensure_default_set(data_dir, spec, convert_workers=convert_workers, progress=False, log=log.info))
+
+
+def evict(store: Store) -> str:
+    """Drop the page cache (root), or else evict this run's files with posix_fadvise; says which."""
+    from h5feed.bench import drop_page_cache
+
+    problem = drop_page_cache()
+    if problem is None:
+        return "drop_caches"
+    root = Path(store.info.source_root)
+    files = [root / p for p in store.source_paths] + [p for p in store.path.rglob("*") if p.is_file()]
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return f"posix_fadvise(DONTNEED) on {len(files)} files ({problem})"
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding `path`: a cold cache means nothing on tmpfs."""
+    best = max((p for p in psutil.disk_partitions(all=True) if str(path.resolve()).startswith(p.mountpoint)),
+               key=lambda p: len(p.mountpoint), default=None)
+    return best.fstype if best is not None else "unknown"
+
+
+def loaders(store: Store, args: argparse.Namespace, pin: bool) -> dict[str, Callable[[], DataLoader]]:
+    """Builders of the two loaders, over the same samples in the same order, with the same settings."""
+    collate = Collate(args.max_len)
+    stream = HiddenStatesStream(store, flavor="speculators-legacy", max_len=args.max_len,
+                                hidden_states_dtype=torch.bfloat16, seed=args.seed)
+    order = stream.epoch_order()
+    common: dict[str, Any] = {"num_workers": args.workers, "collate_fn": collate, "pin_memory": pin}
+
+    def baseline() -> DataLoader:
+        from h5feed.baseline import Eagle3SampleFileDataset  # speculators 0.4's loader, re-stated
+
+        root = Path(store.info.source_root)
+        dataset = Eagle3SampleFileDataset(max_len=args.max_len, file_list=[root / p for p in store.source_paths],
+                                          hidden_states_dtype=torch.bfloat16)
+        return DataLoader(dataset, batch_size=1, sampler=order, **common)
+
+    def h5feed_stream() -> DataLoader:
+        return StreamLoader(stream, batch_size=1, **common)
+
+    return {"baseline": baseline, "h5feed": h5feed_stream}
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def train(name: str, loader: DataLoader, trainer: Trainer, args: argparse.Namespace, cache: str) -> dict[str, Any]:
+    monitored = h5feed.monitor(loader, every=args.every, log_dir=args.out, stall_after=args.stall_after, name=name)
+    losses = []
+    for step, batch in enumerate(monitored, 1):
+        losses.append(trainer.step(batch).item())  # trainers log the loss every step: one sync per step
+        if args.steps and step >= args.steps:
+            break
+    s = monitored.summary()
+    return {
+        "loader": name,
+        "cache": cache,
+        "batches": s["batches"],
+        "steps": s["steps"],  # from the second batch on: the first one includes worker start-up
+        "step_time_s": s["step_time(s)"],
+        "data_loading_s": s["data_loading(s)"],
+        "data_loading_pct": s["data_loading(%)"],
+        "gpu_idle_pct": s["gpu_idle(%)"],
+        "samples_per_s": s["throughput(samples/s)"],
+        "first_batch_s": s["first_batch(s)"],
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+    }
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    rows = [["loader", "cache", "steps", "step time", "data-wait %", "GPU idle %", "samples/s", "first batch"]]
+    rows += [[r["loader"], r["cache"], str(r["steps"]), _num(r["step_time_s"], ".3f") + " s",
+              _num(r["data_loading_pct"], ".1f"), _num(r["gpu_idle_pct"], ".1f"), _num(r["samples_per_s"], ".2f"),
+              _num(r["first_batch_s"], ".2f") + " s"] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", type=Path, help="an h5feed store; its source_root holds the .pt files")
+    data.add_argument("--make-data", type=int, metavar="N", help="write N synthetic Kimi-shaped samples and convert them")
+    p.add_argument("--data-dir", type=Path, default=Path("~/.cache/h5feed/bench").expanduser(),
+                   help="where --make-data builds (shared with `h5feed bench`; reused when complete)")
+    p.add_argument("--hidden-size", type=int, help="H (default: the store's; 7168 with CUDA, 64 without)")
+    p.add_argument("--tokens", default="1500:1900", help="--make-data tokens per sample, LO:HI (default %(default)s)")
+    p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--workers", type=int, default=4, help="DataLoader workers of each loader (default %(default)s)")
+    p.add_argument("--steps", type=int, help="stop each run after this many steps (default: one epoch)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before each run (root; else fadvise)")
+    p.add_argument("--loaders", default="baseline,h5feed", help="comma-separated, run in this order (default %(default)s)")
+    p.add_argument("--every", type=float, default=5.0, help="seconds between monitor lines")
+    p.add_argument("--stall-after", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True, help="folder for train_step.json and the monitors' JSON lines")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.make_data:
+        lo, hi = (int(x) for x in args.tokens.split(":"))
+        hidden = args.hidden_size or (7168 if device.type == "cuda" else 64)
+        store = make_data(args.make_data, hidden, (lo, hi), args.data_dir, args.convert_workers)
+    else:
+        store = Store(args.data)
+        if args.hidden_size not in (None, store.hidden_size):
+            raise SystemExit(f"--hidden-size {args.hidden_size} but {args.data} holds H={store.hidden_size}")
+    shape = Shape.for_hidden(store.hidden_size, store.num_aux_layers)
+    fs = filesystem(store.path)
+    if args.cold and fs in ("tmpfs", "ramfs"):
+        log.warning("%s is on %s: a cold page cache means nothing there", store.path, fs)
+
+    trainer = Trainer(shape, device)
+    warm = Collate(args.max_len)([{
+        "input_ids": torch.randint(0, shape.vocab, (args.max_len,)),
+        "hidden_states": torch.randn(args.max_len, shape.aux_layers * shape.hidden, dtype=torch.bfloat16),
+        "verifier_last_hidden_states": torch.randn(args.max_len, shape.hidden, dtype=torch.bfloat16),
+        "loss_mask": torch.ones(args.max_len, dtype=torch.long),
+        "lengths": torch.tensor([args.max_len]),
+        "position_ids": torch.arange(args.max_len),
+    }])
+    for _ in range(2):  # kernels, allocator and optimizer state before anything is timed
+        trainer.step(warm).item()
+
+    builders = loaders(store, args, pin=device.type == "cuda")
+    runs = []
+    for name in args.loaders.split(","):
+        loader = builders[name]()  # built first: the baseline reads its first file's folder here
+        cache = evict(store) if args.cold else "as found"
+        log.info("%s: %s samples, cache %s", name, len(loader), cache)
+        runs.append(train(name, loader, trainer, args, cache))
+
+    result = {
+        "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "shape": asdict(shape),
+                   "ttt_steps": TTT_STEPS, "store": str(store.path), "samples": len(store), "filesystem": fs},
+        "machine": {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                    "cpus": os.cpu_count(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "runs": runs,
+    }
+    (args.out / "train_step.json").write_text(json.dumps(result, indent=2))
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Fixtures shared by the tests.
+
+The expected tensors are read from the source files the way FORMATS.md
+describes, without h5feed, so a reader bug in h5feed cannot hide itself.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+def _source_sample(fmt: str, root: Path, relpath: str, index: int) -> dict[str, Any]:
+    """input_ids, loss_mask (None when absent), aux [T, K*H] and last [T, H] of one source file, per FORMATS.md."""
+    path = Path(root) / relpath
+    if fmt == "speculators-safetensors":
+        import pyarrow as pa
+        from safetensors.torch import load_file
+
+        d = load_file(str(path))
+        state = json.loads((Path(root) / "state.json").read_text())
+        rows = pa.concat_tables(
+            [pa.ipc.open_stream(pa.OSFile(str(Path(root) / f["filename"]))).read_all() for f in state["_data_files"]]
+        ).to_pydict()
+        hs = d["hidden_states"]  # [T, K+1, H]
+        assert rows["seq_len"][index] == hs.shape[0] and rows["input_ids"][index] == d["token_ids"].tolist()
+        mask = torch.tensor(rows["loss_mask"][index], dtype=torch.int64) if "loss_mask" in rows else None
+        aux = hs[:, :-1].reshape(hs.shape[0], -1)
+        return {"input_ids": d["token_ids"], "loss_mask": mask, "aux": aux, "last": hs[:, -1]}
+    data = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    d = torch.load(io.BytesIO(data), weights_only=True)
+    if fmt == "speculators-legacy-pt":
+        aux, last = torch.cat(d["hidden_states"][:-1], dim=-1), d["hidden_states"][-1]
+    elif fmt == "speculators-v0-pt":
+        aux, last = d["hidden_state"], d["target"]
+    else:  # specforge-ckpt: leading batch dim
+        aux, last = d["aux_hidden_state"][0], d["hidden_state"][0]
+    return {"input_ids": d["input_ids"], "loss_mask": d.get("loss_mask"), "aux": aux, "last": last}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so equality is exact (NaN == NaN, -0 != +0)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.fixture
+def source_sample() -> Callable[[str, Path, str, int], dict[str, Any]]:
+    return _source_sample
+
+
+@pytest.fixture
+def assert_sample_matches_source() -> Callable[..., None]:
+    """Check store.read_sample(i) bit for bit against the source file it came from."""
+
+    def check(store: Any, i: int, fmt: str, src: Path) -> None:
+        want = _source_sample(fmt, src, store.source_paths[i], int(store.source_indices[i]))
+        got = store.read_sample(i)
+        t = len(want["input_ids"])
+        assert got.num_tokens == t == int(store.sample_lengths[i])
+        assert got.input_ids.dtype == torch.int64 and torch.equal(got.input_ids, want["input_ids"])
+        mask = want["loss_mask"] if want["loss_mask"] is not None else torch.ones(t, dtype=torch.int64)
+        assert got.loss_mask.dtype == torch.int64 and torch.equal(got.loss_mask, mask)
+        assert got.has_loss_mask is (want["loss_mask"] is not None)
+        pairs = (("aux", got.aux_hidden_states, want["aux"]), ("last", got.last_hidden_state, want["last"]))
+        for name, stored, source in pairs:
+            assert stored.dtype == source.dtype and stored.shape == source.shape, name
+            assert torch.equal(bits(stored), bits(source)), f"{name} of sample {i} differs"
+
+    return check
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def assert_same_tree() -> Callable[[Path, Path], None]:
+    """Two stores hold the same files with the same bytes, nothing excluded."""
+
+    def check(a: Path, b: Path) -> None:
+        ta, tb = _tree(a), _tree(b)
+        assert sorted(ta) == sorted(tb)
+        assert [name for name in ta if ta[name] != tb[name]] == []
+
+    return check
+
+
+@dataclass(frozen=True)
+class CliResult:
+    status: int  # what `h5feed` exits with
+    stdout: str
+    output: str  # stdout, stderr and log lines together
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """Run `h5feed -q ARGS` in this process."""
+    from h5feed.cli import main
+
+    def run(*args: Any) -> CliResult:
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        logger = logging.getLogger("h5feed")
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            status = main(["-q", *map(str, args)])
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        out = capsys.readouterr()
+        return CliResult(status, out.out, out.out + out.err + stream.getvalue())
+
+    return run
+
+
+@pytest.fixture
+def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[int, dict[str, Any]]]:
+    """Convert in this process and stop like Ctrl-C after `after` samples; returns the journal.
+
+    With workers=0 and after=2 the journal holds exactly samples 0 and 1.
+    """
+    module = sys.modules["h5feed.convert"]
+
+    def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, dict[str, Any]]:
+        original = module._convert_one
+        calls = []
+
+        def convert_one(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) > after:
+                raise KeyboardInterrupt
+            return original(*args)
+
+        monkeypatch.setattr(module, "_convert_one", convert_one)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                module.convert(src, dst, workers=0, progress=False, **kwargs)
+        finally:
+            monkeypatch.setattr(module, "_convert_one", original)
+        return module._read_journal(Path(dst))
+
+    return run
+
+
+# --- synthetic stores, shared by test_datasets.py and test_stream.py --------------------------
+
+
+class SyntheticStore:
+    """A synthetic source folder, its files (store index i <-> files[i]), lengths and converted store."""
+
+    def __init__(self, src: Path, files: list[Path], path: Path, lengths: list[int]) -> None:
+        self.src, self.files, self.path, self.lengths = src, files, path, lengths
+
+
+@pytest.fixture(scope="session")
+def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SyntheticStore]:
+    """`synthetic_store(name, fmt, n, hidden_size, lengths, chunk_tokens=16, codec="zstd", seed=0, **write_kwargs)`.
+
+    Each store is written and converted (in this process) once per session; a name returns the same store.
+    """
+    import h5feed
+    from tools.make_synthetic import sample_lengths, write_synthetic
+
+    made: dict[str, SyntheticStore] = {}
+
+    def make(name: str, fmt: str, n: int, hidden_size: int, lengths: Any, chunk_tokens: int = 16,
+             codec: str = "zstd", seed: int = 0, **write_kwargs: Any) -> SyntheticStore:
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            files = write_synthetic(root / "src", fmt, n, hidden_size, lengths=lengths, seed=seed, **write_kwargs)
+            h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=chunk_tokens, codec=codec,
+                           progress=False)
+            made[name] = SyntheticStore(root / "src", files, root / "store", sample_lengths(n, lengths, seed))
+        return made[name]
+
+    return make

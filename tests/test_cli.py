@@ -1,0 +1,411 @@
+"""The `h5feed` command (issue 2): convert on bad input and on a full disk, verify, inspect.
+
+Every failure must exit non-zero, say what is wrong and with which file, and
+lose nothing that was already converted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from h5feed.convert import _read_journal, convert
+from h5feed.errors import StoreError
+from h5feed.store import Store
+from h5feed.verify import describe_store, verify_store
+from tools.make_synthetic import write_synthetic
+
+H = 32
+K = 3
+CHUNK = 16
+LENGTHS = [3, 20, 16, 40, 17]  # sample 3 spans chunks 4, 5 and 6
+LEGACY = "speculators-legacy-pt"
+ZSTD = {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+
+
+class NeedsCode:
+    """An object that torch.load(weights_only=True) must refuse to build."""
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def rewrite(path: Path, change) -> None:
+    d = torch.load(path, weights_only=True)
+    change(d)
+    torch.save(d, path)
+
+
+def _other_hidden_size(d: dict) -> None:
+    t = len(d["input_ids"])
+    d["hidden_states"] = [torch.randn(t, 48).to(torch.bfloat16) for _ in range(K + 1)]
+
+
+# kind: (damage the file, the problem h5feed must report)
+BAD = {
+    "truncated-pt": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+                     "not a readable torch.save file (truncated or corrupt): "),
+    "random-bytes": (lambda p: p.write_bytes(np.random.default_rng(0).bytes(4096)),
+                     "not a readable torch.save file (truncated or corrupt): UnpicklingError"),
+    "missing-key": (lambda p: rewrite(p, lambda d: d.pop("input_ids")),
+                    f"missing key(s) 'input_ids' for format {LEGACY} (found keys: 'hidden_states', 'loss_mask')"),
+    "hidden-size": (lambda p: rewrite(p, _other_hidden_size), "hidden size 48 differs from 32 of the first sample"),
+    "aux-layers": (lambda p: rewrite(p, lambda d: d.update(hidden_states=d["hidden_states"][1:])),
+                   "number of aux layers 2 differs from 3 of the first sample"),
+    "dtype": (lambda p: rewrite(p, lambda d: d.update(hidden_states=[h.half() for h in d["hidden_states"]])),
+              "dtype torch.float16 differs from torch.bfloat16 of the first sample"),
+    "needs-code": (lambda p: rewrite(p, lambda d: d.update(meta=NeedsCode())),
+                   "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True)"),
+    "truncated-ckpt-gz": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+                          "truncated or corrupt gzip file (EOFError: Compressed file ended before the end-of-stream"),
+}
+
+
+def make_source(root: Path, kind: str = "", lengths: list[int] = LENGTHS) -> list[Path]:
+    if kind == "truncated-ckpt-gz":
+        return write_synthetic(root, "specforge-ckpt", len(lengths), H, lengths=lengths, seed=1, compress=True)
+    return write_synthetic(root, LEGACY, len(lengths), H, lengths=lengths, seed=1)
+
+
+def convert_args(src: Path, dst: Path, *extra) -> tuple:
+    return ("convert", src, dst, "--workers", 0, "--chunk-tokens", CHUNK, *extra)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_file_fails_a_new_conversion_and_is_named(tmp_path, cli, kind):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src, kind)
+    good = files[3].read_bytes()
+    damage, problem = BAD[kind]
+    damage(files[3])
+
+    r = cli(*convert_args(src, dst))
+
+    assert r.status == 1
+    assert f"h5feed convert: error: {files[3].resolve()}: {problem}" in r.output
+    if kind == "needs-code":
+        assert "NeedsCode" in r.output
+    assert not dst.exists()  # found while probing: nothing was written, nothing can pass for a store
+
+    files[3].write_bytes(good)
+    r = cli(*convert_args(src, dst))
+    assert r.status == 0 and len(Store(dst)) == 5
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_file_met_while_resuming_keeps_what_was_converted(
+    tmp_path, cli, interrupted_convert, assert_same_tree, kind
+):
+    src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
+    files = make_source(src, kind)
+    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    good = files[3].read_bytes()
+    damage, problem = BAD[kind]
+    damage(files[3])  # changed after it was probed and planned
+
+    r = cli(*convert_args(src, dst))
+
+    assert r.status == 1
+    assert f"h5feed convert: error: {files[3].resolve()}: {problem}" in r.output
+    with pytest.raises(StoreError, match="has not finished"):
+        Store(dst)
+    done = _read_journal(dst)
+    assert {0, 1, 2} <= set(done) and 3 not in done
+
+    files[3].write_bytes(good)
+    r = cli(*convert_args(src, dst))
+    assert r.status == 0
+    assert f"({5 - len(done)} converted now, {len(done)} from an earlier run, 0 skipped)" in r.output
+    assert_same_tree(dst, ref)
+
+
+def test_skip_bad_converts_the_rest_and_records_what_it_skipped(tmp_path, cli, assert_sample_matches_source):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src, lengths=[3, 20, 16, 40, 17, 1, 9])
+    for i, kind in ((1, "truncated-pt"), (3, "hidden-size"), (4, "needs-code"), (6, "missing-key")):
+        BAD[kind][0](files[i])
+
+    r = cli("convert", src, dst, "--workers", 2, "--chunk-tokens", CHUNK, "--skip-bad")  # probed in spawned workers
+
+    assert r.status == 0
+    assert "(3 converted now, 0 from an earlier run, 4 skipped)" in r.output
+    store = Store(dst)
+    assert store.source_paths == ["data_0.pt", "data_2.pt", "data_5.pt"]
+    assert store.source_indices.tolist() == [0, 2, 5]
+    for i in range(3):
+        assert_sample_matches_source(store, i, LEGACY, src)
+    skipped = describe_store(dst)["skipped"]
+    assert [s["path"] for s in skipped] == ["data_1.pt", "data_3.pt", "data_4.pt", "data_6.pt"]
+    assert skipped[0]["problem"].startswith(BAD["truncated-pt"][1])
+    assert skipped[1]["problem"] == BAD["hidden-size"][1]
+    assert skipped[2]["problem"].startswith(BAD["needs-code"][1])
+    assert skipped[3]["problem"] == BAD["missing-key"][1]
+    assert store.info.skipped == skipped
+    for s in skipped:
+        assert f"skipped {s['path']}: {s['problem']}" in r.output
+
+    r = cli("inspect", dst)
+    assert r.status == 0
+    for s in skipped:
+        assert f"  skipped {s['path']}: {s['problem']}\n" in r.stdout
+    assert re.search(r"^skipped\s+4$", r.stdout, re.MULTILINE)
+    assert json.loads(cli("inspect", dst, "--json").stdout)["skipped"] == skipped
+
+
+def test_skip_bad_on_resume_records_a_file_that_went_bad(
+    tmp_path, cli, interrupted_convert, assert_sample_matches_source
+):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src)
+    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    BAD["hidden-size"][0](files[3])
+
+    r = cli(*convert_args(src, dst, "--skip-bad"))
+
+    assert r.status == 0
+    assert "(2 converted now, 2 from an earlier run, 1 skipped)" in r.output
+    store = Store(dst)
+    assert store.source_indices.tolist() == [0, 1, 2, 4]
+    for i in range(4):
+        assert_sample_matches_source(store, i, LEGACY, src)
+    assert describe_store(dst)["skipped"] == [{"path": "data_3.pt", "problem": BAD["hidden-size"][1]}]
+
+
+def test_empty_directory(tmp_path, cli):
+    empty, dst = tmp_path / "empty", tmp_path / "store"
+    empty.mkdir()
+    r = cli(*convert_args(empty, dst))
+    assert r.status == 1
+    assert (f"h5feed convert: error: {empty.resolve()}: no sample files of any known format found: "
+            "expected data_{i}.pt, data_{i}.ckpt[.gz] or hidden_states/hs_{i}.safetensors") in r.output
+    r = cli(*convert_args(empty, dst, "--format", LEGACY))
+    assert r.status == 1
+    assert f"{empty.resolve()}: no data_{{i}}.pt files found (searched all sub-folders)" in r.output
+    assert not dst.exists()
+
+
+def test_skip_bad_with_nothing_readable_fails(tmp_path, cli):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    for path in make_source(src, lengths=[4, 5]):
+        BAD["truncated-pt"][0](path)
+    r = cli(*convert_args(src, dst, "--format", LEGACY, "--skip-bad"))
+    assert r.status == 1
+    assert f"h5feed convert: error: {src.resolve()}: no readable sample files (all were skipped)" in r.output
+
+
+def test_the_real_command_exits_1_on_a_bad_file(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src)
+    BAD["truncated-pt"][0](files[2])
+    r = subprocess.run([sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(dst), "--workers", "0"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"h5feed convert: error: {files[2].resolve()}: {BAD['truncated-pt'][1]}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupted_convert):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    make_source(src)
+    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    r = cli(*convert_args(src, dst, "--codec", "lz4"))
+    assert r.status == 1
+    assert (f"h5feed convert: error: {dst}: was started with "
+            f"{{'format': '{LEGACY}', 'codec': 'zstd', 'chunk_tokens': 16}}, "
+            f"not {{'format': '{LEGACY}', 'codec': 'lz4', 'chunk_tokens': 16}}: "
+            "repeat that command to resume, or pass --overwrite") in r.output
+
+    r = cli(*convert_args(src, dst))
+    assert r.status == 0 and "(3 converted now, 2 from an earlier run, 0 skipped)" in r.output
+    r = cli(*convert_args(src, dst))
+    assert r.status == 0
+    assert f"{dst} is already complete: nothing to do" in r.output
+    assert "(0 converted now, 5 from an earlier run, 0 skipped)" in r.output
+    r = cli(*convert_args(src, dst, "--codec", "lz4"))
+    assert r.status == 1
+    assert f"h5feed convert: error: {dst}: is complete but was converted with " in r.output
+    assert "'codec': 'lz4'" in r.output and "choose another DST or pass --overwrite" in r.output
+    assert Store(dst).info.codec == ZSTD
+
+
+# --------------------------------------------------------------------------- full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (needs root), unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=False,
+                           capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        pytest.skip(f"cannot mount a small tmpfs: {exc}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {r.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_full_names_the_sample_and_the_same_command_resumes(tmp_path, small_disk, cli, assert_same_tree):
+    src, ref, dst = tmp_path / "src", tmp_path / "ref", small_disk / "store"
+    write_synthetic(src, LEGACY, 20, 64, lengths=(150, 250), seed=4)  # ~3 MB uncompressed: does not fit in 2 MiB
+    convert(src, ref, workers=0, codec="none", chunk_tokens=64, progress=False)
+    args = ("convert", src, dst, "--workers", 0, "--codec", "none", "--chunk-tokens", 64)
+
+    r = cli(*args)
+
+    assert r.status == 1
+    m = re.search(rf"h5feed convert: error: {re.escape(str(dst))}: disk full while writing data_(\d+)\.pt: "
+                  "free space and run the same command to resume", r.output)
+    assert m, r.output
+    done = _read_journal(dst)
+    assert 0 < len(done) < 20 and int(m[1]) not in done
+    with pytest.raises(StoreError, match="has not finished"):
+        Store(dst)
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    r = cli(*args)
+    assert r.status == 0
+    assert f"({20 - len(done)} converted now, {len(done)} from an earlier run, 0 skipped)" in r.output
+    r = cli("verify", dst, "--against", src)
+    assert r.status == 0 and f"{dst}: 20 samples OK (checksums and source files)" in r.output
+    assert_same_tree(dst, ref)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def converted(tmp_path: Path, codec: str = "zstd") -> tuple[Path, Path]:
+    src, dst = tmp_path / "src", tmp_path / "store"
+    make_source(src)
+    convert(src, dst, workers=0, codec=codec, chunk_tokens=CHUNK, progress=False)
+    return src, dst
+
+
+def test_verify_a_clean_store(tmp_path, cli):
+    src, dst = converted(tmp_path)
+    r = cli("verify", dst)
+    assert r.status == 0 and f"{dst}: 5 samples OK (checksums)" in r.output
+    r = cli("verify", dst, "--against", src)
+    assert r.status == 0 and f"{dst}: 5 samples OK (checksums and source files)" in r.output
+
+
+def test_verify_finds_a_flipped_byte_that_still_decodes(tmp_path, cli, source_sample):
+    src, dst = converted(tmp_path, codec="none")
+    chunk = dst / "aux_hidden_states" / "c" / "5" / "0"  # the second chunk of sample 3 (rows 80..95)
+    data = bytearray(chunk.read_bytes())
+    assert len(data) == CHUNK * K * H * 2
+    data[1001] ^= 0xFF
+    chunk.write_bytes(data)
+
+    got = Store(dst).read_sample(3).aux_hidden_states
+    want = source_sample(LEGACY, src, "data_3.pt", 3)["aux"]
+    assert (bits(got) != bits(want)).nonzero().tolist() == [[CHUNK + 500 // (K * H), 500 % (K * H)]]
+    report = verify_store(dst, progress=False)
+    assert [(m.sample, m.source_path) for m in report.mismatches] == [(3, "data_3.pt")]
+    assert report.mismatches[0].problem.startswith("aux_hidden_states checksum ")
+
+    r = cli("verify", dst)
+    assert r.status == 1
+    assert "MISMATCH sample 3 (data_3.pt): aux_hidden_states checksum " in r.output
+    assert f"{dst}: 1 mismatch(es) in 5 samples (checksums)" in r.output
+
+
+def test_verify_finds_a_chunk_that_no_longer_decodes(tmp_path, cli):
+    _, dst = converted(tmp_path, codec="zstd")
+    chunk = dst / "aux_hidden_states" / "c" / "5" / "0"
+    data = bytearray(chunk.read_bytes())
+    assert not data[2] & 0x02  # Blosc header flags: compressed, not stored raw
+    block = int.from_bytes(data[16:20], "little")
+    assert data[block + 4 : block + 8] == b"\x28\xb5\x2f\xfd"  # after the stream length: the zstd frame magic
+    data[block + 4] ^= 0xFF
+    chunk.write_bytes(data)
+
+    r = cli("verify", dst)
+
+    assert r.status == 1
+    assert f"MISMATCH sample 3 (data_3.pt): {chunk}: chunk cannot be decoded" in r.output
+    assert r.output.count("MISMATCH") == 1
+
+
+def test_verify_against_the_source_catches_a_changed_source_file(tmp_path, cli):
+    src, dst = converted(tmp_path)
+
+    def flip_one_bit(d: dict) -> None:
+        last = d["hidden_states"][-1].clone()
+        last.view(torch.int16)[5, 7] ^= 1
+        d["hidden_states"][-1] = last
+
+    rewrite(src / "data_2.pt", flip_one_bit)
+    (src / "data_4.pt").unlink()
+
+    r = cli("verify", dst)
+    assert r.status == 0  # the store itself is intact
+    r = cli("verify", dst, "--against", src)
+    assert r.status == 1
+    assert "MISMATCH sample 2 (data_2.pt): last_hidden_states differs from the source file" in r.output
+    assert f"MISMATCH sample 4 (data_4.pt): source cannot be read: {src / 'data_4.pt'}: cannot be opened" in r.output
+    assert r.output.count("MISMATCH") == 2
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def test_inspect_prints_what_the_store_holds(tmp_path, cli):
+    src, dst = converted(tmp_path)
+    tokens = sum(LENGTHS)
+    raw = tokens * ((K + 1) * H * 2 + 8 + 8)
+    stored = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+
+    r = cli("inspect", dst, "--json")
+
+    assert r.status == 0
+    assert json.loads(r.stdout) == {
+        "store": str(dst),
+        "samples": 5,
+        "tokens": tokens,
+        "tokens_per_sample": {"min": 3, "mean": 19.2, "max": 40},
+        "hidden_size": H,
+        "num_aux_layers": K,
+        "dtype": "bfloat16",
+        "last_state_norm": "pre",
+        "source_format": LEGACY,
+        "source_root": str(src.resolve()),
+        "codec": ZSTD,
+        "chunk_tokens": CHUNK,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "compression_ratio": round(raw / stored, 3),
+        "skipped": [],
+    }
+    r = cli("inspect", dst)
+    assert r.status == 0
+    for key, value in (("samples", 5), ("tokens", tokens), ("hidden_size", H), ("num_aux_layers", K),
+                       ("dtype", "bfloat16"), ("last_state_norm", "pre"), ("codec", ZSTD),
+                       ("compression_ratio", round(raw / stored, 3)), ("skipped", 0)):
+        assert re.search(rf"^{key}\s+{re.escape(str(value))}$", r.stdout, re.MULTILINE), key
+
+
+def test_inspect_and_verify_refuse_what_is_not_a_finished_store(tmp_path, cli, interrupted_convert):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    make_source(src)
+    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    for command in ("inspect", "verify"):
+        r = cli(command, dst)
+        assert r.status == 1
+        assert f"h5feed {command}: error: {dst}: conversion has not finished" in r.output
+    r = cli("inspect", src)
+    assert r.status == 1 and f"{src}: not an h5feed store (no zarr.json)" in r.output

@@ -1,0 +1,641 @@
+"""Readers of every input format: exact round trips from the generator's files, and precise errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from h5feed.errors import SourceError
+from h5feed.formats import (
+    FORMATS,
+    SampleShape,
+    SourceFile,
+    SourceSample,
+    detect_format,
+)
+from tools.make_synthetic import column_scales, make_sample, sample_lengths, write_synthetic
+
+H = 48
+K = 3
+N = 5
+LENGTHS = (8, 60)
+
+ALL_FORMATS = ["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors"]
+
+
+class NeedsCode:
+    """A class that torch.load(weights_only=True) must refuse to build."""
+
+    def __init__(self) -> None:
+        self.x = 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a bf16 tensor, so equality is exact (NaN-safe, -0 vs 0 distinct)."""
+    assert t.dtype == torch.bfloat16
+    return t.view(torch.int16)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(bits(a), bits(b))
+
+
+def read_arrow_rows(root: Path) -> dict[str, list]:
+    """The Arrow dataset beside hidden_states/, read independently of h5feed."""
+    import pyarrow as pa
+
+    state = json.loads((root / "state.json").read_text())
+    tables = [pa.ipc.open_stream(pa.OSFile(str(root / f["filename"]))).read_all() for f in state["_data_files"]]
+    return pa.concat_tables(tables).to_pydict()
+
+
+def expected_from_file(
+    fmt: str, path: Path, index: int, root: Path | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask, aux, last) built from the raw file as FORMATS.md describes."""
+    if fmt == "speculators-safetensors":
+        from safetensors.torch import load_file
+
+        d = load_file(str(path))
+        hs = d["hidden_states"]
+        rows = read_arrow_rows(root if root is not None else path.parent.parent)
+        mask = rows.get("loss_mask")
+        mask_t = torch.tensor(mask[index], dtype=torch.int64) if mask is not None else None
+        assert rows["seq_len"][index] == hs.shape[0]
+        assert rows["input_ids"][index] == d["token_ids"].tolist()
+        return d["token_ids"], mask_t, hs[:, :-1].flatten(1), hs[:, -1]
+    if path.name.endswith(".gz"):
+        d = torch.load(io.BytesIO(gzip.decompress(path.read_bytes())), weights_only=True)
+    else:
+        d = torch.load(path, weights_only=True)
+    mask = d.get("loss_mask")
+    if fmt == "speculators-legacy-pt":
+        return d["input_ids"], mask, torch.cat(d["hidden_states"][:-1], dim=-1), d["hidden_states"][-1]
+    if fmt == "speculators-v0-pt":
+        return d["input_ids"], mask, d["hidden_state"], d["target"]
+    assert d["aux_hidden_state"].shape[0] == 1 and d["hidden_state"].shape[0] == 1
+    return d["input_ids"], mask, d["aux_hidden_state"][0], d["hidden_state"][0]
+
+
+def check_sample(s: SourceSample, fmt: str, path: Path, index: int, root: Path | None = None) -> None:
+    ids, mask, aux, last = expected_from_file(fmt, path, index, root)
+    assert s.input_ids.dtype == torch.int64 and torch.equal(s.input_ids, ids)
+    if mask is None:
+        assert s.loss_mask is None
+    else:
+        assert s.loss_mask is not None and s.loss_mask.dtype == torch.int64
+        assert torch.equal(s.loss_mask, mask)
+    assert_same_bits(s.aux_hidden_states, aux)
+    assert_same_bits(s.last_hidden_state, last)
+    for t in (s.input_ids, s.aux_hidden_states, s.last_hidden_state):
+        assert t.is_contiguous()
+    if s.loss_mask is not None:
+        assert s.loss_mask.is_contiguous()
+
+
+def write(tmp_path: Path, fmt: str, **kw) -> tuple[Path, list[Path]]:
+    root = tmp_path / "src"
+    files = write_synthetic(root, fmt, N, H, K, lengths=LENGTHS, seed=7, **kw)
+    return root, files
+
+
+def one_sample_dir(tmp_path: Path, d: dict, name: str = "data_0.pt") -> tuple[Path, Path]:
+    root = tmp_path / "bad"
+    root.mkdir(exist_ok=True)
+    path = root / name
+    torch.save(d, path)
+    return root, path
+
+
+def legacy_dict(t: int = 10, layers: int = K + 1, h: int = H) -> dict:
+    return {
+        "input_ids": torch.arange(t),
+        "loss_mask": torch.ones(t, dtype=torch.int64),
+        "hidden_states": [torch.randn(t, h).bfloat16() for _ in range(layers)],
+    }
+
+
+def expect_error(fn, path: Path, fragment: str) -> SourceError:
+    with pytest.raises(SourceError) as info:
+        fn()
+    err = info.value
+    assert fragment in str(err), str(err)
+    assert Path(err.path).name == path.name, (err.path, path)
+    assert str(path.name) in str(err)
+    return err
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize(
+    ("fmt", "layout"),
+    [
+        (f, lay)
+        for f in ALL_FORMATS
+        for lay in ("flat", "rows")
+        if not (f == "speculators-safetensors" and lay == "rows")
+    ],
+)
+def test_round_trip_exact(tmp_path: Path, fmt: str, layout: str) -> None:
+    root, files = write(tmp_path, fmt, layout=layout, rows_per_folder=2)
+    f = FORMATS[fmt]
+    assert detect_format(root) is f
+    found = f.discover(root)
+    assert [s.sample_index for s in found] == list(range(N))
+    assert [s.path for s in found] == [p.absolute() for p in files]
+    for s in found:
+        assert s.path.is_absolute()
+        assert (root / s.relpath).resolve() == s.path.resolve()
+    if layout == "rows":
+        assert found[3].relpath == f"rows_2-4/data_3.{'ckpt' if fmt == 'specforge-ckpt' else 'pt'}"
+    elif fmt == "speculators-safetensors":
+        assert found[3].relpath == "hidden_states/hs_3.safetensors"
+    else:
+        assert found[3].relpath == found[3].path.name
+    lens = sample_lengths(N, LENGTHS, seed=7)
+    for s, t in zip(found, lens):
+        sample = f.load(s)
+        check_sample(sample, fmt, s.path, s.sample_index)
+        shape = f.probe(s)
+        assert shape == SampleShape(t, H, K, torch.bfloat16)
+        assert sample.shape == shape
+
+
+def test_specforge_gz_round_trip(tmp_path: Path) -> None:
+    root, files = write(tmp_path, "specforge-ckpt", compress=True, layout="rows", rows_per_folder=3)
+    assert all(p.name.endswith(".ckpt.gz") for p in files)
+    f = detect_format(root)
+    assert f.name == "specforge-ckpt" and f.last_state_norm == "post"
+    found = f.discover(root)
+    assert [s.relpath for s in found][:4] == [
+        "rows_0-3/data_0.ckpt.gz",
+        "rows_0-3/data_1.ckpt.gz",
+        "rows_0-3/data_2.ckpt.gz",
+        "rows_3-6/data_3.ckpt.gz",
+    ]
+    for s in found:
+        check_sample(f.load(s), "specforge-ckpt", s.path, s.sample_index)
+        assert f.probe(s) == f.load(s).shape
+
+
+def test_all_formats_carry_the_same_activations(tmp_path: Path) -> None:
+    """Same seed, same values in every format: the readers agree with each other and with the generator."""
+    scales = column_scales(H, K + 1, seed=7)
+    lens = sample_lengths(N, LENGTHS, seed=7)
+    for fmt in ALL_FORMATS:
+        root = tmp_path / fmt
+        write_synthetic(root, fmt, N, H, K, lengths=LENGTHS, seed=7)
+        f = FORMATS[fmt]
+        for s in f.discover(root):
+            ids, mask, layers = make_sample(s.sample_index, lens[s.sample_index], scales, seed=7)
+            got = f.load(s)
+            assert torch.equal(got.input_ids, ids)
+            assert got.loss_mask is not None and torch.equal(got.loss_mask, mask)
+            assert_same_bits(got.aux_hidden_states, torch.cat(layers[:-1], dim=-1))
+            assert_same_bits(got.last_hidden_state, layers[-1])
+
+
+def test_norm_and_names() -> None:
+    assert set(FORMATS) == set(ALL_FORMATS)
+    assert {n: f.last_state_norm for n, f in FORMATS.items()} == {
+        "speculators-legacy-pt": "pre",
+        "speculators-v0-pt": "post",
+        "specforge-ckpt": "post",
+        "speculators-safetensors": "pre",
+    }
+    for n, f in FORMATS.items():
+        assert f.name == n
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_no_loss_mask_gives_none(tmp_path: Path, fmt: str) -> None:
+    root, _ = write(tmp_path, fmt, loss_mask=False)
+    f = FORMATS[fmt]
+    for s in f.discover(root):
+        sample = f.load(s)
+        assert sample.loss_mask is None
+        check_sample(sample, fmt, s.path, s.sample_index)
+
+
+def test_loss_mask_none_value_and_int32_ids(tmp_path: Path) -> None:
+    d = legacy_dict()
+    d["loss_mask"] = None
+    d["input_ids"] = torch.arange(10, dtype=torch.int32)
+    root, _path = one_sample_dir(tmp_path, d)
+    f = FORMATS["speculators-legacy-pt"]
+    s = f.load(f.discover(root)[0])
+    assert s.loss_mask is None
+    assert s.input_ids.dtype == torch.int64 and s.input_ids.tolist() == list(range(10))
+
+
+def test_bool_loss_mask_becomes_int64(tmp_path: Path) -> None:
+    d = legacy_dict()
+    d["loss_mask"] = torch.tensor([False] * 3 + [True] * 7)
+    root, _ = one_sample_dir(tmp_path, d)
+    f = FORMATS["speculators-legacy-pt"]
+    s = f.load(f.discover(root)[0])
+    assert s.loss_mask is not None and s.loss_mask.dtype == torch.int64
+    assert s.loss_mask.tolist() == [0] * 3 + [1] * 7
+
+
+def test_old_non_zip_torch_save_is_read(tmp_path: Path) -> None:
+    d = legacy_dict()
+    root = tmp_path / "old"
+    root.mkdir()
+    torch.save(d, root / "data_3.pt", _use_new_zipfile_serialization=False)
+    f = detect_format(root)
+    s = f.load(f.discover(root)[0])
+    assert_same_bits(s.last_hidden_state, d["hidden_states"][-1])
+    assert_same_bits(s.aux_hidden_states, torch.cat(d["hidden_states"][:-1], -1))
+
+
+def test_discover_sorts_by_index_ignores_other_files_and_nests(tmp_path: Path) -> None:
+    root = tmp_path / "mixed"
+    for rel in ["b/data_10.pt", "a/data_2.pt", "data_1.pt", "a/b/c/data_2.pt"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(legacy_dict(), root / rel)
+    (root / "sample_lengths.json").write_text("{}")
+    (root / "data_config.json").write_text("{}")
+    (root / "data_x.pt").write_bytes(b"")
+    (root / "data_4.pt.tmp").write_bytes(b"")
+    (root / "notes.txt").write_text("x")
+    found = FORMATS["speculators-legacy-pt"].discover(root)
+    assert [(s.sample_index, s.relpath) for s in found] == [
+        (1, "data_1.pt"),
+        (2, "a/b/c/data_2.pt"),
+        (2, "a/data_2.pt"),
+        (10, "b/data_10.pt"),
+    ]
+
+
+def test_safetensors_sharded_dirs_and_arrow_shards(tmp_path: Path) -> None:
+    """Newer speculators shard hidden_states/ into sub-folders; save_to_disk may write several Arrow shards."""
+    root = tmp_path / "st"
+    write_synthetic(root, "speculators-safetensors", 7, H, K, lengths=LENGTHS, seed=3, arrow_shards=3)
+    shard = root / "hidden_states" / "0000"
+    shard.mkdir()
+    for p in list((root / "hidden_states").glob("hs_*.safetensors"))[:4]:
+        p.rename(shard / p.name)
+    state = json.loads((root / "state.json").read_text())
+    assert len(state["_data_files"]) == 3
+    f = detect_format(root)
+    found = f.discover(root)
+    assert [s.sample_index for s in found] == list(range(7))
+    for s in found:
+        check_sample(f.load(s), "speculators-safetensors", s.path, s.sample_index, root=root)
+
+
+def test_load_never_unpickles_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = torch.load
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        if isinstance(a[0], (str, Path)) and str(a[0]).endswith(".pt"):
+            assert kw.get("mmap") is True  # zip .pt files are memory-mapped: probe reads no tensor data
+        assert kw.get("weights_only") is True
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "load", spy)
+    for fmt, kw in [("speculators-legacy-pt", {}), ("speculators-v0-pt", {}), ("specforge-ckpt", {"compress": True})]:
+        root = tmp_path / fmt
+        write_synthetic(root, fmt, 2, H, K, lengths=LENGTHS, **kw)
+        f = detect_format(root)
+        for s in f.discover(root):
+            f.probe(s)
+            f.load(s)
+    assert calls and all(c["weights_only"] is True and c["map_location"] == "cpu" for c in calls)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def test_truncated_pt(tmp_path: Path) -> None:
+    root, files = write(tmp_path, "speculators-legacy-pt")
+    data = files[2].read_bytes()
+    files[2].write_bytes(data[: len(data) // 2])
+    f = FORMATS["speculators-legacy-pt"]
+    src = f.discover(root)[2]
+    expect_error(lambda: f.load(src), files[2], "not a readable torch.save file (truncated or corrupt)")
+    expect_error(lambda: f.probe(src), files[2], "not a readable torch.save file (truncated or corrupt)")
+
+
+def test_empty_pt_file(tmp_path: Path) -> None:
+    root = tmp_path / "e"
+    root.mkdir()
+    (root / "data_0.pt").write_bytes(b"")
+    f = FORMATS["speculators-legacy-pt"]
+    expect_error(lambda: f.load(f.discover(root)[0]), root / "data_0.pt", "empty file (0 bytes)")
+
+
+def test_truncated_ckpt_gz(tmp_path: Path) -> None:
+    root, files = write(tmp_path, "specforge-ckpt", compress=True)
+    data = files[1].read_bytes()
+    files[1].write_bytes(data[: len(data) - 100])
+    f = FORMATS["specforge-ckpt"]
+    src = f.discover(root)[1]
+    expect_error(lambda: f.load(src), files[1], "truncated or corrupt gzip file")
+
+
+def test_random_bytes(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ["data_0.pt", "data_1.ckpt"]:
+        (root / name).write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    expect_error(
+        lambda: FORMATS["speculators-legacy-pt"].load(FORMATS["speculators-legacy-pt"].discover(root)[0]),
+        root / "data_0.pt",
+        "not a readable torch.save file (truncated or corrupt)",
+    )
+    f = FORMATS["specforge-ckpt"]
+    expect_error(lambda: f.load(f.discover(root)[0]), root / "data_1.ckpt", "not a readable torch.save file")
+    (root / "data_2.ckpt.gz").write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    gz = next(s for s in f.discover(root) if s.sample_index == 2)
+    expect_error(lambda: f.load(gz), root / "data_2.ckpt.gz", "truncated or corrupt gzip file")
+
+
+def test_pickle_that_needs_code(tmp_path: Path) -> None:
+    d = legacy_dict()
+    d["extra"] = NeedsCode()
+    root, path = one_sample_dir(tmp_path, d)
+    f = FORMATS["speculators-legacy-pt"]
+    err = expect_error(
+        lambda: f.load(f.discover(root)[0]),
+        path,
+        "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True)",
+    )
+    assert "NeedsCode" in str(err)
+    # detection reads the first file too, and must refuse it the same way
+    expect_error(lambda: detect_format(root), path, "refusing to load: the pickle needs code to run")
+    # same inside a gzip
+    buf = io.BytesIO()
+    torch.save({"input_ids": torch.arange(3), "x": NeedsCode()}, buf)
+    gzroot = tmp_path / "gz"
+    gzroot.mkdir()
+    (gzroot / "data_0.ckpt.gz").write_bytes(gzip.compress(buf.getvalue()))
+    c = FORMATS["specforge-ckpt"]
+    expect_error(
+        lambda: c.load(c.discover(gzroot)[0]), gzroot / "data_0.ckpt.gz", "refusing to load: the pickle needs code"
+    )
+
+
+def test_not_a_dict(tmp_path: Path) -> None:
+    root, path = one_sample_dir(tmp_path, [torch.zeros(3)])  # type: ignore[arg-type]
+    f = FORMATS["speculators-legacy-pt"]
+    expect_error(lambda: f.load(f.discover(root)[0]), path, "not a dict: the file holds a list")
+
+
+def test_missing_key(tmp_path: Path) -> None:
+    d = legacy_dict()
+    del d["hidden_states"]
+    root, path = one_sample_dir(tmp_path, d)
+    f = FORMATS["speculators-legacy-pt"]
+    expect_error(lambda: f.load(f.discover(root)[0]), path, "missing key(s) 'hidden_states'")
+    expect_error(lambda: f.probe(f.discover(root)[0]), path, "missing key(s) 'hidden_states'")
+    expect_error(lambda: detect_format(root), path, "match neither speculators legacy")
+    d = {"input_ids": torch.arange(4), "target": torch.zeros(4, H)}
+    root, path = one_sample_dir(tmp_path, d, "data_1.pt")
+    v0 = FORMATS["speculators-v0-pt"]
+    src = next(s for s in v0.discover(root) if s.sample_index == 1)
+    expect_error(lambda: v0.load(src), path, "missing key(s) 'hidden_state'")
+
+
+def test_hidden_states_of_one_tensor(tmp_path: Path) -> None:
+    root, path = one_sample_dir(tmp_path, legacy_dict(layers=1))
+    f = FORMATS["speculators-legacy-pt"]
+    expect_error(
+        lambda: f.load(f.discover(root)[0]), path, "'hidden_states' is a list of 1 tensor(s); expected K+1 >= 2"
+    )
+    expect_error(lambda: f.probe(f.discover(root)[0]), path, "'hidden_states' is a list of 1 tensor(s)")
+
+
+def test_mismatched_tokens(tmp_path: Path) -> None:
+    d = legacy_dict(t=10)
+    d["hidden_states"][1] = torch.randn(9, H).bfloat16()
+    root, path = one_sample_dir(tmp_path, d)
+    f = FORMATS["speculators-legacy-pt"]
+    expect_error(lambda: f.probe(f.discover(root)[0]), path, "'hidden_states'[1] has 9 tokens but 'input_ids' has 10")
+    d = legacy_dict(t=10)
+    d["loss_mask"] = torch.ones(11, dtype=torch.int64)
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(lambda: f.load(f.discover(root)[0]), path, "'loss_mask' has 11 entries but the sample has 10 tokens")
+    v0 = FORMATS["speculators-v0-pt"]
+    bad = {"input_ids": torch.arange(5), "hidden_state": torch.zeros(5, 3 * H), "target": torch.zeros(6, H)}
+    root, path = one_sample_dir(tmp_path, bad)
+    expect_error(lambda: v0.load(v0.discover(root)[0]), path, "'target' has 6 tokens but 'input_ids' has 5")
+
+
+def test_wrong_dtypes_and_dims(tmp_path: Path) -> None:
+    f = FORMATS["speculators-legacy-pt"]
+    d = legacy_dict()
+    d["input_ids"] = torch.arange(10, dtype=torch.float32)
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(
+        lambda: f.load(f.discover(root)[0]),
+        path,
+        "'input_ids' has dtype torch.float32; token ids must be an integer dtype",
+    )
+    d = legacy_dict()
+    d["input_ids"] = torch.full((10,), 2**63 + 5, dtype=torch.uint64)
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(lambda: f.load(f.discover(root)[0]), path, "cannot convert losslessly")
+    d = legacy_dict()
+    d["input_ids"] = torch.arange(10).unsqueeze(0)
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(lambda: f.load(f.discover(root)[0]), path, "'input_ids' must be 1-D [T], got shape [1, 10]")
+    d = legacy_dict()
+    d["hidden_states"][0] = torch.randn(10, H, 1).bfloat16()
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(
+        lambda: f.load(f.discover(root)[0]), path, "'hidden_states'[0] must be [T, H] (2-D), got shape [10, 48, 1]"
+    )
+    d = legacy_dict()
+    d["hidden_states"][2] = d["hidden_states"][2].float()
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(lambda: f.load(f.discover(root)[0]), path, "every layer must have the same H and dtype")
+    d = legacy_dict(t=0)
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(lambda: f.probe(f.discover(root)[0]), path, "empty sample: 'input_ids' has 0 tokens")
+
+
+def test_v0_width_must_divide(tmp_path: Path) -> None:
+    v0 = FORMATS["speculators-v0-pt"]
+    d = {
+        "input_ids": torch.arange(5),
+        "hidden_state": torch.zeros(5, 3 * H + 1).bfloat16(),
+        "target": torch.zeros(5, H).bfloat16(),
+    }
+    root, path = one_sample_dir(tmp_path, d)
+    expect_error(
+        lambda: v0.probe(v0.discover(root)[0]),
+        path,
+        "'hidden_state' width 145 is not a positive multiple of the hidden size 48",
+    )
+
+
+def test_specforge_batch_dim(tmp_path: Path) -> None:
+    c = FORMATS["specforge-ckpt"]
+    d = {
+        "input_ids": torch.arange(5),
+        "loss_mask": torch.ones(5, dtype=torch.int64),
+        "aux_hidden_state": torch.zeros(2, 5, 3 * H).bfloat16(),
+        "hidden_state": torch.zeros(1, 5, H).bfloat16(),
+    }
+    root, path = one_sample_dir(tmp_path, d, "data_0.ckpt")
+    expect_error(
+        lambda: c.load(c.discover(root)[0]), path, "'aux_hidden_state' has a leading batch dim of 2, expected 1"
+    )
+    d["aux_hidden_state"] = torch.zeros(5, 3 * H).bfloat16()
+    root, path = one_sample_dir(tmp_path, d, "data_0.ckpt")
+    expect_error(
+        lambda: c.load(c.discover(root)[0]), path, "'aux_hidden_state' must be [1, T, K*H] (3-D), got shape [5, 144]"
+    )
+
+
+def _st_root(tmp_path: Path) -> tuple[Path, list[Path]]:
+    root = tmp_path / "st"
+    return root, write_synthetic(root, "speculators-safetensors", 3, H, K, lengths=LENGTHS, seed=1)
+
+
+def test_safetensors_bad_files(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    f = FORMATS["speculators-safetensors"]
+    root, files = _st_root(tmp_path)
+    # truncated
+    data = files[0].read_bytes()
+    files[0].write_bytes(data[: len(data) - 10])
+    for fn in (f.probe, f.load):
+        expect_error(lambda fn=fn: fn(f.discover(root)[0]), files[0], "truncated or corrupt safetensors file")
+    # not a safetensors file at all
+    files[0].write_bytes(b"")
+    expect_error(lambda: f.probe(f.discover(root)[0]), files[0], "truncated or corrupt safetensors file")
+    files[0].write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    expect_error(lambda: f.load(f.discover(root)[0]), files[0], "truncated or corrupt safetensors file")
+    # token_ids of the wrong dtype or dims (0-D too)
+    save_file({"token_ids": torch.arange(4.0), "hidden_states": torch.zeros(4, 2, H).bfloat16()}, str(files[1]))
+    expect_error(lambda: f.probe(f.discover(root)[1]), files[1], "'token_ids' has dtype torch.float32; token ids must")
+    save_file({"token_ids": torch.tensor(3), "hidden_states": torch.zeros(4, 2, H).bfloat16()}, str(files[1]))
+    expect_error(lambda: f.probe(f.discover(root)[1]), files[1], "'token_ids' must be 1-D [T], got shape []")
+    save_file({"token_ids": torch.arange(4), "hidden_states": torch.zeros(4, 2, H, dtype=torch.int32)}, str(files[1]))
+    expect_error(
+        lambda: f.probe(f.discover(root)[1]), files[1], "'hidden_states' has dtype torch.int32; hidden states must be"
+    )
+    # 2-D hidden_states
+    save_file({"token_ids": torch.arange(4), "hidden_states": torch.zeros(4, H).bfloat16()}, str(files[1]))
+    expect_error(
+        lambda: f.load(f.discover(root)[1]), files[1], "'hidden_states' must be [T, K+1, H] (3-D), got shape [4, 48]"
+    )
+    # only one layer
+    save_file({"token_ids": torch.arange(4), "hidden_states": torch.zeros(4, 1, H).bfloat16()}, str(files[1]))
+    expect_error(lambda: f.load(f.discover(root)[1]), files[1], "expected K+1 >= 2")
+    # missing key
+    save_file({"hidden_states": torch.zeros(4, 2, H).bfloat16()}, str(files[1]))
+    expect_error(lambda: f.load(f.discover(root)[1]), files[1], "missing key(s) 'token_ids'")
+    # T disagrees with the Arrow row's seq_len
+    save_file({"token_ids": torch.arange(4), "hidden_states": torch.zeros(4, 2, H).bfloat16()}, str(files[2]))
+    expect_error(lambda: f.probe(f.discover(root)[2]), files[2], "row 2 of the Arrow dataset says seq_len=")
+
+
+def test_torch_formats_do_not_need_safetensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # any import of it now fails
+    root, _ = write(tmp_path, "speculators-legacy-pt")
+    f = detect_format(root)
+    for s in f.discover(root):
+        assert f.load(s).shape == f.probe(s)
+
+
+def test_safetensors_token_ids_must_match_arrow_row(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = FORMATS["speculators-safetensors"]
+    root, files = _st_root(tmp_path)
+    d = load_file(str(files[1]))
+    d["token_ids"] = d["token_ids"].flip(0).contiguous()
+    save_file(d, str(files[1]))
+    expect_error(lambda: f.load(f.discover(root)[1]), files[1], "'token_ids' differ from 'input_ids' of row 1")
+
+
+def test_safetensors_without_arrow_dataset_or_row(tmp_path: Path) -> None:
+    f = FORMATS["speculators-safetensors"]
+    root, files = _st_root(tmp_path)
+    shutil.copy(files[0], files[0].parent / "hs_9.safetensors")
+    src = next(s for s in f.discover(root) if s.sample_index == 9)
+    expect_error(lambda: f.probe(src), src.path, "no row 9 in the Arrow dataset")
+    (root / "state.json").unlink()
+    with pytest.raises(SourceError, match="state.json missing") as info:
+        f.discover(root)  # the cached Arrow view must notice that the dataset went away
+    assert info.value.path == str(root)
+
+
+def test_empty_directory(tmp_path: Path) -> None:
+    root = tmp_path / "empty"
+    root.mkdir()
+    with pytest.raises(SourceError) as info:
+        detect_format(root)
+    assert info.value.path == str(root)
+    assert "no sample files of any known format found" in str(info.value)
+    for name, fragment in [
+        ("speculators-legacy-pt", "no data_{i}.pt files found"),
+        ("speculators-v0-pt", "no data_{i}.pt files found"),
+        ("specforge-ckpt", "no data_{i}.ckpt or data_{i}.ckpt.gz files found"),
+        ("speculators-safetensors", "no hidden_states/hs_{i}.safetensors files found"),
+    ]:
+        with pytest.raises(SourceError) as info:
+            FORMATS[name].discover(root)
+        assert fragment in str(info.value)
+        assert info.value.path == str(root)
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    p = tmp_path / "file.pt"
+    p.write_bytes(b"x")
+    with pytest.raises(SourceError, match="is not a directory"):
+        detect_format(p)
+    with pytest.raises(SourceError, match="does not exist"):
+        detect_format(tmp_path / "nope")
+
+
+def test_pt_and_ckpt_mixed_is_ambiguous(tmp_path: Path) -> None:
+    root = tmp_path / "mix"
+    root.mkdir()
+    torch.save(legacy_dict(), root / "data_0.pt")
+    torch.save(legacy_dict(), root / "data_1.ckpt")
+    with pytest.raises(SourceError, match="holds both data_"):
+        detect_format(root)
+
+
+def test_formats_pickle_by_name(tmp_path: Path) -> None:
+    """Workers receive formats by pickling; the safetensors one holds a lock and mmapped tables."""
+    import pickle
+
+    root, _ = _st_root(tmp_path)
+    f = FORMATS["speculators-safetensors"]
+    f.probe(f.discover(root)[0])  # fills its cache
+    for fmt in FORMATS.values():
+        assert pickle.loads(pickle.dumps(fmt)) is fmt
+    src = f.discover(root)[0]
+    assert pickle.loads(pickle.dumps(src)) == src
+
+
+def test_source_file_is_frozen() -> None:
+    s = SourceFile(Path("/x/data_1.pt"), 1, "data_1.pt")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.sample_index = 2  # type: ignore[misc]
+    assert os.fspath(s.path) == "/x/data_1.pt"

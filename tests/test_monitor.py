@@ -1,0 +1,174 @@
+"""h5feed.monitor: figures that match a known truth, a stall report that names the stuck worker, `h5feed watch`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+import h5feed
+from h5feed.cli import main as cli_main
+from h5feed.metrics import LoaderCounters
+from h5feed.monitor import classify, format_line, format_workers
+
+REPO = Path(__file__).resolve().parents[1]
+STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
+STALL_S = 2.5
+
+
+class SlowDataset(Dataset):
+    """Each item takes `delay` seconds and is counted in h5feed's shared counters, as h5feed's datasets do."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+        self.counters = LoaderCounters()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        counters = self.counters.worker()
+        counters.begin_sample(i)
+        time.sleep(self.delay)
+        counters.bytes_read += 1_000_000
+        counters.end_sample(100)
+        return torch.zeros(1000)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("workers", "load_s", "compute_s"),
+    [
+        (0, 0.02, 0.04),  # loading in the trainer's process: wait = load, step = load + compute
+        (1, 0.06, 0.02),  # a worker loads while the trainer computes: step = load, wait = load - compute
+    ],
+)
+def test_data_wait_and_step_rate_match_the_truth(tmp_path, workers, load_s, compute_s):
+    loader = DataLoader(SlowDataset(25, load_s), num_workers=workers)
+    monitored = h5feed.monitor(loader, every=0.25, log_dir=tmp_path, name="truth")
+    entered, computed = [], []  # the trainer's own stopwatch: the truth, sleep overshoot included
+    for _ in monitored:
+        entered.append(time.perf_counter())
+        time.sleep(compute_s)
+        computed.append(time.perf_counter() - entered[-1])
+    s = monitored.summary()
+    assert s["batches"] == 25 and s["steps"] == 24  # the first batch (start-up) is reported apart
+    step_s = (entered[-1] - entered[0]) / 24
+    wait_pct = 100 * (1 - sum(computed[:-1]) / (entered[-1] - entered[0]))
+    assert s["step_time(s)"] == pytest.approx(step_s, rel=0.03)
+    assert s["throughput(steps/s)"] == pytest.approx(1 / step_s, rel=0.03)
+    assert s["data_loading(%)"] == pytest.approx(wait_pct, abs=2.0)
+    # and the scenario is the one intended (loosely: a loaded machine oversleeps)
+    expected_step = load_s + compute_s if workers == 0 else max(load_s, compute_s)
+    expected_wait = load_s if workers == 0 else load_s - compute_s
+    assert s["step_time(s)"] == pytest.approx(expected_step, rel=0.25)
+    assert s["data_loading(%)"] == pytest.approx(100 * expected_wait / expected_step, abs=10.0)
+    assert s["gpu_idle(%)"] is None  # no CUDA here
+    end = records(tmp_path / "h5feed-monitor-truth.jsonl")[-1]
+    assert end["kind"] == "end" and end["data_loading(%)"] == pytest.approx(s["data_loading(%)"])
+    assert end["loader"]["samples_per_s"] > 0 and [w["samples"] for w in end["workers"]] == [25]
+    assert "GPU idle n/a" in format_line(end)
+
+
+def _stall_one_sample(worker_id: int) -> None:
+    """In the worker: after the first chunk of STALLED_SAMPLE's hidden states, hang for STALL_S."""
+    store = get_worker_info().dataset.store
+    chunk = int(store.sample_starts[STALLED_SAMPLE]) // store.info.chunk_tokens
+    read_chunk = store._read_chunk
+
+    def slow(name, index, *args, **kwargs):
+        read_chunk(name, index, *args, **kwargs)
+        if name == "aux_hidden_states" and index == chunk:
+            time.sleep(STALL_S)
+
+    store._read_chunk = slow
+
+
+@pytest.fixture
+def small_store(synthetic_store):
+    return synthetic_store("monitor", "speculators-legacy-pt", 8, 32, (40, 60))
+
+
+def test_watchdog_names_the_stalled_worker_and_its_sample(tmp_path, caplog, small_store):
+    dataset = h5feed.HiddenStatesDataset(small_store.path, max_len=32)
+    loader = DataLoader(dataset, num_workers=2, worker_init_fn=_stall_one_sample)
+    caplog.set_level(logging.INFO, logger="h5feed.monitor")
+    for _ in h5feed.monitor(loader, every=10.0, stall_after=0.5, log_dir=tmp_path, name="stall"):
+        pass
+    stalls = [r for r in records(tmp_path / "h5feed-monitor-stall.jsonl") if r["kind"] == "stall"]
+    stuck = next(r for r in stalls if r["verdict"] == "stuck")
+    assert stuck["step"] == STALLED_SAMPLE and stuck["waiting(s)"] > 0.5
+    worker = next(w for w in stuck["workers"] if w["sample"] == STALLED_SAMPLE)
+    source = Path(small_store.files[STALLED_SAMPLE]).resolve()
+    assert worker["worker"] == 1 and Path(worker["path"]) == source
+    assert worker["sample_MB"] > 0 and worker["since_progress_s"] > 0.5 and worker["state"] != "gone"
+    text = next(m for m in caplog.messages if "STUCK" in m)
+    assert f"worker 1 (pid {worker['pid']}" in text and f"sample {STALLED_SAMPLE} ({source})" in text
+    assert "no worker has made progress" in text
+
+
+def test_jsonl_log_and_watch_show_the_same_figures(tmp_path, caplog, capsys, small_store):
+    stream = h5feed.HiddenStatesStream(small_store.path, max_len=32, shuffle=False)
+    loader = h5feed.StreamLoader(stream, num_workers=2)
+    caplog.set_level(logging.INFO, logger="h5feed.monitor")
+    for _ in h5feed.monitor(loader, every=0.1, log_dir=tmp_path, name="watched"):
+        time.sleep(0.1)
+    recs = records(tmp_path / "h5feed-monitor-watched.jsonl")
+    assert recs[0]["kind"] == "start" and recs[-1]["kind"] == "end"
+    assert {"workers_started", "first_batch"} <= {r["kind"] for r in recs}
+    assert str(small_store.path) in recs[0]["what"] and "2 DataLoader workers starting" in recs[0]["what"]
+    reports = [r for r in recs if r["kind"] == "report"]
+    assert reports and all(format_line(r) in caplog.messages for r in reports)
+    end = recs[-1]
+    assert sorted(w["worker"] for w in end["workers"]) == [0, 1] and end["loader"]["samples_per_s"] > 0
+
+    assert cli_main(["watch", str(tmp_path), "--once"]) == 0
+    frame = capsys.readouterr().out
+    assert "finished" in frame and format_line(end) in frame
+    assert all(row in frame for row in format_workers(end["workers"]))
+
+
+def test_stall_verdicts():
+    assert classify(None, [0.1, 0.2], stall_after=1.0) is None
+    assert classify(5.0, [0.1, 3.0], stall_after=1.0) == "bottleneck"  # trainer waits, a worker progresses
+    assert classify(5.0, [2.0, 3.0], stall_after=1.0) == "stuck"  # trainer waits, nobody progresses
+    assert classify(5.0, [], stall_after=1.0) == "stuck"  # trainer waits, no worker ever started
+    assert classify(None, [2.0, 3.0], stall_after=1.0) == "idle"  # trainer busy elsewhere, queues full
+    assert classify(0.5, [], stall_after=1.0) is None  # workers still starting
+    assert classify(5.0, None, stall_after=1.0) == "waiting"  # a loader without counters
+
+
+def test_without_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    loader = DataLoader(SlowDataset(3, 0.0))
+    assert [b.shape for b in h5feed.monitor(loader, tensorboard="auto", log_dir=tmp_path)] == [(1, 1000)] * 3
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        h5feed.monitor(loader, tensorboard=True, log_dir=tmp_path)
+
+
+def test_train_step_bench_smoke(tmp_path):
+    """bench/train_step.py end to end on CPU with tiny sizes: both loaders, monitored, JSON written."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--make-data", "3", "--hidden-size", "16",
+           "--tokens", "20:30", "--max-len", "32", "--workers", "1", "--convert-workers", "0",
+           "--data-dir", str(tmp_path / "data"), "--out", str(out)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "train_step.json").read_text())
+    assert [r["loader"] for r in result["runs"]] == ["baseline", "h5feed"]
+    for run in result["runs"]:
+        assert run["batches"] == 3 and run["steps"] == 2 and run["data_loading_pct"] is not None
+        assert run["gpu_idle_pct"] is None and run["loss_last"] > 0
+    assert "h5feed[h5feed] first batch after" in done.stderr
+    assert {p.name for p in out.glob("h5feed-monitor-*.jsonl")} == {"h5feed-monitor-baseline.jsonl",
+                                                                    "h5feed-monitor-h5feed.jsonl"}
