@@ -90,6 +90,25 @@ def convert(
     progress: bool = True,
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst` (see the module docstring)."""
+    try:
+        return _convert(src, dst, format, workers, codec, chunk_tokens, skip_bad, overwrite, progress)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise StoreError(dst, "disk full: free space and run the same command to resume") from exc
+        raise
+
+
+def _convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str | None,
+    workers: int,
+    codec: str,
+    chunk_tokens: int,
+    skip_bad: bool,
+    overwrite: bool,
+    progress: bool,
+) -> ConvertReport:
     src_path, dst_path = Path(src).resolve(), Path(dst)
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be at least 1")
@@ -115,7 +134,7 @@ def convert(
 
     with _executor(workers) as pool:
         if (dst_path / PLAN_FILE).exists():
-            plan = _read_plan(dst_path, sources, options)
+            plan = _read_plan(dst_path, sources, options, skip_bad)
             _remove_partial_writes(dst_path)
         else:
             plan = _make_plan(pool, fmt, sources, options, src_path, dst_path, skip_bad, progress)
@@ -124,7 +143,8 @@ def convert(
         pending = [i for i in range(len(samples)) if i not in done]
         report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
         if pending:
-            by_relpath = {s.relpath: s for s in sources}
+            # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
+            by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
             _convert_pending(pool, fmt, dst_path, plan, samples, pending, by_relpath, workers, skip_bad, progress, report)
             done = _read_journal(dst_path)
     skipped: list[dict[str, str]] = list(plan["skipped"])
@@ -216,7 +236,7 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any])
         )
 
 
-def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any]) -> dict[str, Any]:
+def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any], skip_bad: bool) -> dict[str, Any]:
     """The plan of an unfinished conversion, if this command is the same one that started it."""
     try:
         plan = json.loads((dst / PLAN_FILE).read_text())
@@ -228,8 +248,10 @@ def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any]) ->
         )
     planned = {s["relpath"] for s in plan["samples"]} | {s["path"] for s in plan["skipped"]}
     missing = planned - {s.relpath for s in sources}
-    if missing:
-        raise StoreError(dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}")
+    if missing and not skip_bad:
+        raise StoreError(
+            dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}; pass --skip-bad to skip them"
+        )
     return plan
 
 

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import threading
+import zipfile
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Collection
@@ -180,6 +181,8 @@ def _torch_load_path(path: Path) -> Any:
         raise SourceError(path, f"cannot be opened: {e.strerror or e}") from e
     if not magic:
         raise SourceError(path, "empty file (0 bytes): truncated or never written")
+    if magic == _ZIP_MAGIC and not zipfile.is_zipfile(path):
+        raise SourceError(path, "not a readable torch.save file (truncated or corrupt): the zip directory at its end is missing")
     try:
         return torch.load(path, weights_only=True, map_location="cpu", mmap=magic == _ZIP_MAGIC)
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
@@ -702,6 +705,29 @@ def _format_by_name(name: FormatName) -> SourceFormat:
     return FORMATS[name]
 
 
+def _detect_pt_format(pts: list[SourceFile]) -> SourceFormat:
+    """Legacy vs v0 by the keys of the first file that loads (a bad first file is --skip-bad's job, not ours)."""
+    first_error: SourceError | None = None
+    for source in pts[:8]:
+        try:
+            d = _require_dict(source.path, _torch_load_path(source.path))
+        except SourceError as exc:
+            first_error = first_error or exc
+            continue
+        if "hidden_states" in d:
+            return FORMATS["speculators-legacy-pt"]
+        if "hidden_state" in d and "target" in d:
+            return FORMATS["speculators-v0-pt"]
+        found = ", ".join(repr(k) for k in d) or "none"
+        raise SourceError(
+            source.path,
+            f"keys ({found}) match neither speculators legacy ('hidden_states' list) nor "
+            "speculators v0 ('hidden_state' + 'target')",
+        )
+    assert first_error is not None
+    raise first_error
+
+
 def detect_format(root: Path) -> SourceFormat:
     """The format of the sample files under root; legacy vs v0 ``.pt`` by the keys of the first file."""
     root = _check_root(Path(root))
@@ -719,18 +745,7 @@ def detect_format(root: Path) -> SourceFormat:
     if ckpts:
         return FORMATS["specforge-ckpt"]
     if pts:
-        first = pts[0].path
-        d = _require_dict(first, _torch_load_path(first))
-        if "hidden_states" in d:
-            return FORMATS["speculators-legacy-pt"]
-        if "hidden_state" in d and "target" in d:
-            return FORMATS["speculators-v0-pt"]
-        found = ", ".join(repr(k) for k in d) or "none"
-        raise SourceError(
-            first,
-            f"keys ({found}) match neither speculators legacy ('hidden_states' list) nor "
-            "speculators v0 ('hidden_state' + 'target')",
-        )
+        return _detect_pt_format(pts)
     raise SourceError(
         root,
         "no sample files of any known format found: expected data_{i}.pt, data_{i}.ckpt[.gz] "

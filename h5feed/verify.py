@@ -50,6 +50,7 @@ def verify_store(
             sample = store.read_sample(i)
         except H5feedError as exc:
             report.mismatches.append(Mismatch(i, relpath, str(exc)))
+            report.samples_checked += 1
             continue
         stored = _stored_bits(sample)
         for name, want, got in zip(CHECKSUMMED, store.checksums[i], checksums(list(stored.values()))):
