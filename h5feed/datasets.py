@@ -126,10 +126,13 @@ class _FlavoredReader:
         """Exact token counts of the selected samples (speculators' batch samplers read this)."""
         return [int(self.store.sample_lengths[i]) for i in self.indices]
 
+    def _tokens_to_read(self, store_index: int) -> int:
+        return self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
+
     def _read_item(self, store_index: int) -> Item:
         counters = self.counters.worker()
         counters.begin_sample(store_index)
-        tokens = self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
+        tokens = self._tokens_to_read(store_index)
         raw = self.store.read_sample(store_index, tokens, stats=counters)  # type: ignore[arg-type]
         item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, default_allocator)
         counters.end_sample(tokens)
@@ -321,7 +324,10 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
 
         def produce() -> None:
             try:
-                for index in sequence:
+                for position, index in enumerate(sequence):
+                    # this sample's chunks first, then the next one's behind them in the disk queue
+                    for ahead in sequence[position : position + 2]:
+                        self.store.will_need(ahead, self._tokens_to_read(ahead))
                     if not put(self._read_item(index)):
                         return
                     counters.set_queue_depth(ready.qsize())
