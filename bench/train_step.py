@@ -81,6 +81,13 @@ class Shape:
         return cls(hidden, aux_layers, heads, max(1, heads // 7), head_dim, hidden * 18 // 7)
 
 
+class RMSNorm(nn.RMSNorm):
+    """Computed in float32 as Llama's is (the fused kernel also needs input and weight of one dtype)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).to(x.dtype)
+
+
 def _rotary(position_ids: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
     freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
@@ -100,7 +107,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, s: Shape) -> None:
         super().__init__()
         self.s = s
-        self.input_norm, self.hidden_norm, self.post_norm = (nn.RMSNorm(s.hidden, eps=1e-6) for _ in range(3))
+        self.input_norm, self.hidden_norm, self.post_norm = (RMSNorm(s.hidden, eps=1e-6) for _ in range(3))
         self.q = nn.Linear(2 * s.hidden, s.heads * s.head_dim, bias=False)
         self.k = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.v = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
@@ -136,9 +143,9 @@ class Drafter(nn.Module):
         self.embed = nn.Embedding(s.vocab, s.hidden).requires_grad_(False)  # the verifier's, frozen
         self.fc = nn.Linear(s.aux_layers * s.hidden, s.hidden, bias=False)
         self.layer = DecoderLayer(s)
-        self.norm = nn.RMSNorm(s.hidden, eps=1e-6)
+        self.norm = RMSNorm(s.hidden, eps=1e-6)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
-        self.verifier_norm = nn.RMSNorm(s.hidden, eps=1e-6).requires_grad_(False)
+        self.verifier_norm = RMSNorm(s.hidden, eps=1e-6).requires_grad_(False)
         self.verifier_head = nn.Linear(s.hidden, s.vocab, bias=False).requires_grad_(False)
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -49,6 +49,9 @@ from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoade
 from h5feed.errors import H5feedError
 from h5feed.metrics import MAX_WORKERS
 from h5feed.store import Store
+
+if TYPE_CHECKING:  # typing.Self is 3.11+
+    from typing_extensions import Self
 
 LOADERS = ("pt-baseline", "HiddenStatesDataset", "HiddenStatesStream")
 LOADER_LABELS = {
@@ -164,13 +167,13 @@ class BenchResult:
             return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
 
         out = [
-            f"store  {self.store} ({self.num_samples} samples, {self.num_tokens} tokens, H={self.hidden_size}, "
-            f"K={self.num_aux_layers}, {self.store_bytes / 1e9:.2f} GB)",
+            (f"store  {self.store} ({self.num_samples} samples, {self.num_tokens} tokens, H={self.hidden_size}, "
+             f"K={self.num_aux_layers}, {self.store_bytes / 1e9:.2f} GB)"),
             f"source {self.source_root} ({self.source_format}"
             + (f", {self.source_bytes / 1e9:.2f} GB)" if self.source_bytes else ")"),
-            f"DataLoader num_workers={self.workers}, batch_size=None, max_len={self.max_len}, flavor={self.flavor}, "
-            f"hidden_states_dtype={self.hidden_states_dtype}; machine: {self.machine.get('cpus')} cores, "
-            f"{self.machine.get('memory_bytes', 0) / 2**30:.0f} GiB",
+            (f"DataLoader num_workers={self.workers}, batch_size=None, max_len={self.max_len}, flavor={self.flavor}, "
+             f"hidden_states_dtype={self.hidden_states_dtype}; machine: {self.machine.get('cpus')} cores, "
+             f"{self.machine.get('memory_bytes', 0) / 2**30:.0f} GiB"),
             "",
             line(header),
             line(["-" * w for w in widths]),
@@ -380,7 +383,7 @@ class MemorySampler:
         t = psutil.cpu_times()
         return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
-    def __enter__(self) -> MemorySampler:
+    def __enter__(self) -> Self:
         self.peak = 0
         self._cpu_start = self._tree_cpu()
         self._busy_start, self._wall_start = self._busy(), time.perf_counter()

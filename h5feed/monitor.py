@@ -4,9 +4,9 @@ Why: a trainer whose GPU waits on its input says nothing, and people fall back
 on `nvidia-smi`, `ps` and `strace` to guess whether it computes, loads or hangs.
 `monitor(loader)` wraps the loader the trainer iterates and measures, per step,
 how long `next()` blocked (torchtitan's `data_loading(s)` and `data_loading(%)`)
-and, with CUDA, how long the GPU sat idle meanwhile (CUDA events recorded at each
-`next()` call and batch hand-off, read once they have completed: nothing waits on
-the GPU in the hot path).  A thread adds the workers' shared counters
+and, with CUDA, how long the GPU had no work meanwhile (the stream's `query()` at
+each `next()` call, and CUDA events where the CPU runs ahead of the GPU, read once
+complete: nothing waits on the GPU in the hot path).  A thread adds the workers' shared counters
 (`h5feed.metrics`) and writes a line every `every` seconds, a JSON-lines record
 for `h5feed watch`, TensorBoard scalars if asked, and a stall report that says
 what every worker is doing when the trainer or the workers stop moving.
@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Generic, Literal, TextIO, TypeVar
@@ -86,9 +86,9 @@ class _Totals:
     wait_s: float = 0.0
     samples: int = 0
     batch_bytes: int = 0
-    gpu_steps: int = 0
+    gpu_steps: int = 0  # steps whose GPU idle time is known (events complete)
+    gpu_step_s: float = 0.0
     gpu_idle_s: float = 0.0
-    gpu_busy_s: float = 0.0
 
     def copy(self) -> _Totals:
         return _Totals(**self.__dict__)
@@ -96,18 +96,29 @@ class _Totals:
     def __sub__(self, other: _Totals) -> _Totals:
         return _Totals(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
+    def add_gpu(self, steps: list[tuple[float, float]]) -> None:
+        for idle, step in steps:
+            self.gpu_steps += 1
+            self.gpu_step_s += step
+            self.gpu_idle_s += idle
+
 
 class _GpuTimer:
-    """CUDA events at each `next()` call (C) and hand-off (H) of the current stream.
+    """How long the GPU had no work while the trainer waited for each batch, without waiting on the GPU.
 
-    Step i runs from C_i to C_{i+1}: the GPU idles for want of data from C_i (the
-    trainer's work so far is done) to H_i, and works on the step from H_i to
-    C_{i+1}.  Figures are read only from events that `query()` says are complete.
+    When the trainer asks for a batch, either its stream has finished all queued
+    work (`query()`; e.g. after a `loss.item()`), and the GPU then idles exactly as
+    long as `next()` blocks; or work is still queued (the CPU runs ahead), and CUDA
+    events recorded at the call (C) and at hand-off (H) give the GPU's idle gap,
+    read once H has completed.  Host time is the better clock in the first case:
+    an event recorded while the pin-memory thread holds the driver (allocating
+    pinned memory) gets a late timestamp.
     """
 
     def __init__(self) -> None:
         self._free: list[torch.cuda.Event] = []
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, float]] = deque()
+        self._mode: Literal["off", "host", "events"] = "off"  # how the current step is timed
         self._call: torch.cuda.Event | None = None
         self._handoff: torch.cuda.Event | None = None
 
@@ -116,25 +127,35 @@ class _GpuTimer:
         event.record()
         return event
 
-    def handed_off(self) -> None:
-        self._handoff = self._record()
-
     def called(self) -> None:
-        call = self._record()
-        if self._call is not None and self._handoff is not None:
-            self._pending.append((self._call, self._handoff, call))
+        """The trainer asks for the next batch: everything of its step so far is queued."""
+        if torch.cuda.current_stream().query():
+            self._mode = "host"
+        else:
+            self._mode, self._call = "events", self._record()
+
+    def handed_off(self) -> None:
+        if self._mode == "events":
+            self._handoff = self._record()
+
+    def step_done(self, wait_s: float, step_s: float) -> list[tuple[float, float]]:
+        """(idle, step) seconds of the steps known by now, the one that just ended included if it can be."""
+        if self._mode == "host":
+            return [(wait_s, step_s)]
+        if self._mode == "events" and self._call is not None and self._handoff is not None:
+            self._pending.append((self._call, self._handoff, step_s))
             if len(self._pending) > MAX_PENDING_STEPS:
                 self._pending.popleft()
-        self._call, self._handoff = call, None
+        return self.collect()
 
     def collect(self, wait: bool = False) -> list[tuple[float, float]]:
-        """(idle, busy) seconds of each step whose events have completed; `wait` blocks (end of iteration only)."""
+        """Steps whose events have completed; `wait` blocks (end of iteration only)."""
         done = []
-        while self._pending and (wait or self._pending[0][2].query()):
-            call, handoff, next_call = self._pending.popleft()
-            next_call.synchronize()
-            done.append((call.elapsed_time(handoff) / 1e3, handoff.elapsed_time(next_call) / 1e3))
-            self._free += [call, handoff]  # next_call is the next step's C
+        while self._pending and (wait or self._pending[0][1].query()):
+            call, handoff, step_s = self._pending.popleft()
+            handoff.synchronize()
+            done.append((call.elapsed_time(handoff) / 1e3, step_s))
+            self._free += [call, handoff]
         return done
 
 
@@ -162,7 +183,6 @@ def _nbytes(batch: Any) -> int:
 
 def _step_figures(t: _Totals) -> Record:
     """The trainer-side figures of a window, named as torchtitan names them."""
-    idle_busy = t.gpu_idle_s + t.gpu_busy_s
     return {
         "steps": t.steps,
         "throughput(steps/s)": t.steps / t.step_s if t.step_s else None,
@@ -170,13 +190,15 @@ def _step_figures(t: _Totals) -> Record:
         "data_loading(s)": t.wait_s / t.steps if t.steps else None,
         "data_loading(%)": 100 * t.wait_s / t.step_s if t.step_s else None,
         "gpu_idle(s)": t.gpu_idle_s / t.gpu_steps if t.gpu_steps else None,
-        "gpu_idle(%)": 100 * t.gpu_idle_s / idle_busy if t.gpu_steps and idle_busy else None,
+        "gpu_idle(%)": 100 * t.gpu_idle_s / t.gpu_step_s if t.gpu_step_s else None,
         "throughput(samples/s)": t.samples / t.step_s if t.step_s else None,
         "batches(GB/s)": t.batch_bytes / t.step_s / 1e9 if t.step_s else None,
     }
 
 
-def _worker_rows(snap: LoaderSnapshot, before: LoaderSnapshot | None, path_of: Any) -> list[Record]:
+def _worker_rows(
+    snap: LoaderSnapshot, before: LoaderSnapshot | None, path_of: Callable[[int], str | None]
+) -> list[Record]:
     """One row per started worker; rates against `before` (None: no rates yet)."""
     old = {w.worker: w for w in before.workers} if before is not None else {}
     dt = snap.time - before.time if before is not None else 0.0
@@ -336,14 +358,14 @@ def _worker_sentence(row: Record) -> str:
 # --- the monitor --------------------------------------------------------------------------------
 
 
-def _make_visible() -> None:
-    """Report lines must reach stderr even when the trainer configured no logging: that is the point of them."""
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
-    if not log.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)  # flushes after every line
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(handler)
+def _say(level: int, line: str) -> None:
+    """Log the line; if the trainer configured no logging, still write it to stderr: that is the point of it."""
+    if log.hasHandlers():
+        if log.level == logging.NOTSET and log.getEffectiveLevel() > level:
+            log.setLevel(logging.INFO)  # an unconfigured level (WARNING) would drop the reports
+        log.log(level, line)
+    else:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
 def _tensorboard_writer(tensorboard: bool | Literal["auto"], log_dir: Path | None) -> Any:
@@ -412,7 +434,7 @@ class Monitor(Generic[T]):
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    # --- the hot path: a few clock reads, one lock, two CUDA event records ----------------------
+    # --- the hot path: clock reads, one lock; with CUDA a stream query (and two events if the CPU runs ahead)
     def __iter__(self) -> Iterator[T]:
         self._begin()
         try:
@@ -447,9 +469,10 @@ class Monitor(Generic[T]):
 
     def _asked(self, t_call: float) -> None:
         gpu_steps = []
+        if self._step_call is not None and self._gpu is not None:
+            gpu_steps = self._gpu.step_done(self._open_wait, t_call - self._step_call)
         if self._gpu is not None:
             self._gpu.called()
-            gpu_steps = self._gpu.collect()
         with self._lock:
             self._waiting_since = t_call
             t = self._totals
@@ -460,14 +483,10 @@ class Monitor(Generic[T]):
                 t.samples += self._batch_size
                 t.batch_bytes += self._open_bytes
             self._step_call = t_call
-            for idle, busy in gpu_steps:
-                t.gpu_steps += 1
-                t.gpu_idle_s += idle
-                t.gpu_busy_s += busy
+            t.add_gpu(gpu_steps)
 
     # --- start and end --------------------------------------------------------------------------
     def _begin(self) -> None:
-        _make_visible()
         self._reset()
         self._waiting_since = self._t0
         self._start = _Report(self._t0, _Totals(), self.counters.snapshot() if self.counters is not None else None)
@@ -503,11 +522,9 @@ class Monitor(Generic[T]):
         if self._thread is not None:
             self._thread.join()
         if self._gpu is not None:
+            gpu_steps = self._gpu.collect(wait=True)
             with self._lock:
-                for idle, busy in self._gpu.collect(wait=True):
-                    self._totals.gpu_steps += 1
-                    self._totals.gpu_idle_s += idle
-                    self._totals.gpu_busy_s += busy
+                self._totals.add_gpu(gpu_steps)
         with self._lock:
             self._waiting_since = None
         rec = self._record("end", time.perf_counter(), self._start)
@@ -627,7 +644,7 @@ class Monitor(Generic[T]):
 
     # --- sinks ----------------------------------------------------------------------------------
     def _emit(self, rec: Record, line: str, level: int = logging.INFO) -> None:
-        log.log(level, line)
+        _say(level, line)
         if self.jsonl_path is None:
             return
         rec = {"kind": rec["kind"], "name": self.name, "time": time.time()} | rec

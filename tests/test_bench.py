@@ -20,11 +20,11 @@ LENGTHS = (30, 60)
 
 
 @pytest.fixture(scope="module")
-def tiny(synthetic_store):  # noqa: ANN001, ANN201
+def tiny(synthetic_store):
     return synthetic_store("bench-tiny", "speculators-legacy-pt", 5, H, LENGTHS, chunk_tokens=16)
 
 
-def test_baseline_items_equal_h5feed_items(tiny) -> None:  # noqa: ANN001
+def test_baseline_items_equal_h5feed_items(tiny) -> None:
     """The baseline is speculators 0.4's item: the same tensors as the speculators-legacy flavor, key for key."""
     baseline = Eagle3SampleFileDataset(2048, file_list=tiny.files, hidden_states_dtype=torch.bfloat16)
     ours = HiddenStatesDataset(tiny.path, "speculators-legacy", max_len=None, hidden_states_dtype=torch.bfloat16)
@@ -39,7 +39,7 @@ def test_baseline_items_equal_h5feed_items(tiny) -> None:  # noqa: ANN001
         Eagle3SampleFileDataset(2048, datapath=tiny.src, file_list=tiny.files)
 
 
-def test_run_bench_three_loaders_exact_counts(tiny) -> None:  # noqa: ANN001
+def test_run_bench_three_loaders_exact_counts(tiny) -> None:
     result = run_bench(tiny.path, workers=2, cold=False, progress=False)
     assert [p.loader for p in result.passes] == list(LOADERS)
     assert all(p.cache == "warm" for p in result.passes) and not result.cold
@@ -61,7 +61,7 @@ def test_run_bench_three_loaders_exact_counts(tiny) -> None:  # noqa: ANN001
     assert "HiddenStatesStream" in result.table()
 
 
-def test_cli_json(tiny, capsys) -> None:  # noqa: ANN001
+def test_cli_json(tiny, capsys) -> None:
     rc = main(["-q", "bench", str(tiny.path), "--workers", "2", "--no-cold", "--json",
                "--loaders", "pt-baseline,HiddenStatesDataset"])
     assert rc == 0
@@ -73,14 +73,14 @@ def test_cli_json(tiny, capsys) -> None:  # noqa: ANN001
                                                       out["passes"][0]["samples_per_s"])
 
 
-def test_cold_impossible_says_so(tiny, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_cold_impossible_says_so(tiny, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(bench, "DROP_CACHES", tmp_path)  # a folder: opening it for writing fails
     result = run_bench(tiny.path, workers=0, cold=True, loaders=["HiddenStatesDataset"], progress=False)
     assert not result.cold and [p.cache for p in result.passes] == ["warm"]
     assert any("cannot drop the page cache" in note for note in result.notes)
 
 
-def test_non_pt_store_benches_h5feed_alone(synthetic_store) -> None:  # noqa: ANN001
+def test_non_pt_store_benches_h5feed_alone(synthetic_store) -> None:
     ckpt = synthetic_store("bench-ckpt", "specforge-ckpt", 3, H, LENGTHS, chunk_tokens=16)
     result = run_bench(ckpt.path, workers=0, cold=False, loaders=["pt-baseline", "HiddenStatesDataset"],
                        progress=False)
