@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # h5feed and tools
 
 import h5feed
 from h5feed.datasets import HiddenStatesStream, StreamLoader
-from h5feed.store import Store, default_allocator
+from h5feed.store import Store, shared_allocator
 
 log = logging.getLogger("train_step")
 
@@ -194,7 +194,7 @@ class Trainer:
 class Collate:
     """speculators 0.4's `create_collate_fn(max_len)` (cat, cut or zero-pad to max_len, batch dim, lengths cut).
 
-    Buffers come from `h5feed.store.default_allocator`: shared memory inside a worker, so the
+    Buffers come from `h5feed.store.shared_allocator`: shared memory inside a worker, so the
     batch reaches the trainer without another copy.  Both loaders use it.
     """
 
@@ -208,7 +208,7 @@ class Collate:
                 continue
             cat = torch.cat([item[key] for item in items]) if len(items) > 1 else items[0][key]
             n = min(len(cat), self.max_len)
-            buf = default_allocator((self.max_len, *cat.shape[1:]), cat.dtype)
+            buf = shared_allocator((self.max_len, *cat.shape[1:]), cat.dtype)
             buf[:n].copy_(cat[:n])
             buf[n:].zero_()
             out[key] = buf.unsqueeze(0)

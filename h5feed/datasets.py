@@ -9,10 +9,10 @@ main process can read while training runs (`dataset.counters.snapshot()`).
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from h5feed.errors import StoreError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
 from h5feed.metrics import LoaderCounters
-from h5feed.store import Store, default_allocator
+from h5feed.store import Store, plain_allocator, shared_allocator
 
 SampleSelector = Sequence[int | str | os.PathLike[str]]
 
@@ -87,8 +87,10 @@ class _FlavoredReader:
         hidden_states_dtype: torch.dtype | None,
         samples: SampleSelector | None,
         missing_loss_mask: Literal["error", "ones"],
+        shared_memory: bool,
     ) -> None:
         self.store = _as_store(store)
+        self.shared_memory = shared_memory
         self.flavor: Flavor = get_flavor(flavor)
         if max_len is not None and max_len < 1:
             raise ValueError("max_len must be a positive number of tokens or None")
@@ -133,9 +135,10 @@ class _FlavoredReader:
         counters = self.counters.worker()
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
-        raw = self.store.read_sample(store_index, tokens, stats=counters)  # type: ignore[arg-type]
-        item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, default_allocator)
-        counters.end_sample(tokens)
+        allocate = shared_allocator if self.shared_memory else plain_allocator
+        raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters)
+        item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
+        counters.end_sample(store_index, tokens)
         return item
 
 
@@ -152,6 +155,10 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         hidden_states_dtype: dtype of the hidden-state keys (speculators casts; default as the trainer's).
         samples: store indices and/or source paths (as in the trainer's own file lists) to select.
         missing_loss_mask: what to do with samples whose source had no loss mask.
+        shared_memory: decode into shared memory inside DataLoader workers. Right when items are
+            handed on uncollated (batch_size=None): the hand-off then passes a file descriptor, not
+            a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
+            memory costs about twice as much to fill as plain memory.
     """
 
     def __init__(
@@ -164,17 +171,17 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         *,
         samples: SampleSelector | None = None,
         missing_loss_mask: Literal["error", "ones"] = "error",
+        shared_memory: bool = False,
     ) -> None:
-        super().__init__(store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask)
+        super().__init__(
+            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory
+        )
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, index: int) -> Item:
         return self._read_item(self.indices[index])
-
-
-_END = object()
 
 
 class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
@@ -184,7 +191,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     every W-th sample of it; within a rank, DataLoader worker w takes the batches
     j with j % num_workers == w, so the DataLoader delivers the rank's sequence in
     order and a position in it is all a resume needs (see README "Resuming").
-    A thread in each worker reads and decodes up to `prefetch` samples ahead.
+    `threads` threads in each worker (or in the trainer's process with num_workers=0)
+    read and decode up to `prefetch` samples ahead.
 
     Extra args (the rest as `HiddenStatesDataset`):
         shuffle: False, True, or "locality": shuffle blocks of `locality_block` samples that lie
@@ -193,7 +201,9 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         equal_per_rank: pad each rank to the same count by repeating samples (as DistributedSampler
             does), since unequal counts hang DDP; False reads every sample exactly once.
         batch_size: the DataLoader's batch_size (`StreamLoader` sets it), so workers deal whole batches.
-        prefetch: samples read ahead per worker.
+        prefetch: samples read ahead per worker (at least `threads`).
+        threads: reader threads per worker.  With num_workers=0 and threads = cores, items are
+            decoded straight into the trainer's memory: no process hand-off at all.
         rank, world_size: default from torch.distributed when it is initialised, else 0 and 1.
     """
 
@@ -207,22 +217,27 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         *,
         samples: SampleSelector | None = None,
         missing_loss_mask: Literal["error", "ones"] = "error",
+        shared_memory: bool = False,
         shuffle: bool | Literal["locality"] = True,
         locality_block: int = 32,
         seed: int = 0,
         equal_per_rank: bool = True,
         batch_size: int = 1,
         prefetch: int = 2,
+        threads: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        super().__init__(store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask)
+        super().__init__(
+            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory
+        )
         self.shuffle = shuffle
         self.locality_block = locality_block
         self.seed = seed
         self.equal_per_rank = equal_per_rank
         self.batch_size = batch_size
         self.prefetch = prefetch
+        self.threads = max(1, threads)
         self._rank, self._world_size = rank, world_size
         self.epoch = 0
         self._start = 0  # position in the epoch order where this iteration starts (resume)
@@ -302,55 +317,40 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             yield item
 
     def _prefetched(self, sequence: list[int]) -> Iterator[Item]:
-        """Items of `sequence`, read and decoded by a background thread at most `prefetch` ahead."""
+        """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead.
+
+        Reads release the GIL (file I/O, mmap, blosc), so threads decode in parallel: in
+        the trainer's own process (num_workers=0) nothing crosses a process boundary at all.
+        """
         counters = self.counters.worker()
         counters.start()
         if self.prefetch < 1:
             for index in sequence:
                 yield self._read_item(index)
             return
-        ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
+        upcoming = iter(sequence)
+        in_flight: deque[Future[Item]] = deque()
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-read") as pool:
 
-        def put(item: Any) -> bool:
-            """Queue `item` unless the consumer has stopped: it may never take another, so never block."""
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+            def submit_next() -> None:
+                index = next(upcoming, None)
+                if index is not None:
+                    self.store.will_need(index, self._tokens_to_read(index))  # the disk starts now
+                    in_flight.append(pool.submit(self._read_item, index))
 
-        def produce() -> None:
             try:
-                for position, index in enumerate(sequence):
-                    # this sample's chunks first, then the next one's behind them in the disk queue
-                    for ahead in sequence[position : position + 2]:
-                        self.store.will_need(ahead, self._tokens_to_read(ahead))
-                    if not put(self._read_item(index)):
-                        return
-                    counters.set_queue_depth(ready.qsize())
-                put(_END)
-            except BaseException as exc:  # handed to the consumer, which raises it
-                put(exc)
-
-        thread = threading.Thread(target=produce, name="h5feed-prefetch", daemon=True)
-        thread.start()
-        try:
-            while True:
-                t0 = time.perf_counter()
-                item = ready.get()
-                counters.add_wait(time.perf_counter() - t0)
-                counters.set_queue_depth(ready.qsize())
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            thread.join()
+                for _ in range(max(self.prefetch, self.threads)):
+                    submit_next()
+                while in_flight:
+                    t0 = time.perf_counter()
+                    item = in_flight.popleft().result()
+                    counters.add_wait(time.perf_counter() - t0)
+                    submit_next()
+                    counters.set_queue_depth(sum(f.done() for f in in_flight))
+                    yield item
+            finally:  # also when the consumer stops early: drop what was not started
+                for future in in_flight:
+                    future.cancel()
 
 
 class StreamLoader(DataLoader):
@@ -362,6 +362,8 @@ class StreamLoader(DataLoader):
     def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
         dataset.batch_size = batch_size or 1
         dataset._counted_by_loader = True
+        if batch_size is None:  # items reach the trainer as they are: share them, don't copy them
+            dataset.shared_memory = True
         super().__init__(dataset, batch_size=batch_size, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:

@@ -11,6 +11,7 @@ reads rows at any time (a snapshot is a copy, never a lock).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from enum import IntEnum
@@ -42,79 +43,59 @@ NUM_FIELDS = len(Field)
 
 
 class WorkerCounters:
-    """One worker's row, written by that worker.
+    """One worker's row, written by that worker's threads (under a process-local lock).
 
-    It has the attributes of `store.ReadStats`, so `Store.read_sample(stats=...)` updates the
-    shared row chunk by chunk: a stall report can say how far a read got.
+    It implements `store.ReadStats`'s `add_*` methods, so `Store.read_sample(stats=...)`
+    updates the shared row chunk by chunk: a stall report can say how far a read got.
     """
 
-    def __init__(self, row: torch.Tensor) -> None:
+    def __init__(self, row: torch.Tensor, lock: threading.Lock) -> None:
         self._row = row
+        self._lock = lock
 
-    def _add(self, field: Field, value: float) -> None:
-        self._row[field] += value
+    def _add(self, *pairs: tuple[Field, float]) -> None:
+        with self._lock:
+            for field, value in pairs:
+                self._row[field] += value
+
+    def _set(self, *pairs: tuple[Field, float]) -> None:
+        with self._lock:
+            for field, value in pairs:
+                self._row[field] = value
 
     # --- the ReadStats protocol -----------------------------------------------------------
-    @property
-    def bytes_read(self) -> float:
-        return float(self._row[Field.BYTES_READ])
+    def add_read(self, nbytes: int, seconds: float) -> None:
+        self._add((Field.BYTES_READ, nbytes), (Field.CURRENT_BYTES, nbytes), (Field.READ_SECONDS, seconds))
+        self._set((Field.LAST_PROGRESS, time.time()))
 
-    @bytes_read.setter
-    def bytes_read(self, value: float) -> None:
-        delta = value - float(self._row[Field.BYTES_READ])
-        self._row[Field.BYTES_READ] = value
-        self._row[Field.CURRENT_BYTES] += delta
-        self._row[Field.LAST_PROGRESS] = time.time()
+    def add_decode(self, seconds: float) -> None:
+        self._add((Field.DECODE_SECONDS, seconds))
 
-    @property
-    def bytes_delivered(self) -> float:
-        return float(self._row[Field.BYTES_DELIVERED])
-
-    @bytes_delivered.setter
-    def bytes_delivered(self, value: float) -> None:
-        self._row[Field.BYTES_DELIVERED] = value
-
-    @property
-    def read_seconds(self) -> float:
-        return float(self._row[Field.READ_SECONDS])
-
-    @read_seconds.setter
-    def read_seconds(self, value: float) -> None:
-        self._row[Field.READ_SECONDS] = value
-
-    @property
-    def decode_seconds(self) -> float:
-        return float(self._row[Field.DECODE_SECONDS])
-
-    @decode_seconds.setter
-    def decode_seconds(self, value: float) -> None:
-        self._row[Field.DECODE_SECONDS] = value
+    def add_delivered(self, nbytes: int) -> None:
+        self._add((Field.BYTES_DELIVERED, nbytes))
 
     # --- sample life cycle ----------------------------------------------------------------
     def start(self) -> None:
-        self._row[Field.PID] = os.getpid()
-        self._row[Field.STARTED] = time.time()
-        self._row[Field.CURRENT_SAMPLE] = -1
+        self._set((Field.PID, os.getpid()), (Field.STARTED, time.time()), (Field.CURRENT_SAMPLE, -1))
 
     def begin_sample(self, index: int) -> None:
-        now = time.time()
-        self._row[Field.CURRENT_SAMPLE] = index
-        self._row[Field.CURRENT_SINCE] = now
-        self._row[Field.CURRENT_BYTES] = 0
         if self._row[Field.STARTED] == 0:
             self.start()
+        self._set((Field.CURRENT_SAMPLE, index), (Field.CURRENT_SINCE, time.time()), (Field.CURRENT_BYTES, 0))
 
-    def end_sample(self, tokens: int) -> None:
-        self._add(Field.SAMPLES, 1)
-        self._add(Field.TOKENS, tokens)
-        self._row[Field.CURRENT_SAMPLE] = -1
-        self._row[Field.LAST_PROGRESS] = time.time()
+    def end_sample(self, index: int, tokens: int) -> None:
+        """Count a finished sample; with several reader threads, `current` stays on the newest read."""
+        self._add((Field.SAMPLES, 1), (Field.TOKENS, tokens))
+        with self._lock:
+            if self._row[Field.CURRENT_SAMPLE] == index:
+                self._row[Field.CURRENT_SAMPLE] = -1
+            self._row[Field.LAST_PROGRESS] = time.time()
 
     def add_wait(self, seconds: float) -> None:
-        self._add(Field.WAIT_SECONDS, seconds)
+        self._add((Field.WAIT_SECONDS, seconds))
 
     def set_queue_depth(self, depth: int) -> None:
-        self._row[Field.QUEUE_DEPTH] = depth
+        self._set((Field.QUEUE_DEPTH, depth))
 
 
 @dataclass
@@ -161,6 +142,7 @@ class LoaderCounters:
     def __init__(self, max_workers: int = MAX_WORKERS) -> None:
         self.table = torch.zeros(max_workers, NUM_FIELDS, dtype=torch.float64).share_memory_()
         self._previous: LoaderSnapshot | None = None
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"table": self.table}
@@ -168,6 +150,7 @@ class LoaderCounters:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.table = state["table"]
         self._previous = None
+        self._lock = threading.Lock()
 
     def worker(self, worker_id: int | None = None) -> WorkerCounters:
         """This process's row: the DataLoader worker id, or row 0 in the main process."""
@@ -176,7 +159,7 @@ class LoaderCounters:
             worker_id = info.id if info is not None else 0
         if worker_id >= len(self.table):
             raise ValueError(f"worker id {worker_id} exceeds the {len(self.table)} counter rows")
-        return WorkerCounters(self.table[worker_id])
+        return WorkerCounters(self.table[worker_id], self._lock)
 
     def reset(self) -> None:
         self.table.zero_()

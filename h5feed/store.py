@@ -117,24 +117,44 @@ class RawSample:
 
 @dataclass
 class ReadStats:
-    """What one read cost: bytes from storage, bytes delivered, seconds in I/O and in decoding."""
+    """What reads cost: bytes from storage, bytes delivered, seconds in I/O and in decoding.
+
+    `Store.read_sample` reports through the three `add_*` methods, which
+    `metrics.WorkerCounters` implements too (in shared memory, thread-safe).
+    """
 
     bytes_read: int = 0
     bytes_delivered: int = 0
     read_seconds: float = 0.0
     decode_seconds: float = 0.0
 
+    def add_read(self, nbytes: int, seconds: float) -> None:
+        self.bytes_read += nbytes
+        self.read_seconds += seconds
+
+    def add_decode(self, seconds: float) -> None:
+        self.decode_seconds += seconds
+
+    def add_delivered(self, nbytes: int) -> None:
+        self.bytes_delivered += nbytes
+
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
-def default_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Allocate in shared memory inside a DataLoader worker, so handing the tensor to the
-    trainer passes a file descriptor instead of copying 100 MB (what default_collate does too)."""
+def plain_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Ordinary memory (huge pages where the kernel gives them): the cheapest to fill, and right
+    whenever the tensor stays in this process or a collate copies it anyway (speculators', SpecForge's)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def shared_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Shared memory inside a DataLoader worker, so that an item handed on uncollated passes a file
+    descriptor instead of being copied (what default_collate does too); plain memory elsewhere.
+    Filling fresh shared memory costs about twice plain memory (no huge pages)."""
     if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    numel = math.prod(shape)
-    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+        return plain_allocator(shape, dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
@@ -221,7 +241,7 @@ class Store:
         i: int,
         max_tokens: int | None = None,
         *,
-        allocate: Allocator = default_allocator,
+        allocate: Allocator = plain_allocator,
         stats: ReadStats | None = None,
     ) -> RawSample:
         """Read the first `max_tokens` tokens (all when None) of sample i, touching only their chunks."""
@@ -273,7 +293,7 @@ class Store:
         nbytes = self._chunk_nbytes[name]
         for j in range(count):
             self._read_chunk(name, first + j, flat[j], nbytes, stats)
-        stats.bytes_delivered += rows * width * buffer.element_size()
+        stats.add_delivered(rows * width * buffer.element_size())
         return buffer[:rows]
 
     def chunk_path(self, name: str, chunk: int) -> Path:
@@ -289,8 +309,7 @@ class Store:
             with open(path, "rb", buffering=0) as f:
                 if not self._compressed:
                     got = f.readinto(memoryview(out).cast("B"))
-                    stats.read_seconds += time.perf_counter() - t0
-                    stats.bytes_read += got
+                    stats.add_read(got, time.perf_counter() - t0)
                     if got != nbytes:
                         raise StoreError(path, f"chunk holds {got} bytes, expected {nbytes}: the store is damaged")
                     return
@@ -301,15 +320,14 @@ class Store:
         except FileNotFoundError:
             raise StoreError(path, "chunk file is missing: the store is damaged; run `h5feed verify`") from None
         t1 = time.perf_counter()
-        stats.read_seconds += t1 - t0
-        stats.bytes_read += size
+        stats.add_read(size, t1 - t0)
         try:
             blosc.decompress(data, out)
         except Exception as exc:  # numcodecs raises RuntimeError/ValueError on bad frames
             raise StoreError(path, f"chunk cannot be decoded ({exc}): the store is damaged") from exc
         finally:
             data.close()
-        stats.decode_seconds += time.perf_counter() - t1
+        stats.add_decode(time.perf_counter() - t1)
 
 
 def _storage_torch_dtype(name: str, info: StoreInfo) -> torch.dtype:

@@ -37,8 +37,8 @@ class SlowDataset(Dataset):
         counters = self.counters.worker()
         counters.begin_sample(i)
         time.sleep(self.delay)
-        counters.bytes_read += 1_000_000
-        counters.end_sample(100)
+        counters.add_read(1_000_000, self.delay)
+        counters.end_sample(i, 100)
         return torch.zeros(1000)
 
 

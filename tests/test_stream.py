@@ -350,9 +350,32 @@ def test_worker_hands_tensors_over_in_shared_memory(small, synthetic_store, flav
         s = synthetic_store("st_specforge", "specforge-ckpt", 5, H, (1, 40), chunk_tokens=16, seed=2)
     else:
         s = small[0]
-    ds = HiddenStatesStream(s.path, flavor, hidden_states_dtype=dtype, max_len=30)
+    ds = HiddenStatesStream(s.path, flavor, hidden_states_dtype=dtype, max_len=30, shared_memory=True)
     flags = list(DataLoader(ds, batch_size=None, num_workers=1, collate_fn=record_sharing))
     assert len(flags) == len(ds)
     for f in flags:
         for key in HIDDEN_KEYS[flavor]:
             assert f[key], f"{flavor}: {key} was not in shared memory in the worker (handing it over copies it)"
+
+
+def test_stream_loader_without_batching_shares_and_plain_memory_otherwise(small):
+    """StreamLoader(batch_size=None) hands items on as they are, so it decodes into shared memory;
+    by default (a collate will copy) items are decoded into plain memory, which is cheaper to fill."""
+    s = small[0]
+    plain = HiddenStatesStream(s.path, "speculators-legacy", max_len=30)
+    flags = list(DataLoader(plain, batch_size=None, num_workers=1, collate_fn=record_sharing))
+    assert flags and not any(f["hidden_states"] for f in flags)
+    shared = HiddenStatesStream(s.path, "speculators-legacy", max_len=30)
+    loader = StreamLoader(shared, batch_size=None, num_workers=1, collate_fn=record_sharing)
+    flags = list(loader)
+    assert shared.shared_memory and len(flags) == len(shared) and all(f["hidden_states"] for f in flags)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threaded_reading_in_the_trainer_process_keeps_order(small, threads):
+    s = small[0]
+    reference = [item["input_ids"] for item in HiddenStatesStream(s.path, "speculators-legacy", seed=5)]
+    stream = HiddenStatesStream(s.path, "speculators-legacy", seed=5, threads=threads, prefetch=4)
+    got = [item["input_ids"] for item in stream]
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+    assert stream.counters.snapshot().total("samples") == len(reference)
