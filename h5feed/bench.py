@@ -8,6 +8,8 @@ hidden states, the same `max_len` and flavor):
   store's source files, in a DataLoader;
 - ``HiddenStatesDataset``: the map-style drop-in, in a DataLoader;
 - ``HiddenStatesStream``: the prefetching IterableDataset, in a `StreamLoader`.
+- ``HiddenStatesStream-threads``: the same with `num_workers=0` and one reader thread per
+  core in the trainer's own process: nothing crosses a process boundary.
 
 Each pass consumes every item (one element of each hidden tensor is read, so the
 data must have arrived) and is timed from the creation of the DataLoader
@@ -53,11 +55,12 @@ from h5feed.store import Store
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
 
-LOADERS = ("pt-baseline", "HiddenStatesDataset", "HiddenStatesStream")
+LOADERS = ("pt-baseline", "HiddenStatesDataset", "HiddenStatesStream", "HiddenStatesStream-threads")
 LOADER_LABELS = {
     "pt-baseline": "speculators 0.4 .pt (baseline)",
     "HiddenStatesDataset": "h5feed HiddenStatesDataset",
     "HiddenStatesStream": "h5feed HiddenStatesStream",
+    "HiddenStatesStream-threads": "h5feed HiddenStatesStream, reader threads in the trainer (num_workers=0)",
 }
 BASELINE_FORMAT = "speculators-legacy-pt"
 # DESIGN.md "Targets": dev box, Kimi shape, 4 workers, max_len 2048
@@ -491,6 +494,12 @@ def _make_loader(name: str, s: _Setup) -> tuple[Any, DataLoader[Any]]:
         dataset = HiddenStatesStream(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype, shuffle=False,
                                      missing_loss_mask=s.missing_loss_mask)  # type: ignore[arg-type]
         return dataset, StreamLoader(dataset, batch_size=None, **common)
+    if name == "HiddenStatesStream-threads":
+        threads = os.cpu_count() or 1
+        dataset = HiddenStatesStream(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype, shuffle=False,
+                                     missing_loss_mask=s.missing_loss_mask,  # type: ignore[arg-type]
+                                     threads=threads, prefetch=2 * threads)
+        return dataset, StreamLoader(dataset, batch_size=None, num_workers=0)
     raise ValueError(f"unknown loader {name!r}: one of {', '.join(LOADERS)}")
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from h5feed.errors import StoreError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
 from h5feed.metrics import LoaderCounters
-from h5feed.store import Store, plain_allocator, shared_allocator
+from h5feed.store import BufferPool, Store, shared_allocator
 
 SampleSelector = Sequence[int | str | os.PathLike[str]]
 
@@ -128,6 +128,19 @@ class _FlavoredReader:
         """Exact token counts of the selected samples (speculators' batch samplers read this)."""
         return [int(self.store.sample_lengths[i]) for i in self.indices]
 
+    def _buffer_pool(self) -> BufferPool:
+        """This process's pool of decode buffers (made on first use: pools never cross processes)."""
+        pool = self.__dict__.get("_pool")
+        if pool is None:
+            in_flight = getattr(self, "prefetch", 0) + getattr(self, "threads", 1)
+            pool = self._pool = BufferPool(capacity=4 * (in_flight + 2))  # aux + last (+ casts) per sample
+        return pool
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_pool", None)
+        return state
+
     def _tokens_to_read(self, store_index: int) -> int:
         return self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
 
@@ -135,7 +148,7 @@ class _FlavoredReader:
         counters = self.counters.worker()
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
-        allocate = shared_allocator if self.shared_memory else plain_allocator
+        allocate = shared_allocator if self.shared_memory else self._buffer_pool()
         raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters)
         item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
