@@ -275,7 +275,14 @@ def loaders(store: Store, args: argparse.Namespace, pin: bool) -> dict[str, Call
     def h5feed_stream() -> DataLoader:
         return StreamLoader(stream, batch_size=1, **common)
 
-    return {"baseline": baseline, "h5feed": h5feed_stream}
+    def h5feed_threads() -> DataLoader:
+        """The same stream read by --workers threads in the trainer's process: no worker processes."""
+        threaded = HiddenStatesStream(store, flavor="speculators-legacy", max_len=args.max_len,
+                                      hidden_states_dtype=torch.bfloat16, seed=args.seed,
+                                      threads=args.workers, prefetch=2 * args.workers)
+        return StreamLoader(threaded, batch_size=1, **{**common, "num_workers": 0})
+
+    return {"baseline": baseline, "h5feed": h5feed_stream, "h5feed-threads": h5feed_threads}
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -333,7 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers of each loader (default %(default)s)")
     p.add_argument("--steps", type=int, help="stop each run after this many steps (default: one epoch)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run (root; else fadvise)")
-    p.add_argument("--loaders", default="baseline,h5feed", help="comma-separated, run in this order (default %(default)s)")
+    p.add_argument("--loaders", default="baseline,h5feed,h5feed-threads",
+                   help="comma-separated, run in this order (default %(default)s)")
     p.add_argument("--every", type=float, default=5.0, help="seconds between monitor lines")
     p.add_argument("--stall-after", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)

@@ -187,6 +187,9 @@ class BufferPool:
             return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
     def _claim(self, nbytes: int) -> torch.UntypedStorage:
+        # Sending a tensor to another process (a DataLoader worker's result queue) moves its storage
+        # into shared memory in place: from then on the other process reads it, so never reuse it.
+        self._storages = [s for s in self._storages if not s.is_shared()]
         free = [s for s in self._storages if _use_count(s._cdata) == 1]
         fitting = [s for s in free if s.nbytes() >= nbytes]
         if fitting:

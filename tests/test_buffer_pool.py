@@ -41,3 +41,24 @@ def test_capacity_bounds_the_pooled_buffers():
     del held
     again = [pool((2 * MB,), torch.uint8) for _ in range(2)]
     assert {t.data_ptr() for t in again} <= ptrs
+
+
+def test_items_through_dataloader_workers_stay_intact_with_big_buffers(tmp_path):
+    """Buffers above the pool's threshold, handed from workers to the trainer: a buffer reused while the
+    trainer still reads it (the queue moved it into shared memory) would corrupt later items."""
+    from torch.utils.data import DataLoader
+
+    from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, convert
+    from tools.make_synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "src", "speculators-legacy-pt", 8, 1024, lengths=(300, 400), seed=3)
+    convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=128, progress=False)
+    store = Store(tmp_path / "store")
+    expected = [store.read_sample(i).aux_hidden_states[:-1].clone() for i in range(len(store))]
+    assert expected[0].nbytes > BufferPool.MIN_BYTES
+    dataset = HiddenStatesDataset(store, hidden_states_dtype=torch.bfloat16)
+    items = list(DataLoader(dataset, batch_size=None, num_workers=2))
+    assert all(torch.equal(item["hidden_states"], want) for item, want in zip(items, expected))
+    stream = HiddenStatesStream(store, hidden_states_dtype=torch.bfloat16, shuffle=False, threads=2, prefetch=3)
+    items = list(stream)  # in-process: the pool does reuse here, once items are released
+    assert all(torch.equal(item["hidden_states"], want) for item, want in zip(items, expected))
