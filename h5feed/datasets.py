@@ -148,7 +148,8 @@ class _FlavoredReader:
         counters = self.counters.worker()
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
-        allocate = shared_allocator if self.shared_memory else self._buffer_pool()
+        in_worker = get_worker_info() is not None
+        allocate = shared_allocator if self.shared_memory and in_worker else self._buffer_pool()
         raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters)
         item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
