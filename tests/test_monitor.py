@@ -157,7 +157,7 @@ def test_without_tensorboard(tmp_path, monkeypatch):
 
 
 def test_train_step_bench_smoke(tmp_path):
-    """bench/train_step.py end to end on CPU with tiny sizes: both loaders, monitored, JSON written."""
+    """bench/train_step.py end to end on CPU with tiny sizes: every loader, monitored, JSON written."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--make-data", "3", "--hidden-size", "16",
            "--tokens", "20:30", "--max-len", "32", "--workers", "1", "--convert-workers", "0",
@@ -165,10 +165,11 @@ def test_train_step_bench_smoke(tmp_path):
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads((out / "train_step.json").read_text())
-    assert [r["loader"] for r in result["runs"]] == ["baseline", "h5feed"]
+    assert [r["loader"] for r in result["runs"]] == ["baseline", "h5feed", "h5feed-threads"]
     for run in result["runs"]:
         assert run["batches"] == 3 and run["steps"] == 2 and run["data_loading_pct"] is not None
         assert run["gpu_idle_pct"] is None and run["loss_last"] > 0
     assert "h5feed[h5feed] first batch after" in done.stderr
     assert {p.name for p in out.glob("h5feed-monitor-*.jsonl")} == {"h5feed-monitor-baseline.jsonl",
-                                                                    "h5feed-monitor-h5feed.jsonl"}
+                                                                    "h5feed-monitor-h5feed.jsonl",
+                                                                    "h5feed-monitor-h5feed-threads.jsonl"}
