@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from h5feed.errors import StoreError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
 from h5feed.metrics import LoaderCounters
-from h5feed.store import BufferPool, Store, shared_allocator
+from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 
 SampleSelector = Sequence[int | str | os.PathLike[str]]
 
@@ -87,7 +87,7 @@ class _FlavoredReader:
         hidden_states_dtype: torch.dtype | None,
         samples: SampleSelector | None,
         missing_loss_mask: Literal["error", "ones"],
-        shared_memory: bool,
+        shared_memory: bool | None,
     ) -> None:
         self.store = _as_store(store)
         self.shared_memory = shared_memory
@@ -136,6 +136,15 @@ class _FlavoredReader:
             pool = self._pool = BufferPool(capacity=4 * (in_flight + 2))  # aux + last (+ casts) per sample
         return pool
 
+    def _allocator(self) -> Allocator:
+        """Pooled plain memory, unless items leave this DataLoader worker as they are (no copying
+        collate): then fresh shared memory, which the hand-off passes without a copy.  With
+        shared_memory=None that is learnt from the first item sent (the send moves its buffer)."""
+        pool = self._buffer_pool()
+        if get_worker_info() is None or self.shared_memory is False:
+            return pool
+        return shared_allocator if self.shared_memory or pool.saw_sends else pool
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_pool", None)
@@ -148,8 +157,7 @@ class _FlavoredReader:
         counters = self.counters.worker()
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
-        in_worker = get_worker_info() is not None
-        allocate = shared_allocator if self.shared_memory and in_worker else self._buffer_pool()
+        allocate = self._allocator()
         raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters)
         item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
@@ -172,7 +180,8 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         shared_memory: decode into shared memory inside DataLoader workers. Right when items are
             handed on uncollated (batch_size=None): the hand-off then passes a file descriptor, not
             a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
-            memory costs about twice as much to fill as plain memory.
+            memory costs about twice as much to fill as pooled plain memory. None (default): plain
+            memory until the first item is seen leaving the worker as it is, shared from then on.
     """
 
     def __init__(
@@ -185,7 +194,7 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         *,
         samples: SampleSelector | None = None,
         missing_loss_mask: Literal["error", "ones"] = "error",
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
     ) -> None:
         super().__init__(
             store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory
@@ -231,7 +240,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         *,
         samples: SampleSelector | None = None,
         missing_loss_mask: Literal["error", "ones"] = "error",
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
         shuffle: bool | Literal["locality"] = True,
         locality_block: int = 32,
         seed: int = 0,

@@ -175,6 +175,7 @@ class BufferPool:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.saw_sends = False  # a buffer was moved into shared memory: items leave this process as they are
         self._storages: list[torch.UntypedStorage] = []
         self._lock = threading.Lock()
 
@@ -189,7 +190,9 @@ class BufferPool:
     def _claim(self, nbytes: int) -> torch.UntypedStorage:
         # Sending a tensor to another process (a DataLoader worker's result queue) moves its storage
         # into shared memory in place: from then on the other process reads it, so never reuse it.
-        self._storages = [s for s in self._storages if not s.is_shared()]
+        kept = [s for s in self._storages if not s.is_shared()]
+        self.saw_sends = self.saw_sends or len(kept) < len(self._storages)
+        self._storages = kept
         free = [s for s in self._storages if _use_count(s._cdata) == 1]
         fitting = [s for s in free if s.nbytes() >= nbytes]
         if fitting:
