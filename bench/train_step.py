@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # h5feed and tools/ of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 
 import h5feed
 from h5feed.datasets import HiddenStatesStream, StreamLoader

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import platform
@@ -51,6 +50,7 @@ from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoade
 from h5feed.errors import H5feedError
 from h5feed.metrics import MAX_WORKERS
 from h5feed.store import Store
+from h5feed.synthetic import write_synthetic
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
@@ -217,25 +217,6 @@ class SyntheticSpec:
         return self.num_samples * (self.tokens[0] + self.tokens[1]) // 2 * (self.num_aux_layers + 1) * self.hidden_size * 2
 
 
-def _load_write_synthetic() -> Callable[..., list[Path]]:
-    """tools/make_synthetic.py's `write_synthetic` (beside the package in a checkout, else `tools` on sys.path)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "make_synthetic.py"
-    if path.exists():
-        spec = importlib.util.spec_from_file_location("h5feed_bench_make_synthetic", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.write_synthetic  # type: ignore[no-any-return]
-    try:
-        from tools.make_synthetic import write_synthetic  # type: ignore[import-not-found]
-    except ImportError:
-        raise H5feedError(
-            "h5feed bench with no STORE writes a synthetic set with tools/make_synthetic.py, which this "
-            "installation lacks; run it from a checkout of h5feed, or pass a STORE"
-        ) from None
-    return write_synthetic  # type: ignore[no-any-return]
-
-
 def _source_complete(src: Path, marker: Path, spec: SyntheticSpec) -> bool:
     try:
         record = json.loads(marker.read_text())
@@ -291,7 +272,7 @@ def ensure_default_set(
         say(f"writing {spec.num_samples} synthetic {spec.format} samples (~{spec.approx_bytes() / 1e9:.1f} GB, "
             f"H={spec.hidden_size}, K={spec.num_aux_layers}, {spec.tokens[0]}..{spec.tokens[1]} tokens) to {src}")
         t0 = time.perf_counter()
-        files = _load_write_synthetic()(src, spec.format, spec.num_samples, spec.hidden_size, spec.num_aux_layers,
+        files = write_synthetic(src, spec.format, spec.num_samples, spec.hidden_size, spec.num_aux_layers,
                                         spec.tokens, spec.seed)
         record = {
             "spec": dataclasses.asdict(spec) | {"tokens": list(spec.tokens)},

@@ -171,7 +171,7 @@ def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., S
     Each store is written and converted (in this process) once per session; a name returns the same store.
     """
     import h5feed
-    from tools.make_synthetic import sample_lengths, write_synthetic
+    from h5feed.synthetic import sample_lengths, write_synthetic
 
     made: dict[str, SyntheticStore] = {}
 

@@ -49,7 +49,7 @@ def test_items_through_dataloader_workers_stay_intact_with_big_buffers(tmp_path)
     from torch.utils.data import DataLoader
 
     from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, convert
-    from tools.make_synthetic import write_synthetic
+    from h5feed.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 8, 1024, lengths=(300, 400), seed=3)
     convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=128, progress=False)

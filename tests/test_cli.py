@@ -20,7 +20,7 @@ from h5feed.convert import _read_journal, convert
 from h5feed.errors import StoreError
 from h5feed.store import Store
 from h5feed.verify import describe_store, verify_store
-from tools.make_synthetic import write_synthetic
+from h5feed.synthetic import write_synthetic
 
 H = 32
 K = 3
