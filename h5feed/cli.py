@@ -9,7 +9,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from h5feed.bench import add_bench_parser
 from h5feed.errors import H5feedError
+from h5feed.monitor import add_watch_parser
 
 log = logging.getLogger("h5feed")
 
@@ -98,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_inspect)
-    from h5feed.bench import add_bench_parser; add_bench_parser(sub)  # noqa: I001  (one line per subcommand)
-    from h5feed.monitor import add_watch_parser; add_watch_parser(sub)  # noqa: E702  (one line per subcommand)
+    add_bench_parser(sub)
+    add_watch_parser(sub)
     return parser
 
 

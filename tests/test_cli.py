@@ -19,8 +19,8 @@ import torch
 from h5feed.convert import _read_journal, convert
 from h5feed.errors import StoreError
 from h5feed.store import Store
-from h5feed.verify import describe_store, verify_store
 from h5feed.synthetic import write_synthetic
+from h5feed.verify import describe_store, verify_store
 
 H = 32
 K = 3

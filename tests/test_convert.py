@@ -17,8 +17,8 @@ import torch
 from h5feed.convert import JOURNAL_FILE, PLAN_FILE, _read_journal, convert
 from h5feed.errors import StoreError
 from h5feed.store import ReadStats, Store
-from h5feed.verify import describe_store, verify_store
 from h5feed.synthetic import write_synthetic
+from h5feed.verify import describe_store, verify_store
 
 H = 32
 K = 3
