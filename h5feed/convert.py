@@ -23,7 +23,6 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -38,11 +37,11 @@ from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format
 from h5feed.store import (
     ATTRS_KEY,
-    CHECKSUMMED,
-    HIDDEN_ARRAYS,
     StoreInfo,
     checksums,
     chunk_codec,
+    chunk_encoder,
+    chunk_key,
     read_info,
     storage_dtype,
 )
@@ -310,7 +309,7 @@ def _convert_pending(
                 s = samples[i]
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
                 in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
-                                      chunk_tokens)] = i
+                                      chunk_tokens, info.codec)] = i
                 return
 
         for _ in range(2 * max(1, workers)):
@@ -374,25 +373,21 @@ class _InlineExecutor(Executor):
 
 
 def _init_worker() -> None:
+    """One core's worth of work per process: the processes are the parallelism."""
+    from numcodecs import blosc
+
     torch.set_num_threads(1)
-
-
-_open_arrays: dict[str, dict[str, Any]] = {}
-
-
-def _arrays(dst: str) -> dict[str, Any]:
-    """The store's arrays, opened once per worker process."""
-    import zarr
-
-    if dst not in _open_arrays:
-        group = zarr.open_group(dst, mode="r+")
-        # every chunk is written, even all zeros: a resumed run must leave no stale chunk behind
-        _open_arrays[dst] = {name: group[name].with_config({"write_empty_chunks": True}) for name in CHECKSUMMED}
-    return _open_arrays[dst]
+    blosc.set_nthreads(1)
 
 
 def _convert_one(
-    format_name: str, dst: str, source: SourceFile, start: int, expected: SampleShape, chunk_tokens: int
+    format_name: str,
+    dst: str,
+    source: SourceFile,
+    start: int,
+    expected: SampleShape,
+    chunk_tokens: int,
+    codec: dict[str, Any],
 ) -> dict[str, Any]:
     """Load one source file, check it against the plan (it may have changed since), write its chunks; in a worker."""
     sample = FORMATS[format_name].load(source)  # type: ignore[index]
@@ -409,12 +404,10 @@ def _convert_one(
         "input_ids": sample.input_ids,
         "loss_mask": loss_mask,
     }
-    arrays = _arrays(dst)
-    bytes_out = 0
-    for name, tensor in tensors.items():
-        for first, block in _whole_chunks(tensor.numpy(), chunk_tokens):
-            arrays[name][start + first : start + first + len(block)] = block
-        bytes_out += _chunk_bytes(Path(dst) / name, start // chunk_tokens, math.ceil(num_tokens / chunk_tokens), name)
+    bytes_out = sum(
+        _write_chunks(Path(dst), name, tensor.numpy(), start // chunk_tokens, chunk_tokens, codec)
+        for name, tensor in tensors.items()
+    )
     return {
         "checksum": checksums(list(tensors.values())),
         "has_loss_mask": has_loss_mask,
@@ -423,20 +416,29 @@ def _convert_one(
     }
 
 
-def _whole_chunks(array: np.ndarray, chunk_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
-    """The rows as blocks of whole chunks, the last padded with zeros, so zarr never reads a chunk back."""
-    full = len(array) // chunk_tokens * chunk_tokens
-    if full:
-        yield 0, array[:full]
-    if full < len(array):
-        tail = np.zeros((chunk_tokens, *array.shape[1:]), dtype=array.dtype)
-        tail[: len(array) - full] = array[full:]
-        yield full, tail
+def _write_chunks(
+    dst: Path, name: str, array: np.ndarray, first_chunk: int, chunk_tokens: int, codec: dict[str, Any]
+) -> int:
+    """Encode and write one sample's chunks of array `name`, each atomically; returns the bytes written.
 
-
-def _chunk_bytes(array_dir: Path, first_chunk: int, count: int, name: str) -> int:
-    suffix = "/0" if name in HIDDEN_ARRAYS else ""
-    return sum(os.stat(array_dir / f"c/{c}{suffix}").st_size for c in range(first_chunk, first_chunk + count))
+    The bytes are those zarr's own pipeline writes (tests compare them), without its
+    per-chunk copies and fill buffers, which cost as much as the encoding itself.
+    """
+    encode = chunk_encoder(codec, array.itemsize)
+    written = 0
+    for j, start in enumerate(range(0, len(array), chunk_tokens)):
+        block = array[start : start + chunk_tokens]
+        if len(block) < chunk_tokens:  # the last chunk: zeros after the sample
+            block = np.concatenate((block, np.zeros((chunk_tokens - len(block), *array.shape[1:]), array.dtype)))
+        data = encode(block)
+        path = dst / chunk_key(name, first_chunk + j)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+        written += len(data)
+    return written
 
 
 # --- journal and finalize ----------------------------------------------------------------
@@ -485,7 +487,7 @@ def _finalize(dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str
 
 
 def _remove_partial_writes(dst: Path) -> None:
-    """zarr writes each file as NAME.<uuid>.partial and renames it: a killed run can leave one behind."""
+    """Chunks (and zarr's own files) are written as NAME.<id>.partial and renamed: a kill can leave one behind."""
     for path in dst.rglob("*.partial"):
         path.unlink()
 

@@ -345,8 +345,7 @@ class Store:
         return buffer[:rows]
 
     def chunk_path(self, name: str, chunk: int) -> Path:
-        suffix = f"c/{chunk}/0" if name in HIDDEN_ARRAYS else f"c/{chunk}"
-        return self.path / name / suffix
+        return self.path / chunk_key(name, chunk)
 
     def _read_chunk(self, name: str, chunk: int, out: np.ndarray, nbytes: int, stats: ReadStats) -> None:
         """Uncompressed: read straight into `out`.  Compressed: map the file (populated in one go)
@@ -376,6 +375,23 @@ class Store:
         finally:
             data.close()
         stats.add_decode(time.perf_counter() - t1)
+
+
+def chunk_key(name: str, chunk: int) -> str:
+    """Where zarr v3's default chunk key encoding puts chunk `chunk` (of the token axis) of array `name`."""
+    return f"{name}/c/{chunk}/0" if name in HIDDEN_ARRAYS else f"{name}/c/{chunk}"
+
+
+def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+    """Encode one chunk exactly as zarr's codec pipeline does for `codec` (little-endian bytes, then Blosc)."""
+    if codec["name"] == "none":
+        return lambda chunk: chunk.tobytes()
+    shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+    from numcodecs import Blosc
+
+    blosc_codec = Blosc.from_config({"cname": codec["cname"], "clevel": codec["clevel"], "blocksize": codec["blocksize"],
+                                     "shuffle": shuffles[codec["shuffle"]], "typesize": itemsize})
+    return lambda chunk: bytes(blosc_codec.encode(chunk))
 
 
 def _storage_torch_dtype(name: str, info: StoreInfo) -> torch.dtype:
