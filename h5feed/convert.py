@@ -42,6 +42,7 @@ from h5feed.store import (
     chunk_codec,
     chunk_encoder,
     chunk_key,
+    read_ahead,
     read_info,
     storage_dtype,
 )
@@ -308,6 +309,7 @@ def _convert_pending(
             for i in todo:
                 s = samples[i]
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
+                read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
                 in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
                                       chunk_tokens, info.codec)] = i
                 return

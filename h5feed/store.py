@@ -320,14 +320,7 @@ class Store:
         count = max(1, math.ceil(self._tokens_to_read(i, max_tokens) / self.info.chunk_tokens))
         for name in CHECKSUMMED:
             for chunk in range(first, first + count):
-                try:
-                    fd = os.open(self.chunk_path(name, chunk), os.O_RDONLY)
-                except FileNotFoundError:
-                    continue  # reported by the read itself
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
+                read_ahead(self.chunk_path(name, chunk))
 
     def _read_rows(self, name: str, start: int, rows: int, allocate: Allocator, stats: ReadStats) -> torch.Tensor:
         """Decode whole chunks into a buffer rounded up to the chunk size; return a view of the rows."""
@@ -375,6 +368,19 @@ class Store:
         finally:
             data.close()
         stats.add_decode(time.perf_counter() - t1)
+
+
+def read_ahead(path: Path) -> None:
+    """Ask the kernel to start reading `path` into the page cache, without waiting for it.
+    A missing file is left to the read that follows to report."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def chunk_key(name: str, chunk: int) -> str:
