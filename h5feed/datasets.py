@@ -133,7 +133,8 @@ class _FlavoredReader:
         pool = self.__dict__.get("_pool")
         if pool is None:
             in_flight = getattr(self, "prefetch", 0) + getattr(self, "threads", 1)
-            pool = self._pool = BufferPool(capacity=4 * (in_flight + 2))  # aux + last (+ casts) per sample
+            # two big buffers (aux, last) per sample being read, queued, or held by the trainer
+            pool = self._pool = BufferPool(capacity=2 * (in_flight + 2))
         return pool
 
     def _allocator(self) -> Allocator:
