@@ -78,6 +78,9 @@ def _as_store(store: Store | str | os.PathLike[str]) -> Store:
 class _FlavoredReader:
     """What the Dataset and the Stream share: the store, the flavor, the selection and the counters."""
 
+    prefetch = 0  # samples read ahead (the Stream's)
+    threads = 1  # reader threads (the Stream's)
+
     def __init__(
         self,
         store: Store | str | os.PathLike[str],
@@ -132,9 +135,8 @@ class _FlavoredReader:
         """This process's pool of decode buffers (made on first use: pools never cross processes)."""
         pool = self.__dict__.get("_pool")
         if pool is None:
-            in_flight = getattr(self, "prefetch", 0) + getattr(self, "threads", 1)
             # two big buffers (aux, last) per sample being read, queued, or held by the trainer
-            pool = self._pool = BufferPool(capacity=2 * (in_flight + 2))
+            pool = self._pool = BufferPool(capacity=2 * (self.prefetch + self.threads + 2))
         return pool
 
     def _allocator(self) -> Allocator:
@@ -348,6 +350,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         """
         counters = self.counters.worker()
         counters.start()
+        self._buffer_pool()  # made here, before the reader threads race to make it
         if self.prefetch < 1:
             for index in sequence:
                 yield self._read_item(index)
