@@ -266,7 +266,7 @@ def test_a_partial_write_left_by_a_kill_is_removed_on_resume(tmp_path, interrupt
     legacy_source(src)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
     interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
-    # zarr writes NAME.<uuid>.partial then renames it; a SIGKILL in between leaves this behind
+    # chunk files are written as NAME.<id>.partial, then renamed; a SIGKILL in between leaves one behind
     (dst / "aux_hidden_states" / "c" / "5").mkdir(parents=True, exist_ok=True)
     (dst / "aux_hidden_states" / "c" / "5" / "0.0123456789abcdef0123456789abcdef.partial").write_bytes(b"half a chunk")
     (dst / "input_ids" / "c" / "5.fedcba9876543210fedcba9876543210.partial").write_bytes(b"half")
