@@ -62,3 +62,25 @@ def test_items_through_dataloader_workers_stay_intact_with_big_buffers(tmp_path)
     stream = HiddenStatesStream(store, hidden_states_dtype=torch.bfloat16, shuffle=False, threads=2, prefetch=3)
     items = list(stream)  # in-process: the pool does reuse here, once items are released
     assert all(torch.equal(item["hidden_states"], want) for item, want in zip(items, expected))
+
+
+def _with_sharing_flag(item):
+    """A collate_fn (in the worker) that hands the item on as it is, noting whether it was decoded into shared memory."""
+    return item, item["hidden_states"].is_shared()
+
+
+def test_worker_learns_that_items_leave_uncollated_and_decodes_into_shared_memory(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from h5feed import HiddenStatesDataset, Store, convert
+    from h5feed.synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "src", "speculators-legacy-pt", 10, 1024, lengths=(300, 400), seed=5)
+    convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=128, progress=False)
+    store = Store(tmp_path / "store")
+    expected = [store.read_sample(i).aux_hidden_states[:-1].clone() for i in range(len(store))]
+    dataset = HiddenStatesDataset(store, hidden_states_dtype=torch.bfloat16)
+    got = list(DataLoader(dataset, batch_size=None, num_workers=1, collate_fn=_with_sharing_flag))
+    flags = [shared for _, shared in got]
+    assert flags[0] is False and flags[-1] is True, flags  # pooled plain memory first, shared once a send is seen
+    assert all(torch.equal(item["hidden_states"], want) for (item, _), want in zip(got, expected))
