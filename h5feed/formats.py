@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import struct
 import threading
 import zipfile
 import zlib
@@ -202,6 +203,42 @@ def _torch_load_gz(path: Path) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:
         raise _load_error(path, e) from e
+
+
+def _gz_head_dict(path: Path) -> dict | None:
+    """The dict of a gzipped torch.save file with shape-only (meta) tensors, from the first KBs of the stream.
+
+    torch.save writes the pickle as the zip's first entry, so a probe need not
+    decompress ~100 MB of tensor data (the conversion does that once).  The pickle
+    goes through torch's weights-only unpickler, as in `torch.load(weights_only=True)`.
+    None, and the caller reads the whole file, when the head is not what this expects.
+    """
+    try:
+        with gzip.open(path, "rb") as f:
+            head = f.read(_GZ_HEAD_BYTES)
+        if head[:4] != _ZIP_MAGIC or len(head) < 30:
+            return None
+        name_length, extra_length = struct.unpack("<HH", head[26:30])
+        if not head[30 : 30 + name_length].endswith(b"/data.pkl"):
+            return None
+        unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(head[30 + name_length + extra_length :]),
+                                                            encoding="utf-8")
+        unpickler.persistent_load = _meta_storage  # type: ignore[attr-defined]
+        obj = unpickler.load()
+    except Exception:  # a damaged head, an unexpected layout, a torch without this unpickler: read it all
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+_GZ_HEAD_BYTES = 1 << 16
+
+
+def _meta_storage(saved_id: tuple) -> torch.TypedStorage:
+    """A storage of the pickled size and dtype that holds no data (tensors rebuilt on it are shape-only)."""
+    _, storage_type, _key, _location, numel = saved_id
+    dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+    untyped = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+    return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
 def _require_dict(path: Path, obj: Any) -> dict:
@@ -390,7 +427,8 @@ class _TorchDictFormat(SourceFormat):
     def _check(self, path: Path, d: dict) -> _Checked: ...
 
     def probe(self, source: SourceFile) -> SampleShape:
-        return self._check(source.path, self._read(source.path)).shape
+        head = _gz_head_dict(source.path) if source.path.name.endswith(".gz") else None
+        return self._check(source.path, head if head is not None else self._read(source.path)).shape
 
     def load(self, source: SourceFile) -> SourceSample:
         return self._check(source.path, self._read(source.path)).materialize(source.path)

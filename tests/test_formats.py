@@ -639,3 +639,20 @@ def test_source_file_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.sample_index = 2  # type: ignore[misc]
     assert os.fspath(s.path) == "/x/data_1.pt"
+
+
+def test_gz_probe_reads_the_pickle_at_the_head_only(tmp_path):
+    """Probing a .ckpt.gz takes shapes from the pickle at the start of the stream (no 100 MB
+    decompression); the data itself is checked when the sample is loaded."""
+    from h5feed.formats import FORMATS
+
+    write_synthetic(tmp_path / "src", "specforge-ckpt", 3, 32, lengths=[40, 41, 42], compress=True, seed=2)
+    fmt = FORMATS["specforge-ckpt"]
+    sources = fmt.discover(tmp_path / "src")
+    assert [fmt.probe(s) for s in sources] == [fmt.load(s).shape for s in sources]
+    path = sources[1].path
+    data = gzip.decompress(path.read_bytes())
+    path.write_bytes(gzip.compress(data[: len(data) // 2]))  # a valid gzip of half the torch.save bytes
+    assert fmt.probe(sources[1]).num_tokens == 41
+    with pytest.raises(SourceError, match="truncated or corrupt"):
+        fmt.load(sources[1])
