@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -38,10 +39,10 @@ from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detec
 from h5feed.store import (
     ATTRS_KEY,
     StoreInfo,
-    checksums,
     chunk_codec,
     chunk_encoder,
     chunk_key,
+    crc32c,
     read_ahead,
     read_info,
     storage_dtype,
@@ -399,40 +400,41 @@ def _convert_one(
     _check_same_shape(source, sample.shape, expected)
     has_loss_mask = sample.loss_mask is not None
     loss_mask = sample.loss_mask if has_loss_mask else torch.ones_like(sample.input_ids)
-    bits = storage_dtype(sample.aux_hidden_states.dtype)
-    tensors = {
-        "aux_hidden_states": sample.aux_hidden_states.view(bits),
-        "last_hidden_states": sample.last_hidden_state.view(bits),
-        "input_ids": sample.input_ids,
-        "loss_mask": loss_mask,
+    bits = storage_dtype(sample.last_hidden_state.dtype)
+    rows = range(0, num_tokens, chunk_tokens)
+    blocks: dict[str, Iterable[torch.Tensor]] = {  # one chunk's rows at a time: no copy of a whole sample
+        "aux_hidden_states": (sample.aux_rows(r, r + chunk_tokens).view(bits) for r in rows),
+        "last_hidden_states": (sample.last_hidden_state[r : r + chunk_tokens].view(bits) for r in rows),
+        "input_ids": (sample.input_ids[r : r + chunk_tokens] for r in rows),
+        "loss_mask": (loss_mask[r : r + chunk_tokens] for r in rows),
     }
-    bytes_out = sum(
-        _write_chunks(Path(dst), name, tensor.numpy(), start // chunk_tokens, chunk_tokens, codec)
-        for name, tensor in tensors.items()
-    )
+    written = {name: _write_chunks(Path(dst), name, chunks, start // chunk_tokens, chunk_tokens, codec)
+               for name, chunks in blocks.items()}
     return {
-        "checksum": checksums(list(tensors.values())),
+        "checksum": [crc for _, crc in written.values()],
         "has_loss_mask": has_loss_mask,
         "bytes_in": source.path.stat().st_size,
-        "bytes_out": bytes_out,
+        "bytes_out": sum(nbytes for nbytes, _ in written.values()),
     }
 
 
 def _write_chunks(
-    dst: Path, name: str, array: np.ndarray, first_chunk: int, chunk_tokens: int, codec: dict[str, Any]
-) -> int:
-    """Encode and write one sample's chunks of array `name`, each atomically; returns the bytes written.
+    dst: Path, name: str, blocks: Iterable[torch.Tensor], first_chunk: int, chunk_tokens: int, codec: dict[str, Any]
+) -> tuple[int, int]:
+    """Encode and write one sample's chunks of array `name`, each atomically.
 
-    The bytes are those zarr's own pipeline writes (tests compare them), without its
-    per-chunk copies and fill buffers, which cost as much as the encoding itself.
+    `blocks` are the sample's rows, one chunk's worth each (the last may be short:
+    zeros follow the sample).  The bytes are those zarr's own pipeline writes (tests
+    compare them), without its per-chunk copies and fill buffers, which cost as much
+    as the encoding itself.  Returns the bytes written and the crc32c of the rows.
     """
-    encode = chunk_encoder(codec, array.itemsize)
-    written = 0
-    for j, start in enumerate(range(0, len(array), chunk_tokens)):
-        block = array[start : start + chunk_tokens]
-        if len(block) < chunk_tokens:  # the last chunk: zeros after the sample
-            block = np.concatenate((block, np.zeros((chunk_tokens - len(block), *array.shape[1:]), array.dtype)))
-        data = encode(block)
+    written, crc = 0, 0
+    for j, block in enumerate(blocks):
+        array = block.contiguous().numpy()
+        crc = crc32c(array, crc)
+        if len(array) < chunk_tokens:
+            array = np.concatenate((array, np.zeros((chunk_tokens - len(array), *array.shape[1:]), array.dtype)))
+        data = chunk_encoder(codec, array.itemsize)(array)
         path = dst / chunk_key(name, first_chunk + j)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -440,7 +442,7 @@ def _write_chunks(
             f.write(data)
         os.replace(partial, path)
         written += len(data)
-    return written
+    return written, crc
 
 
 # --- journal and finalize ----------------------------------------------------------------

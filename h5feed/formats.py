@@ -73,8 +73,19 @@ class SourceSample:
 
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor | None  # int64 [T], None when the file had none
-    aux_hidden_states: torch.Tensor  # [T, K*H] model dtype, aux layers in layer order
+    aux_parts: list[torch.Tensor]  # [T, h_i] each, in layer order: concatenated along -1 they are [T, K*H]
     last_hidden_state: torch.Tensor  # [T, H] (pre-norm: legacy/safetensors; post-norm: v0/specforge)
+
+    @property
+    def aux_hidden_states(self) -> torch.Tensor:
+        """The aux layers concatenated, [T, K*H] (a copy when they are stored as separate layers)."""
+        return self.aux_rows(0, len(self.last_hidden_state))
+
+    def aux_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of the aux states, contiguous: the converter builds one chunk at a time
+        instead of concatenating the whole sample."""
+        parts = [part[start:stop] for part in self.aux_parts]
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0].contiguous()
 
     @property
     def shape(self) -> SampleShape:
@@ -83,8 +94,8 @@ class SourceSample:
         return SampleShape(
             num_tokens=int(t),
             hidden_size=int(h),
-            num_aux_layers=int(self.aux_hidden_states.shape[1]) // int(h),
-            dtype=self.aux_hidden_states.dtype,
+            num_aux_layers=sum(int(part.shape[1]) for part in self.aux_parts) // int(h),
+            dtype=self.aux_parts[0].dtype,
         )
 
 
@@ -359,7 +370,7 @@ def _mask_to_int64(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 @dataclass
 class _Checked:
-    """A validated sample whose large tensors are not materialized yet."""
+    """A validated sample, its large tensors as the file holds them (mapped, not copied)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor | None
@@ -368,11 +379,10 @@ class _Checked:
     shape: SampleShape
 
     def materialize(self, path: Path) -> SourceSample:
-        aux = torch.cat(self.aux, dim=-1) if isinstance(self.aux, list) else self.aux.contiguous()
         return SourceSample(
             input_ids=_ids_to_int64(path, self.input_ids, "input_ids"),
             loss_mask=_mask_to_int64(self.loss_mask),
-            aux_hidden_states=aux,
+            aux_parts=list(self.aux) if isinstance(self.aux, list) else [self.aux],
             last_hidden_state=self.last.contiguous(),
         )
 
@@ -729,7 +739,7 @@ class SpeculatorsSafetensors(SourceFormat):
                 f"'token_ids' differ from 'input_ids' of row {source.sample_index} of the Arrow dataset "
                 "(speculators would skip this sample): the files and the dataset are out of step",
             )
-        return SourceSample(input_ids, _mask_to_int64(mask), aux, last)
+        return SourceSample(input_ids, _mask_to_int64(mask), [aux], last)
 
 
 # --------------------------------------------------------------------------- registry and detection

@@ -425,13 +425,15 @@ def read_info(path: Path) -> StoreInfo:
     return StoreInfo.from_json(attrs)
 
 
-def checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """crc32c of each tensor's bytes, the checksum recorded at conversion and checked by verify."""
+def crc32c(array: np.ndarray, crc: int = 0) -> int:
+    """crc32c of an array's bytes, continuing `crc`: a sample's chunks can be checksummed one by one."""
     import google_crc32c
 
-    values = []
-    for tensor in tensors:
-        data = tensor.contiguous().view(torch.uint8).numpy().view()
-        data.flags.writeable = False  # google_crc32c takes read-only buffers only
-        values.append(google_crc32c.value(data))
-    return values
+    data = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+    data.flags.writeable = False  # google_crc32c takes read-only buffers only
+    return int(google_crc32c.extend(crc, data))
+
+
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """crc32c of each tensor's bytes, the checksum recorded at conversion and checked by verify."""
+    return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
