@@ -113,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except H5feedError as exc:
         log.error("h5feed %s: error: %s", args.command, exc)
         return 1
+    except BrokenPipeError:  # `h5feed inspect STORE | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         log.error("h5feed %s: interrupted; run the same command again to resume", args.command)
         return 130
