@@ -16,22 +16,25 @@ import argparse
 import json
 import shutil
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import psutil
 import torch
 
-from h5feed.bench import DEFAULT_CACHE_DIR, SyntheticSpec, drop_page_cache, ensure_default_set
+from h5feed.bench import (
+    DEFAULT_CACHE_DIR,
+    MemorySampler,
+    SyntheticSpec,
+    drop_page_cache,
+    ensure_default_set,
+    format_table,
+)
 from h5feed.convert import convert
-from h5feed.store import Store
-
-if TYPE_CHECKING:  # typing.Self is 3.11+
-    from typing_extensions import Self
+from h5feed.store import Store, chunk_encoder
 
 
 @dataclass
@@ -56,47 +59,6 @@ class ConvertRun:
     other_cpu_share: float  # share of the CPUs other processes used meanwhile
 
 
-class _PerProcessPeak:
-    """Largest memory any single child process reached, sampled every 100 ms."""
-
-    def __init__(self) -> None:
-        self.process = psutil.Process()
-        try:
-            self.metric = "pss" if hasattr(self.process.memory_full_info(), "pss") else "rss"
-        except (psutil.Error, OSError):
-            self.metric = "rss"
-        self.peak = 0
-        self._stop = threading.Event()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            for child in self.process.children(recursive=True):
-                try:
-                    info = child.memory_full_info() if self.metric == "pss" else child.memory_info()
-                    self.peak = max(self.peak, getattr(info, self.metric))
-                except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                    continue
-
-    def __enter__(self) -> Self:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _tree_cpu() -> float:
-    t = psutil.Process().cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def _busy() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-
-
 def run(src: Path, dst: Path, workers: int, cold: bool) -> ConvertRun:
     if dst.exists():
         shutil.rmtree(dst)
@@ -104,15 +66,10 @@ def run(src: Path, dst: Path, workers: int, cold: bool) -> ConvertRun:
         problem = drop_page_cache()
         if problem:
             raise RuntimeError(problem)
-    cpu0, busy0, t0 = _tree_cpu(), _busy(), time.perf_counter()
-    with _PerProcessPeak() as peak:
+    with MemorySampler(interval=0.1) as sampler:
         report = convert(src, dst, workers=workers, progress=False)
-    wall = time.perf_counter() - t0
-    cpu = _tree_cpu() - cpu0
-    other = max(0.0, _busy() - busy0 - cpu) / (wall * (psutil.cpu_count() or 1))
     store = Store(dst)
-    per_token = (store.num_aux_layers + 1) * store.hidden_size * store.info.torch_dtype.itemsize + 2 * 8
-    raw = int(store.sample_lengths.sum()) * per_token
+    raw = int(store.sample_lengths.sum()) * store.token_nbytes
     seconds = report.seconds
     return ConvertRun(
         workers=workers, cold=cold, samples=report.num_samples, tokens=report.num_tokens, seconds=seconds,
@@ -121,36 +78,34 @@ def run(src: Path, dst: Path, workers: int, cold: bool) -> ConvertRun:
         mb_in_per_s_per_worker=report.bytes_in / seconds / 1e6 / workers,
         mb_out_per_s_per_worker=report.bytes_out / seconds / 1e6 / workers,
         ratio_file=report.bytes_in / report.bytes_out, ratio_raw=raw / report.bytes_out,
-        cpu_seconds=cpu, peak_worker_memory_bytes=peak.peak, memory_metric=peak.metric, other_cpu_share=other,
+        cpu_seconds=sampler.cpu_seconds, peak_worker_memory_bytes=sampler.peak_child, memory_metric=sampler.metric,
+        other_cpu_share=sampler.other_cpu_share,
     )
 
 
 def codec_rates(store_path: Path) -> dict[str, float]:
     """The store codec's encode and decode rates on one core, on the hidden chunks of sample 0 (MB/s of raw bytes)."""
-    from numcodecs import Blosc, blosc
+    from numcodecs import blosc
 
     store = Store(store_path)
-    config = dict(store.info.codec)
-    if config.pop("name") != "blosc":
+    if store.info.codec["name"] != "blosc":
         return {}
-    codec = Blosc(cname=config["cname"], clevel=config["clevel"],
-                  shuffle={"shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}.get(config["shuffle"], 0),
-                  blocksize=config["blocksize"])
     blosc.use_threads = False
     raw = store.read_sample(0)
     c = store.info.chunk_tokens
     chunks = [t[i : i + c].view(torch.uint16).numpy().copy() for t in (raw.aux_hidden_states, raw.last_hidden_state)
               for i in range(0, len(t) - c + 1, c)]
+    encode = chunk_encoder(store.info.codec, itemsize=2)  # what the converter writes
     nbytes = sum(a.nbytes for a in chunks)
     t0 = time.process_time()
-    encoded = [codec.encode(a) for a in chunks]
+    encoded = [encode(a) for a in chunks]
     enc = time.process_time() - t0
     outs = [np.empty_like(a) for a in chunks]
     for e, o in zip(encoded, outs):
-        codec.decode(e, o)  # touch the outputs once: decode is timed into warm buffers
+        blosc.decompress(e, o)  # touch the outputs once: decode is timed into warm buffers
     t0 = time.process_time()
     for e, o in zip(encoded, outs):
-        codec.decode(e, o)
+        blosc.decompress(e, o)  # what the reader does
     dec = time.process_time() - t0
     return {"encode_mb_per_s_per_core": nbytes / enc / 1e6, "decode_mb_per_s_per_core": nbytes / dec / 1e6,
             "ratio": nbytes / sum(len(e) for e in encoded)}
@@ -165,10 +120,7 @@ def table(runs: list[ConvertRun]) -> str:
         f"{r.ratio_file:.3f}", f"{r.ratio_raw:.3f}", f"{r.cpu_seconds:.1f}",
         f"{r.peak_worker_memory_bytes / 1e9:.2f} GB {r.memory_metric.upper()}", f"{100 * r.other_cpu_share:.0f}%",
     ] for r in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(format_table(rows, right=set(range(len(header))) - {1}))
 
 
 def main(argv: list[str] | None = None) -> int:

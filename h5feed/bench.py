@@ -163,12 +163,6 @@ class BenchResult:
                 f"{p.cpu_seconds / max(p.samples, 1):.3f}",
                 f"{100 * p.other_cpu_share:.0f}%",
             ])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        right = {2, 3, 4, 5, 6, 8, 9}
-
-        def line(r: list[str]) -> str:
-            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-
         out = [
             (f"store  {self.store} ({self.num_samples} samples, {self.num_tokens} tokens, H={self.hidden_size}, "
              f"K={self.num_aux_layers}, {self.store_bytes / 1e9:.2f} GB)"),
@@ -178,9 +172,7 @@ class BenchResult:
              f"hidden_states_dtype={self.hidden_states_dtype}; machine: {self.machine.get('cpus')} cores, "
              f"{self.machine.get('memory_bytes', 0) / 2**30:.0f} GiB"),
             "",
-            line(header),
-            line(["-" * w for w in widths]),
-            *(line(r) for r in rows[1:]),
+            *format_table(rows, right={2, 3, 4, 5, 6, 8, 9}),
         ]
         if self.targets:
             out.append("")
@@ -192,6 +184,16 @@ class BenchResult:
         for note in self.notes:
             out.append(f"note: {note}")
         return "\n".join(out)
+
+
+def format_table(rows: list[list[str]], right: set[int]) -> list[str]:
+    """Plain-text columns: the first row is the header, a rule under it; columns in `right` align right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return [line(rows[0]), line(["-" * w for w in widths]), *(line(r) for r in rows[1:])]
 
 
 # --- the embedded default data set ----------------------------------------------------------------
@@ -328,7 +330,8 @@ class MemorySampler:
     def __init__(self, interval: float = MEMORY_INTERVAL_S) -> None:
         self.interval = interval
         self.metric = "pss" if _pss_available() else "rss"
-        self.peak = 0
+        self.peak = 0  # of the sum over the process tree
+        self.peak_child = 0  # of the largest single child process (a worker)
         self.cpu_seconds = 0.0  # of this process tree, during the last `with` block
         self.other_cpu_share = 0.0  # share of all CPUs used by other processes meanwhile
         self._process = psutil.Process()
@@ -336,12 +339,16 @@ class MemorySampler:
         self._thread: threading.Thread | None = None
 
     def measure(self) -> int:
+        """The tree's summed memory now (and the largest child's, kept in `peak_child`)."""
         total = 0
         for proc in [self._process, *self._process.children(recursive=True)]:
             try:
-                total += proc.memory_full_info().pss if self.metric == "pss" else proc.memory_info().rss
+                used = proc.memory_full_info().pss if self.metric == "pss" else proc.memory_info().rss
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 continue
+            total += used
+            if proc is not self._process:
+                self.peak_child = max(self.peak_child, used)
         return total
 
     def _tree_cpu(self) -> float:
@@ -368,7 +375,7 @@ class MemorySampler:
         return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
     def __enter__(self) -> Self:
-        self.peak = 0
+        self.peak = self.peak_child = 0
         self._cpu_start = self._tree_cpu()
         self._busy_start, self._wall_start = self._busy(), time.perf_counter()
         self._stop.clear()

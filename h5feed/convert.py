@@ -23,7 +23,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -261,21 +261,21 @@ def _create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
 
     group = zarr.open_group(dst, mode="w", attributes={ATTRS_KEY: info.to_json()})
     chunk_tokens, h, k = info.chunk_tokens, info.hidden_size, info.num_aux_layers
-    hidden_dtype = str(storage_dtype(info.torch_dtype)).removeprefix("torch.")
+    bits = storage_dtype(info.torch_dtype)
     config = dict(info.codec)
-    name = config.pop("name")
-    compressors = [zarr.codecs.BloscCodec(typesize=2 if hidden_dtype == "uint16" else 4, **config)] if name == "blosc" else None
-    token_compressors = [zarr.codecs.BloscCodec(typesize=8, **config)] if name == "blosc" else None
+    blosc = config.pop("name") == "blosc"
     rows = max(total_rows, 1)
-    for array, width, dtype, comp in (
-        ("aux_hidden_states", k * h, hidden_dtype, compressors),
-        ("last_hidden_states", h, hidden_dtype, compressors),
-        ("input_ids", None, "int64", token_compressors),
-        ("loss_mask", None, "int64", token_compressors),
+    for array, width, dtype in (
+        ("aux_hidden_states", k * h, bits),
+        ("last_hidden_states", h, bits),
+        ("input_ids", None, torch.int64),
+        ("loss_mask", None, torch.int64),
     ):
         shape = (rows, width) if width else (rows,)
         chunks = (chunk_tokens, width) if width else (chunk_tokens,)
-        group.create_array(array, shape=shape, chunks=chunks, dtype=dtype, compressors=comp, fill_value=0)
+        compressors = [zarr.codecs.BloscCodec(typesize=dtype.itemsize, **config)] if blosc else None
+        group.create_array(array, shape=shape, chunks=chunks, dtype=str(dtype).removeprefix("torch."),
+                           compressors=compressors, fill_value=0)
 
 
 # --- convert ------------------------------------------------------------------------------
@@ -398,8 +398,7 @@ def _convert_one(
     if sample.shape.num_tokens != num_tokens:
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
     _check_same_shape(source, sample.shape, expected)
-    has_loss_mask = sample.loss_mask is not None
-    loss_mask = sample.loss_mask if has_loss_mask else torch.ones_like(sample.input_ids)
+    loss_mask = sample.stored_loss_mask()
     bits = storage_dtype(sample.last_hidden_state.dtype)
     rows = range(0, num_tokens, chunk_tokens)
     blocks: dict[str, Iterable[torch.Tensor]] = {  # one chunk's rows at a time: no copy of a whole sample
@@ -412,7 +411,7 @@ def _convert_one(
                for name, chunks in blocks.items()}
     return {
         "checksum": [crc for _, crc in written.values()],
-        "has_loss_mask": has_loss_mask,
+        "has_loss_mask": sample.loss_mask is not None,
         "bytes_in": source.path.stat().st_size,
         "bytes_out": sum(nbytes for nbytes, _ in written.values()),
     }
@@ -429,12 +428,14 @@ def _write_chunks(
     as the encoding itself.  Returns the bytes written and the crc32c of the rows.
     """
     written, crc = 0, 0
+    encode: Callable[[np.ndarray], bytes] | None = None
     for j, block in enumerate(blocks):
         array = block.contiguous().numpy()
         crc = crc32c(array, crc)
         if len(array) < chunk_tokens:
             array = np.concatenate((array, np.zeros((chunk_tokens - len(array), *array.shape[1:]), array.dtype)))
-        data = chunk_encoder(codec, array.itemsize)(array)
+        encode = encode or chunk_encoder(codec, array.itemsize)
+        data = encode(array)
         path = dst / chunk_key(name, first_chunk + j)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")

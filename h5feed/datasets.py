@@ -156,12 +156,12 @@ class _FlavoredReader:
     def _tokens_to_read(self, store_index: int) -> int:
         return self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
 
-    def _read_item(self, store_index: int) -> Item:
+    def _read_item(self, store_index: int, read_ahead: bool = True) -> Item:
         counters = self.counters.worker()
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
         allocate = self._allocator()
-        raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters)
+        raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead)
         item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
         return item
@@ -216,7 +216,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     Each epoch's order is a permutation seeded by (seed, epoch).  Rank r of W takes
     every W-th sample of it; within a rank, DataLoader worker w takes the batches
     j with j % num_workers == w, so the DataLoader delivers the rank's sequence in
-    order and a position in it is all a resume needs (see README "Resuming").
+    order and a position in it is all a resume needs (README "Sharding and resuming").
     `threads` threads in each worker (or in the trainer's process with num_workers=0)
     read and decode up to `prefetch` samples ahead.
 
@@ -363,7 +363,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
                 index = next(upcoming, None)
                 if index is not None:
                     self.store.will_need(index, self._tokens_to_read(index))  # the disk starts now
-                    in_flight.append(pool.submit(self._read_item, index))
+                    in_flight.append(pool.submit(self._read_item, index, read_ahead=False))
 
             try:
                 for _ in range(max(self.prefetch, self.threads)):
@@ -389,8 +389,8 @@ class StreamLoader(DataLoader):
     def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
         dataset.batch_size = batch_size or 1
         dataset._counted_by_loader = True
-        if batch_size is None:  # items reach the trainer as they are: share them, don't copy them
-            dataset.shared_memory = True
+        if batch_size is None and dataset.shared_memory is None:  # items leave the workers as they are
+            dataset.shared_memory = True  # (the dataset would learn it too, after the first item)
         super().__init__(dataset, batch_size=batch_size, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:

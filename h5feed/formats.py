@@ -76,6 +76,10 @@ class SourceSample:
     aux_parts: list[torch.Tensor]  # [T, h_i] each, in layer order: concatenated along -1 they are [T, K*H]
     last_hidden_state: torch.Tensor  # [T, H] (pre-norm: legacy/safetensors; post-norm: v0/specforge)
 
+    def stored_loss_mask(self) -> torch.Tensor:
+        """The loss mask as a store keeps it: ones where the file had none (the index records which)."""
+        return self.loss_mask if self.loss_mask is not None else torch.ones_like(self.input_ids)
+
     @property
     def aux_hidden_states(self) -> torch.Tensor:
         """The aux layers concatenated, [T, K*H] (a copy when they are stored as separate layers)."""

@@ -57,7 +57,6 @@ _STORAGE_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float16: torch.uint16,
     torch.float32: torch.uint32,
 }
-_NUMPY_STORAGE = {torch.uint16: np.uint16, torch.uint32: np.uint32, torch.int64: np.int64}
 
 
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -167,8 +166,8 @@ class BufferPool:
     """An allocator that hands out big buffers again once nothing outside the pool refers to them.
 
     A fresh 100 MB buffer costs ~30 ms of page faults (the kernel zeroes every page, 4 KB at a
-    time), a third of what decoding it costs; a reused one costs nothing.  For plain memory in
-    one process only: a buffer shared with another process is still in use there, unseen here.
+    time), a third of what decoding it costs; a reused one costs nothing.  A buffer that was sent
+    to another process has been moved into shared memory in place, and leaves the pool.
     """
 
     MIN_BYTES = 1 << 20  # smaller buffers are cheap to make
@@ -224,10 +223,10 @@ class Store:
     spawn or forkserver each open their own file handles lazily.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.info = read_info(self.path)
-        if self.info.status != "complete" and not allow_incomplete:
+        if self.info.status != "complete":
             raise StoreError(
                 self.path,
                 "conversion has not finished (status "
@@ -275,10 +274,10 @@ class Store:
     def num_aux_layers(self) -> int:
         return self.info.num_aux_layers
 
-    def sample_nbytes(self, i: int, max_tokens: int | None = None) -> int:
-        """Bytes of sample i's tensors (up to max_tokens), in their stored dtypes."""
-        t = self._tokens_to_read(i, max_tokens)
-        return t * sum(w * _itemsize(name, self.info) for name, w in self._widths().items())
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes of one token's tensors (aux, last, input_id, loss-mask value), uncompressed."""
+        return sum(w * _itemsize(name, self.info) for name, w in self._widths().items())
 
     def _tokens_to_read(self, i: int, max_tokens: int | None) -> int:
         n = int(self.sample_lengths[i])
@@ -291,14 +290,19 @@ class Store:
         *,
         allocate: Allocator = plain_allocator,
         stats: ReadStats | None = None,
+        read_ahead: bool = True,
     ) -> RawSample:
-        """Read the first `max_tokens` tokens (all when None) of sample i, touching only their chunks."""
+        """Read the first `max_tokens` tokens (all when None) of sample i, touching only their chunks.
+
+        `read_ahead=False` when the caller already asked for them (`will_need`), as the stream does.
+        """
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
         stats = stats if stats is not None else ReadStats()
         t = self._tokens_to_read(i, max_tokens)
         start = int(self.sample_starts[i])
-        self.will_need(i, max_tokens)
+        if read_ahead:
+            self.will_need(i, max_tokens)
         arrays = {name: self._read_rows(name, start, t, allocate, stats) for name in CHECKSUMMED}
         dtype = self.info.torch_dtype
         return RawSample(

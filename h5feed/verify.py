@@ -46,13 +46,13 @@ def verify_store(
     source_format = FORMATS[store.info.source_format] if against is not None else None  # type: ignore[index]
     for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):
         relpath = store.source_paths[i]
+        report.samples_checked += 1
         try:
             sample = store.read_sample(i)
         except H5feedError as exc:
             report.mismatches.append(Mismatch(i, relpath, str(exc)))
-            report.samples_checked += 1
             continue
-        stored = _stored_bits(sample)
+        stored = _stored_bits(sample.aux_hidden_states, sample.last_hidden_state, sample.input_ids, sample.loss_mask)
         for name, want, got in zip(CHECKSUMMED, store.checksums[i], checksums(list(stored.values()))):
             if int(want) != got:
                 report.mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
@@ -63,26 +63,24 @@ def verify_store(
             except H5feedError as exc:
                 report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
                 continue
-            loss_mask = original.loss_mask if original.loss_mask is not None else torch.ones_like(original.input_ids)
-            expected = _stored_bits(
-                type(sample)(original.input_ids, loss_mask, original.aux_hidden_states, original.last_hidden_state,
-                             len(original.input_ids), original.loss_mask is not None)
-            )
+            expected = _stored_bits(original.aux_hidden_states, original.last_hidden_state, original.input_ids,
+                                    original.stored_loss_mask())
             for name in CHECKSUMMED:
                 if expected[name].shape != stored[name].shape or not torch.equal(expected[name], stored[name]):
                     report.mismatches.append(Mismatch(i, relpath, f"{name} differs from the source file"))
-        report.samples_checked += 1
     return report
 
 
-def _stored_bits(sample: Any) -> dict[str, torch.Tensor]:
+def _stored_bits(
+    aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The tensors as their on-disk bits, so that comparisons are bit-exact (NaN == NaN, -0 != +0)."""
-    bits = storage_dtype(sample.aux_hidden_states.dtype)
+    bits = storage_dtype(aux.dtype)
     return {
-        "aux_hidden_states": sample.aux_hidden_states.view(bits),
-        "last_hidden_states": sample.last_hidden_state.view(bits),
-        "input_ids": sample.input_ids,
-        "loss_mask": sample.loss_mask,
+        "aux_hidden_states": aux.view(bits),
+        "last_hidden_states": last.view(bits),
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
     }
 
 
@@ -90,9 +88,8 @@ def describe_store(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The figures `h5feed inspect` prints: what is stored, how big, how well compressed."""
     store = Store(path)
     info = store.info
-    itemsize = info.torch_dtype.itemsize
     tokens = int(store.sample_lengths.sum())
-    raw = tokens * ((info.num_aux_layers + 1) * info.hidden_size * itemsize + 2 * 8)
+    raw = tokens * store.token_nbytes
     stored = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     return {
         "store": str(path),
