@@ -114,9 +114,6 @@ class WorkerSnapshot:
     current_seconds: float  # how long the current read has taken so far
     current_bytes: int
     seconds_since_progress: float | None
-    samples_per_s: float = 0.0  # rates since the previous snapshot
-    bytes_read_per_s: float = 0.0
-    bytes_delivered_per_s: float = 0.0
 
 
 @dataclass
@@ -131,7 +128,7 @@ class LoaderSnapshot:
         totals = {
             name: self.total(name)
             for name in ("samples", "tokens", "bytes_read", "bytes_delivered", "read_seconds", "decode_seconds",
-                         "wait_seconds", "samples_per_s", "bytes_read_per_s", "bytes_delivered_per_s", "queue_depth")
+                         "wait_seconds", "queue_depth")
         }
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
 
@@ -141,7 +138,6 @@ class LoaderCounters:
 
     def __init__(self, max_workers: int = MAX_WORKERS) -> None:
         self.table = torch.zeros(max_workers, NUM_FIELDS, dtype=torch.float64).share_memory_()
-        self._previous: LoaderSnapshot | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -149,7 +145,6 @@ class LoaderCounters:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.table = state["table"]
-        self._previous = None
         self._lock = threading.Lock()
 
     def worker(self, worker_id: int | None = None) -> WorkerCounters:
@@ -161,12 +156,8 @@ class LoaderCounters:
             raise ValueError(f"worker id {worker_id} exceeds the {len(self.table)} counter rows")
         return WorkerCounters(self.table[worker_id], self._lock)
 
-    def reset(self) -> None:
-        self.table.zero_()
-        self._previous = None
-
     def snapshot(self) -> LoaderSnapshot:
-        """A copy of every active row, with rates against the previous snapshot."""
+        """A copy of every active row; rates are the caller's: differences of two snapshots over their times."""
         now = time.time()
         table = self.table.clone()
         workers = []
@@ -192,15 +183,4 @@ class LoaderCounters:
                     seconds_since_progress=now - row[Field.LAST_PROGRESS] if row[Field.LAST_PROGRESS] else None,
                 )
             )
-        snap = LoaderSnapshot(now, workers)
-        if self._previous is not None:
-            dt = max(now - self._previous.time, 1e-9)
-            before = {w.worker: w for w in self._previous.workers}
-            for w in workers:
-                old = before.get(w.worker)
-                if old is not None:
-                    w.samples_per_s = (w.samples - old.samples) / dt
-                    w.bytes_read_per_s = (w.bytes_read - old.bytes_read) / dt
-                    w.bytes_delivered_per_s = (w.bytes_delivered - old.bytes_delivered) / dt
-        self._previous = snap
-        return snap
+        return LoaderSnapshot(now, workers)
