@@ -5,23 +5,29 @@ Conversion runs in three steps, each safe to kill:
 1. *Plan*: probe every source file (shape only), fix the sample order and each
    sample's first row, and write the plan into the store.  Nothing is decided
    later, so a resumed run writes exactly the bytes an uninterrupted one would.
-2. *Convert*: worker processes write samples; each sample owns whole chunks, so
-   workers never touch the same file, and zarr writes each chunk atomically.
-   The main process appends each finished sample to a journal.
-3. *Finalize*: write the sample index and checksums, then flip the store's
-   status to "complete" (one atomic write).  Readers refuse a store before that.
+2. *Convert*: worker processes write samples; each sample owns whole shards, so
+   workers never touch the same file, and each shard is written atomically
+   (temporary name, fsync, rename).  The main process appends each finished
+   sample to a journal (fsynced after the sample's shards are).
+3. *Finalize*: write the sample index, then flip the store's status to
+   "complete" (one atomic, fsynced write).  Readers refuse a store before that.
 
-Running the same command again skips the samples in the journal.
+Running the same command again skips the samples in the journal.  The plan and
+the journal stay in the store: a damaged index is rebuilt from them.  One writer
+at a time: the converter holds the store's `WriterLock` from start to end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -36,23 +42,29 @@ from tqdm.auto import tqdm
 
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format
-from h5feed.store import (
-    ATTRS_KEY,
+from h5feed.lock import LOCK_FILE, WriterLock
+from h5feed.store import Store, read_ahead
+from h5feed.store.layout import (
+    DEFAULT_CHUNK_TOKENS,
+    MAX_DEFAULT_SHARD_TOKENS,
     StoreInfo,
     chunk_codec,
     chunk_encoder,
-    chunk_key,
+    create_arrays,
     crc32c,
-    read_ahead,
+    encode_shard,
+    fsync_dir,
+    object_key,
     read_info,
     storage_dtype,
+    write_atomically,
+    write_info,
 )
 
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "h5feed-plan.json"
 JOURNAL_FILE = "h5feed-journal.jsonl"
-DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -83,16 +95,41 @@ def convert(
     dst: str | os.PathLike[str],
     *,
     format: str | None = None,
-    workers: int = 1,
+    workers: int | None = None,
     codec: str = "zstd",
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    shard_tokens: int | None = None,
     skip_bad: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    durable: bool = True,
 ) -> ConvertReport:
-    """Convert every sample file under `src` into the store `dst` (see the module docstring)."""
+    """Convert every sample file under `src` into the store `dst` (see the module docstring).
+
+    Args:
+        workers: worker processes (default: the machine's cores); 0 converts in this process.
+        shard_tokens: rows per shard, a multiple of `chunk_tokens` (default: the longest sample,
+            rounded up, at most 8192), so that a sample is one object per array.
+        durable: fsync each shard before its journal line, and the index before the status flip,
+            so that a power loss loses no journaled sample (`--no-fsync` turns it off).
+    """
+    src_path, dst_path = Path(src).resolve(), Path(dst)
+    workers = os.cpu_count() or 1 if workers is None else workers
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be at least 1")
+    if shard_tokens is not None and (shard_tokens < chunk_tokens or shard_tokens % chunk_tokens):
+        raise ValueError(f"shard_tokens must be a multiple of chunk_tokens ({chunk_tokens}), not {shard_tokens}")
+    chunk_codec(codec)  # validates the name before anything is written
+    fmt = FORMATS[format] if format else detect_format(src_path)  # type: ignore[index]
+    sources = fmt.discover(src_path)
+    options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}
+    if dst_path.exists() and not overwrite and not (dst_path / "zarr.json").exists():
+        if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
+            raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
     try:
-        return _convert(src, dst, format, workers, codec, chunk_tokens, skip_bad, overwrite, progress)
+        with WriterLock.acquire(dst_path) as lock:
+            return _convert(src_path, dst_path, fmt, sources, options, workers, skip_bad, overwrite, progress,
+                            durable, lock)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst, "disk full: free space and run the same command to resume") from exc
@@ -100,45 +137,36 @@ def convert(
 
 
 def _convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    format: str | None,
+    src_path: Path,
+    dst_path: Path,
+    fmt: SourceFormat,
+    sources: list[SourceFile],
+    options: dict[str, Any],
     workers: int,
-    codec: str,
-    chunk_tokens: int,
     skip_bad: bool,
     overwrite: bool,
     progress: bool,
+    durable: bool,
+    lock: WriterLock,
 ) -> ConvertReport:
-    src_path, dst_path = Path(src).resolve(), Path(dst)
-    if chunk_tokens < 1:
-        raise ValueError("chunk_tokens must be at least 1")
-    chunk_codec(codec)  # validates the name before anything is written
-    fmt = FORMATS[format] if format else detect_format(src_path)  # type: ignore[index]
-    sources = fmt.discover(src_path)
-    options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens}
     started = time.perf_counter()
-
-    if overwrite and dst_path.exists():
-        shutil.rmtree(dst_path)
+    if overwrite:
+        _clear(dst_path)
     if (dst_path / "zarr.json").exists():
         info = read_info(dst_path)
         if info.status == "complete":
             _check_complete_matches(dst_path, info, options)
-            _remove_work_files(dst_path)
-            log.info("%s is already complete: nothing to do", dst_path)
-            return ConvertReport(dst_path, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
+            return _check_or_rebuild_index(dst_path, info, durable)
         if not (dst_path / PLAN_FILE).exists():  # killed while planning: nothing was converted yet
-            shutil.rmtree(dst_path)
-    elif dst_path.exists() and any(dst_path.iterdir()):
-        raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
+            _clear(dst_path)
 
     with _executor(workers) as pool:
+        lock.record_semaphores()  # the pool's, for the next writer to clean up after a SIGKILL
         if (dst_path / PLAN_FILE).exists():
             plan = _read_plan(dst_path, sources, options, skip_bad)
             _remove_partial_writes(dst_path)
         else:
-            plan = _make_plan(pool, fmt, sources, options, src_path, dst_path, skip_bad, progress)
+            plan = _make_plan(pool, fmt, sources, options, src_path, dst_path, skip_bad, progress, durable)
         samples = [_PlannedSample(**s) for s in plan["samples"]]
         done = _read_journal(dst_path)
         pending = [i for i in range(len(samples)) if i not in done]
@@ -146,15 +174,45 @@ def _convert(
         if pending:
             # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
             by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
-            _convert_pending(pool, fmt, dst_path, plan, samples, pending, by_relpath, workers, skip_bad, progress, report)
+            _convert_pending(pool, fmt, dst_path, plan, samples, pending, by_relpath, workers, skip_bad, progress,
+                             durable, report)
             done = _read_journal(dst_path)
     skipped: list[dict[str, str]] = list(plan["skipped"])
     skipped += [{"path": samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r]
-    _finalize(dst_path, samples, done, skipped)
+    if not any("checksum" in r for r in done.values()):
+        raise SourceError(src_path, f"no sample could be converted: all {len(skipped)} were skipped "
+                          f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
+    _finalize(dst_path, samples, done, skipped, durable)
     info = read_info(dst_path)
     report.num_samples, report.num_tokens, report.skipped = info.num_samples, info.num_tokens, skipped
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _clear(dst: Path) -> None:
+    """Remove everything in the store but the writer's lock."""
+    for path in dst.iterdir():
+        if path.name != LOCK_FILE:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> ConvertReport:
+    """A complete store: nothing to do if its index is sound; a damaged one is rebuilt from the plan and
+    journal the conversion left in the store, or reported with what to run."""
+    try:
+        Store(dst)
+        log.info("%s is already complete: nothing to do", dst)
+    except StoreError as exc:
+        if not ((dst / PLAN_FILE).exists() and (dst / JOURNAL_FILE).exists()):
+            raise StoreError(dst, f"is complete but damaged ({exc.problem}), and has no plan and journal to rebuild "
+                             "its index from: pass --overwrite to convert again") from exc
+        log.warning("%s: rebuilding the damaged sample index from the plan and journal (%s)", dst, exc.problem)
+        plan = json.loads((dst / PLAN_FILE).read_text())
+        samples = [_PlannedSample(**s) for s in plan["samples"]]
+        _finalize(dst, samples, _read_journal(dst), info.skipped, durable)
+        Store(dst)  # the rebuilt index must open
+        info = read_info(dst)
+    return ConvertReport(dst, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
 
 
 # --- plan -------------------------------------------------------------------------------
@@ -169,6 +227,7 @@ def _make_plan(
     dst: Path,
     skip_bad: bool,
     progress: bool,
+    durable: bool,
 ) -> dict[str, Any]:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
     shapes: list[tuple[SourceFile, SampleShape]] = []
@@ -191,10 +250,11 @@ def _make_plan(
         raise SourceError(src_root, "no readable sample files (all were skipped)")
 
     chunk_tokens = options["chunk_tokens"]
+    shard_tokens = options["shard_tokens"] or _default_shard_tokens([shape for _, shape in shapes], chunk_tokens)
     planned, row = [], 0
     for source, shape in shapes:
         planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row).__dict__)
-        row += math.ceil(shape.num_tokens / chunk_tokens) * chunk_tokens
+        row += math.ceil(shape.num_tokens / shard_tokens) * shard_tokens
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
@@ -203,12 +263,22 @@ def _make_plan(
         last_state_norm=fmt.last_state_norm,
         codec=chunk_codec(options["codec"]),
         chunk_tokens=chunk_tokens,
+        shard_tokens=shard_tokens,
         source_root=str(src_root),
     )
-    _create_arrays(dst, info, total_rows=row)
+    create_arrays(dst, info, total_rows=row)
+    if durable:
+        _fsync_tree(dst)
     plan = {"options": options, "samples": planned, "skipped": skipped, "total_rows": row}
-    _write_atomically(dst / PLAN_FILE, json.dumps(plan))
+    write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
     return plan
+
+
+def _default_shard_tokens(shapes: list[SampleShape], chunk_tokens: int) -> int:
+    """The longest sample rounded up to whole chunks (one object per sample and array), within bounds."""
+    longest = max(s.num_tokens for s in shapes)
+    cap = max(chunk_tokens, MAX_DEFAULT_SHARD_TOKENS // chunk_tokens * chunk_tokens)
+    return min(math.ceil(longest / chunk_tokens) * chunk_tokens, cap)
 
 
 def _check_same_shape(source: SourceFile, shape: SampleShape, reference: SampleShape) -> None:
@@ -230,8 +300,10 @@ def _probe_one(format_name: str, source: SourceFile) -> SampleShape | SourceErro
 
 def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any]) -> None:
     """A rerun on a complete store asking for another codec, chunk size or format must not pass as done."""
-    have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens}
-    if have != {**options, "codec": chunk_codec(options["codec"])}:
+    have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens,
+            "shard_tokens": info.shard_tokens}
+    asked = {**options, "codec": chunk_codec(options["codec"]), "shard_tokens": options["shard_tokens"] or info.shard_tokens}
+    if have != asked:
         raise StoreError(
             dst, f"is complete but was converted with {have}, not {options}: choose another DST or pass --overwrite"
         )
@@ -256,28 +328,6 @@ def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any], sk
     return plan
 
 
-def _create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
-    import zarr
-
-    group = zarr.open_group(dst, mode="w", attributes={ATTRS_KEY: info.to_json()})
-    chunk_tokens, h, k = info.chunk_tokens, info.hidden_size, info.num_aux_layers
-    bits = storage_dtype(info.torch_dtype)
-    config = dict(info.codec)
-    blosc = config.pop("name") == "blosc"
-    rows = max(total_rows, 1)
-    for array, width, dtype in (
-        ("aux_hidden_states", k * h, bits),
-        ("last_hidden_states", h, bits),
-        ("input_ids", None, torch.int64),
-        ("loss_mask", None, torch.int64),
-    ):
-        shape = (rows, width) if width else (rows,)
-        chunks = (chunk_tokens, width) if width else (chunk_tokens,)
-        compressors = [zarr.codecs.BloscCodec(typesize=dtype.itemsize, **config)] if blosc else None
-        group.create_array(array, shape=shape, chunks=chunks, dtype=str(dtype).removeprefix("torch."),
-                           compressors=compressors, fill_value=0)
-
-
 # --- convert ------------------------------------------------------------------------------
 
 
@@ -292,10 +342,10 @@ def _convert_pending(
     workers: int,
     skip_bad: bool,
     progress: bool,
+    durable: bool,
     report: ConvertReport,
 ) -> None:
     """Convert the samples not yet in the journal, a bounded number in flight."""
-    chunk_tokens = plan["options"]["chunk_tokens"]
     info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
                disable=not progress, smoothing=0.1)
@@ -312,7 +362,7 @@ def _convert_pending(
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
                 read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
                 in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
-                                      chunk_tokens, info.codec)] = i
+                                      info, durable)] = i
                 return
 
         for _ in range(2 * max(1, workers)):
@@ -337,6 +387,8 @@ def _convert_pending(
                     continue
                 journal.write(json.dumps({"i": i, **record}) + "\n")
                 journal.flush()
+                if durable:  # after the worker's fsync of the shards: a journaled sample survives power loss
+                    os.fsync(journal.fileno())
                 report.converted_now += "checksum" in record  # a skipped file is counted in skipped only
                 report.bytes_in += record.get("bytes_in", 0)
                 report.bytes_out += record.get("bytes_out", 0)
@@ -360,7 +412,8 @@ def _executor(workers: int) -> Executor:
     """Spawned worker processes (safe whatever threads torch or zarr started here); 0 runs in this process."""
     if workers == 0:
         return _InlineExecutor()
-    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker)
+    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                               initargs=(os.getpid(),))
 
 
 class _InlineExecutor(Executor):
@@ -375,12 +428,24 @@ class _InlineExecutor(Executor):
         return future
 
 
-def _init_worker() -> None:
-    """One core's worth of work per process: the processes are the parallelism."""
+def _init_worker(parent: int) -> None:
+    """One core's worth of work per process (the processes are the parallelism), and no orphans:
+    a worker dies with the converter, even when that is SIGKILLed."""
     from numcodecs import blosc
 
     torch.set_num_threads(1)
     blosc.set_nthreads(1)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (AttributeError, OSError):
+        pass
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()  # other systems, and races
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _convert_one(
@@ -389,10 +454,10 @@ def _convert_one(
     source: SourceFile,
     start: int,
     expected: SampleShape,
-    chunk_tokens: int,
-    codec: dict[str, Any],
+    info: StoreInfo,
+    durable: bool,
 ) -> dict[str, Any]:
-    """Load one source file, check it against the plan (it may have changed since), write its chunks; in a worker."""
+    """Load one source file, check it against the plan (it may have changed since), write its shards; in a worker."""
     sample = FORMATS[format_name].load(source)  # type: ignore[index]
     num_tokens = expected.num_tokens
     if sample.shape.num_tokens != num_tokens:
@@ -400,15 +465,15 @@ def _convert_one(
     _check_same_shape(source, sample.shape, expected)
     loss_mask = sample.stored_loss_mask()
     bits = storage_dtype(sample.last_hidden_state.dtype)
-    rows = range(0, num_tokens, chunk_tokens)
+    c = info.chunk_tokens
+    rows = range(0, num_tokens, c)
     blocks: dict[str, Iterable[torch.Tensor]] = {  # one chunk's rows at a time: no copy of a whole sample
-        "aux_hidden_states": (sample.aux_rows(r, r + chunk_tokens).view(bits) for r in rows),
-        "last_hidden_states": (sample.last_hidden_state[r : r + chunk_tokens].view(bits) for r in rows),
-        "input_ids": (sample.input_ids[r : r + chunk_tokens] for r in rows),
-        "loss_mask": (loss_mask[r : r + chunk_tokens] for r in rows),
+        "aux_hidden_states": (sample.aux_rows(r, r + c).view(bits) for r in rows),
+        "last_hidden_states": (sample.last_hidden_state[r : r + c].view(bits) for r in rows),
+        "input_ids": (sample.input_ids[r : r + c] for r in rows),
+        "loss_mask": (loss_mask[r : r + c] for r in rows),
     }
-    written = {name: _write_chunks(Path(dst), name, chunks, start // chunk_tokens, chunk_tokens, codec)
-               for name, chunks in blocks.items()}
+    written = {name: _write_shards(Path(dst), info, name, chunks, start, durable) for name, chunks in blocks.items()}
     return {
         "checksum": [crc for _, crc in written.values()],
         "has_loss_mask": sample.loss_mask is not None,
@@ -417,32 +482,44 @@ def _convert_one(
     }
 
 
-def _write_chunks(
-    dst: Path, name: str, blocks: Iterable[torch.Tensor], first_chunk: int, chunk_tokens: int, codec: dict[str, Any]
+def _write_shards(
+    dst: Path, info: StoreInfo, name: str, blocks: Iterable[torch.Tensor], start: int, durable: bool
 ) -> tuple[int, int]:
-    """Encode and write one sample's chunks of array `name`, each atomically.
+    """Encode and write one sample's shards of array `name`, each atomically.
 
     `blocks` are the sample's rows, one chunk's worth each (the last may be short:
-    zeros follow the sample).  The bytes are those zarr's own pipeline writes (tests
-    compare them), without its per-chunk copies and fill buffers, which cost as much
-    as the encoding itself.  Returns the bytes written and the crc32c of the rows.
+    zeros follow the sample).  The inner chunks are the bytes zarr's own pipeline
+    writes (tests compare them), without its per-chunk copies and fill buffers,
+    which cost as much as the encoding itself.  Returns the bytes written and the
+    crc32c of the sample's rows.
     """
     written, crc = 0, 0
     encode: Callable[[np.ndarray], bytes] | None = None
+    per_shard = info.chunks_per_shard
+    shard: list[bytes | None] = []
+    first_shard = start // info.shard_tokens
+
+    def flush() -> None:
+        nonlocal written
+        data = encode_shard(shard + [None] * (per_shard - len(shard)))
+        path = dst / object_key(info, name, first_shard + (j // per_shard))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, data, durable=durable)
+        written += len(data)
+        shard.clear()
+
+    j = -1
     for j, block in enumerate(blocks):
         array = block.contiguous().numpy()
         crc = crc32c(array, crc)
-        if len(array) < chunk_tokens:
-            array = np.concatenate((array, np.zeros((chunk_tokens - len(array), *array.shape[1:]), array.dtype)))
-        encode = encode or chunk_encoder(codec, array.itemsize)
-        data = encode(array)
-        path = dst / chunk_key(name, first_chunk + j)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
-        written += len(data)
+        if len(array) < info.chunk_tokens:
+            array = np.concatenate((array, np.zeros((info.chunk_tokens - len(array), *array.shape[1:]), array.dtype)))
+        encode = encode or chunk_encoder(info.codec, array.itemsize)
+        shard.append(encode(array))
+        if len(shard) == per_shard:
+            flush()
+    if shard:
+        flush()
     return written, crc
 
 
@@ -465,8 +542,13 @@ def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
     return done
 
 
-def _finalize(dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]]) -> None:
+def _finalize(
+    dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
+    durable: bool,
+) -> None:
+    """Write the index (checksummed by zarr's crc32c codec) and the journal in plan order, then flip the status."""
     import zarr
+    from zarr.codecs import Crc32cCodec
 
     kept = [i for i in range(len(samples)) if "checksum" in done.get(i, {})]
     group = zarr.open_group(dst, mode="r+")
@@ -481,28 +563,34 @@ def _finalize(dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str
         "source_path": np.array([samples[i].relpath for i in kept], dtype=str),
     }
     for name, values in columns.items():
-        array = index.create_array(name, shape=values.shape, chunks=values.shape if n else None,
-                                   dtype=values.dtype if name != "source_path" else str, overwrite=True)
+        array = index.create_array(name, shape=values.shape, chunks=(max(n, 1), *values.shape[1:]),
+                                   dtype=values.dtype if name != "source_path" else str,
+                                   compressors=[Crc32cCodec()], overwrite=True)
         if n:
             array[...] = values
-    attrs = dict(group.attrs[ATTRS_KEY])
-    attrs.update(status="complete", num_samples=n, num_tokens=int(columns["sample_length"].sum()), skipped=skipped)
-    group.attrs[ATTRS_KEY] = attrs
-    _remove_work_files(dst)
+    journal = "".join(json.dumps({"i": i, **done[i]}) + "\n" for i in sorted(done))
+    write_atomically(dst / JOURNAL_FILE, journal.encode(), durable=durable)  # the same bytes however the run went
+    if durable:
+        _fsync_tree(dst / "index")
+    info = read_info(dst)
+    complete = {**info.to_json(), "status": "complete", "num_samples": n,
+                "num_tokens": int(columns["sample_length"].sum()), "skipped": skipped}
+    write_info(dst, StoreInfo.from_json(complete), durable=durable)
+
+
+def _fsync_tree(top: Path) -> None:
+    """Flush every file and folder under `top` (metadata and index: small) to the disk."""
+    for dirpath, _, filenames in os.walk(top):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def _remove_partial_writes(dst: Path) -> None:
-    """Chunks (and zarr's own files) are written as NAME.<id>.partial and renamed: a kill can leave one behind."""
+    """Shards (and zarr's own files) are written as NAME.<id>.partial and renamed: a kill can leave one behind."""
     for path in dst.rglob("*.partial"):
         path.unlink()
-
-
-def _remove_work_files(dst: Path) -> None:
-    for name in (PLAN_FILE, JOURNAL_FILE):
-        (dst / name).unlink(missing_ok=True)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

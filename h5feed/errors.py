@@ -27,3 +27,21 @@ class SourceError(_PathError):
 
 class StoreError(_PathError):
     """A store that cannot be opened or read: unfinished, corrupt or of another layout."""
+
+
+class CorruptSampleError(StoreError):
+    """A sample whose stored bytes fail their checks: it is never handed to the trainer.
+
+    `path` is the damaged object (chunk or shard), `sample` the store index of the sample and
+    `source_path` the file it was converted from, so the damage can be traced and repaired.
+    """
+
+    def __init__(self, path: str | Path, problem: str, sample: int = -1, source_path: str = "") -> None:
+        self.sample = sample
+        self.source_path = source_path
+        where = f"sample {sample} (converted from {source_path}): " if sample >= 0 else ""
+        super().__init__(path, where + problem)
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int, str]]:
+        return type(self), (self.path, self.problem, self.sample, self.source_path)

@@ -3,6 +3,7 @@ and crash safety: a conversion killed at any moment resumes to the bytes of an u
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -17,6 +18,7 @@ import torch
 from h5feed.convert import JOURNAL_FILE, PLAN_FILE, _read_journal, convert
 from h5feed.errors import StoreError
 from h5feed.store import ReadStats, Store
+from h5feed.store.layout import EMPTY, decode_shard_index
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -25,7 +27,8 @@ K = 3
 CHUNK = 16
 # one token, exactly one chunk, one token past a chunk, short, many chunks, three chunks
 LENGTHS = [1, 16, 17, 5, 100, 33]
-STARTS = [0, 16, 32, 64, 80, 192]  # every sample starts on a chunk boundary
+SHARD = 112  # by default a shard holds the longest sample (100 tokens), rounded up to whole chunks
+STARTS = [0, 112, 224, 336, 448, 560]  # every sample starts on a shard boundary
 ZSTD = {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
 LZ4 = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20}
 LEGACY = "speculators-legacy-pt"
@@ -68,7 +71,8 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
     info = store.info
     assert (info.source_format, info.hidden_size, info.num_aux_layers, info.dtype, info.last_state_norm) == (
         fmt, H, K, "bfloat16", norm)
-    assert (info.codec, info.chunk_tokens, info.status) == (ZSTD, CHUNK, "complete")
+    assert (info.codec, info.chunk_tokens, info.shard_tokens, info.status) == (ZSTD, CHUNK, SHARD, "complete")
+    assert info.format_version == 2
     assert info.source_root == str(src.resolve())
     assert (info.num_samples, info.num_tokens, info.skipped) == (6, sum(LENGTHS), [])
     assert store.source_paths == [f.relative_to(src).as_posix() for f in files]
@@ -79,7 +83,8 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
     assert store.has_loss_mask.tolist() == [True] * 6
     for i in range(6):
         assert_sample_matches_source(store, i, fmt, src)
-    assert not (dst / PLAN_FILE).exists() and not (dst / JOURNAL_FILE).exists()
+    assert (dst / PLAN_FILE).exists() and not (dst / "h5feed-writer.lock").exists()  # the plan stays, the lock goes
+    assert [r["i"] for r in map(json.loads, (dst / JOURNAL_FILE).read_text().splitlines())] == list(range(6))
     check = verify_store(dst, src, progress=False)
     assert (check.ok, check.samples_checked, check.compared_with_source) == (True, 6, True)
 
@@ -116,12 +121,34 @@ def test_every_codec_round_trips(tmp_path, assert_sample_matches_source, codec, 
     assert store.info.codec == config
     for i in range(len(LENGTHS)):
         assert_sample_matches_source(store, i, LEGACY, src)
-    # each sample owns whole chunks, every one written: 1 + 1 + 2 + 1 + 7 + 3
-    chunk_files = sorted((dst / "aux_hidden_states" / "c").rglob("*"))
-    chunk_files = [f for f in chunk_files if f.is_file()]
-    assert len(chunk_files) == 15
-    if codec == "none":
-        assert {f.stat().st_size for f in chunk_files} == {CHUNK * K * H * 2}
+    # each sample is one shard of 7 inner chunks; those holding its rows are written: 1 + 1 + 2 + 1 + 7 + 3
+    shards = sorted(f for f in (dst / "aux_hidden_states" / "c").rglob("*") if f.is_file())
+    assert len(shards) == 6
+    present = [int((shard_index(f, SHARD // CHUNK)[:, 0] != EMPTY).sum()) for f in shards]
+    assert present == [1, 1, 2, 1, 7, 3]
+    if codec == "none":  # raw chunks, each with its crc32c, then the index (7 entries of 16 bytes) and its crc32c
+        assert [f.stat().st_size for f in shards] == [n * (CHUNK * K * H * 2 + 4) + 7 * 16 + 4 for n in present]
+
+
+def shard_index(path: Path, chunks_per_shard: int):
+    data = path.read_bytes()
+    return decode_shard_index(data[-(chunks_per_shard * 16 + 4):], chunks_per_shard, len(data))
+
+
+def test_samples_longer_than_a_shard_span_several(tmp_path, assert_sample_matches_source):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    legacy_source(src)
+    convert(src, dst, workers=0, chunk_tokens=CHUNK, shard_tokens=32, progress=False)
+    store = Store(dst)
+    assert store.info.shard_tokens == 32
+    assert store.sample_starts.tolist() == [0, 32, 64, 96, 128, 256]  # 100 tokens: 4 shards; 33: 2
+    shards = [p for p in (dst / "aux_hidden_states" / "c").rglob("*") if p.is_file()]
+    assert sorted(int(p.parent.name) for p in shards) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for i in range(len(LENGTHS)):
+        assert_sample_matches_source(store, i, LEGACY, src)
+    assert torch.equal(store.read_sample(4, 70).input_ids, store.read_sample(4).input_ids[:70])
+    with pytest.raises(ValueError, match="shard_tokens must be a multiple of chunk_tokens"):
+        convert(src, tmp_path / "other", workers=0, chunk_tokens=CHUNK, shard_tokens=40, progress=False)
 
 
 def test_read_sample_max_tokens_truncates_and_reads_only_the_chunks_it_needs(tmp_path, source_sample):
@@ -141,7 +168,8 @@ def test_read_sample_max_tokens_truncates_and_reads_only_the_chunks_it_needs(tmp
         assert torch.equal(got.loss_mask, want["loss_mask"][:t])
         assert torch.equal(bits(got.aux_hidden_states), bits(want["aux"][:t]))
         assert torch.equal(bits(got.last_hidden_state), bits(want["last"][:t]))
-        assert stats.bytes_read == math.ceil(t / CHUNK) * CHUNK * row_bytes, max_tokens
+        chunks = math.ceil(t / CHUNK)  # each with its crc32c; and each array's shard index (7 entries + crc32c)
+        assert stats.bytes_read == chunks * CHUNK * row_bytes + 4 * (chunks * 4 + 7 * 16 + 4), max_tokens
         assert stats.bytes_delivered == t * row_bytes
     with pytest.raises(IndexError, match="sample 6 out of range for a store of 6 samples"):
         store.read_sample(6)
@@ -172,11 +200,11 @@ def test_rerun_with_other_options_is_refused(tmp_path, interrupted_convert, asse
     with pytest.raises(StoreError) as err:
         convert(src, dst, workers=0, codec="lz4", chunk_tokens=CHUNK, progress=False)
     assert str(err.value) == (
-        f"{dst}: was started with {{'format': '{LEGACY}', 'codec': 'zstd', 'chunk_tokens': 16}}, not "
-        f"{{'format': '{LEGACY}', 'codec': 'lz4', 'chunk_tokens': 16}}: "
+        f"{dst}: was started with {{'format': '{LEGACY}', 'codec': 'zstd', 'chunk_tokens': 16, 'shard_tokens': None}}, "
+        f"not {{'format': '{LEGACY}', 'codec': 'lz4', 'chunk_tokens': 16, 'shard_tokens': None}}: "
         "repeat that command to resume, or pass --overwrite"
     )
-    with pytest.raises(StoreError, match="'chunk_tokens': 16}, not .*'chunk_tokens': 32}"):
+    with pytest.raises(StoreError, match="'chunk_tokens': 16, 'shard_tokens': None}, not .*'chunk_tokens': 32, 'shard_tokens': None}"):
         convert(src, dst, workers=0, chunk_tokens=32, progress=False)
     assert (dst / JOURNAL_FILE).read_bytes() == journal
 
@@ -225,10 +253,10 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
     module = sys.modules["h5feed.convert"]
 
-    def killed(*args):
+    def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(module, "_write_atomically", killed)  # arrays created, plan not yet written
+    monkeypatch.setattr(module, "write_atomically", killed)  # arrays created, plan not yet written
     with pytest.raises(KeyboardInterrupt):
         convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
     monkeypatch.undo()
@@ -241,20 +269,21 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
     assert_same_tree(dst, ref)
 
 
-def test_killed_after_the_status_flip_is_tidied_by_a_rerun(tmp_path, monkeypatch, assert_same_tree):
+def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
     module = sys.modules["h5feed.convert"]
 
-    def killed(*args):
+    def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(module, "_remove_work_files", killed)
+    monkeypatch.setattr(module, "write_info", killed)  # index and journal written, status still "converting"
     with pytest.raises(KeyboardInterrupt):
         convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
     monkeypatch.undo()
-    assert len(Store(dst)) == 6 and (dst / JOURNAL_FILE).exists()
+    with pytest.raises(StoreError, match="has not finished"):
+        Store(dst)
 
     report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
     assert (report.converted_now, report.resumed) == (0, 6)
@@ -347,8 +376,8 @@ def test_sigkill_at_several_moments_then_the_same_command_gives_the_same_bytes(t
 
 @pytest.mark.parametrize("codec", ["zstd", "lz4", "none"])
 def test_chunks_are_the_bytes_zarr_itself_writes(tmp_path, codec):
-    """The converter encodes chunks itself (zarr's pipeline costs as much as the codec); the
-    bytes must be zarr's own: rewrite every array through zarr and compare every chunk file."""
+    """The converter encodes shards itself (zarr's pipeline costs as much as the codec); the
+    bytes must be zarr's own: rewrite every array through zarr and compare every shard file."""
     import zarr
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, 32, lengths=[5, 64, 70], seed=4)
@@ -357,9 +386,9 @@ def test_chunks_are_the_bytes_zarr_itself_writes(tmp_path, codec):
     for name in ("aux_hidden_states", "last_hidden_states", "input_ids", "loss_mask"):
         original = group[name]
         values = original[...]
-        copy = zarr.create_array(tmp_path / "zarr" / name, shape=original.shape, chunks=original.chunks,
-                                 dtype=original.dtype, compressors=original.compressors, fill_value=0,
-                                 config={"write_empty_chunks": True})
+        copy = zarr.create_array(tmp_path / "zarr" / name, shape=original.shape, shards=original.shards,
+                                 chunks=original.chunks, dtype=original.dtype, compressors=original.compressors,
+                                 fill_value=0)
         copy[...] = values
         ours = sorted(p.relative_to(tmp_path / "dst" / name) for p in (tmp_path / "dst" / name / "c").rglob("*"))
         for rel in ours:

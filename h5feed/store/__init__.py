@@ -1,4 +1,47 @@
-"""The h5feed store: its on-disk layout, the reader of one sample, and decode buffers."""
+"""The h5feed store: its on-disk layout, the checked reader of one sample, and decode buffers."""
 
-from h5feed.store.reader import *  # noqa: F403
-from h5feed.store.reader import _storage_torch_dtype  # noqa: F401
+from h5feed.store.buffers import Allocator, BufferPool, plain_allocator, shared_allocator
+from h5feed.store.layout import (
+    ATTRS_KEY,
+    CHECKSUMMED,
+    DEFAULT_CHUNK_TOKENS,
+    HIDDEN_ARRAYS,
+    STORE_FORMAT_VERSION,
+    TOKEN_ARRAYS,
+    LastStateNorm,
+    StoreInfo,
+    checksums,
+    chunk_codec,
+    chunk_encoder,
+    crc32c,
+    object_key,
+    read_info,
+    storage_dtype,
+)
+from h5feed.store.reader import RawSample, ReadStats, Store, read_ahead
+
+__all__ = [
+    "ATTRS_KEY",
+    "CHECKSUMMED",
+    "DEFAULT_CHUNK_TOKENS",
+    "HIDDEN_ARRAYS",
+    "STORE_FORMAT_VERSION",
+    "TOKEN_ARRAYS",
+    "Allocator",
+    "BufferPool",
+    "LastStateNorm",
+    "RawSample",
+    "ReadStats",
+    "Store",
+    "StoreInfo",
+    "checksums",
+    "chunk_codec",
+    "chunk_encoder",
+    "crc32c",
+    "object_key",
+    "plain_allocator",
+    "read_ahead",
+    "read_info",
+    "shared_allocator",
+    "storage_dtype",
+]

@@ -1,107 +1,51 @@
-"""The on-disk layout of an h5feed store, and the fast reader of one sample.
+"""Reading a finished store: open it (its index checked), and decode a sample's rows, checked, into given memory.
 
-A store is one Zarr v3 group (see README "Store layout"):
-
-    aux_hidden_states   [rows, K*H]  storage dtype (bf16 bits as uint16)
-    last_hidden_states  [rows, H]
-    input_ids           [rows]       int64
-    loss_mask           [rows]       int64
-    index/sample_start  [N] int64    first row of each sample (a multiple of chunk_tokens)
-    index/sample_length [N] int64    tokens of each sample
-    index/source_path   [N] str      path of the source file, relative to the source root
-    index/source_index  [N] int64    the i of data_{i}.pt
-    index/checksum      [N, 4] uint32  crc32c of aux, last, input_ids, loss_mask bytes
-    index/has_loss_mask [N] bool     False where the source had no loss mask (stored as ones)
-
-Every sample starts on a chunk boundary, so conversion workers never share a
-chunk and a reader never decodes a neighbour's rows.  The reader below finds the
-chunk files itself and decodes them with numcodecs straight into a
-preallocated buffer: zarr-python is used to write and to describe the store,
-and stays off the hot path of reading.
+zarr-python describes the store and reads its small index; the hot path finds
+the shard (or chunk) files itself, maps them, checks every inner chunk's crc32c
+and decodes it with numcodecs straight into the caller's buffer.  No byte that
+fails its checksum is ever decoded into a tensor a trainer sees: the read
+raises `CorruptSampleError` naming the sample, its source file and the object.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import math
 import mmap
 import os
+import struct
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from numcodecs import blosc
 
-from h5feed.errors import StoreError
+from h5feed.errors import CorruptSampleError, StoreError
+from h5feed.store.buffers import Allocator, plain_allocator
+from h5feed.store.layout import (
+    CHECKSUMMED,
+    CRC_BYTES,
+    EMPTY,
+    HIDDEN_ARRAYS,
+    check_crc32c,
+    crc32c,
+    decode_shard_index,
+    object_key,
+    read_info,
+    shard_index_nbytes,
+)
 
-STORE_FORMAT_VERSION = 1
-ATTRS_KEY = "h5feed"
-HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
-TOKEN_ARRAYS = ("input_ids", "loss_mask")
-CHECKSUMMED = HIDDEN_ARRAYS + TOKEN_ARRAYS
+log = logging.getLogger(__name__)
 
-LastStateNorm = Literal["pre", "post"]
-
-# Read a compressed chunk's pages in one go (Linux), rather than one page fault at a time.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-# Bits of a float dtype stored as an unsigned integer of the same width:
-# zarr-python 3 has no bfloat16, and uint keeps every bit pattern exact.
-_STORAGE_DTYPES: dict[torch.dtype, torch.dtype] = {
-    torch.bfloat16: torch.uint16,
-    torch.float16: torch.uint16,
-    torch.float32: torch.uint32,
-}
-
-
-def storage_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The unsigned integer dtype that carries `dtype`'s bits on disk."""
-    try:
-        return _STORAGE_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"h5feed stores bfloat16, float16 or float32 hidden states, not {dtype}") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dtype
-
-
-@dataclass(frozen=True)
-class StoreInfo:
-    """The self-description kept in the group's attributes."""
-
-    source_format: str
-    hidden_size: int
-    num_aux_layers: int
-    dtype: str  # logical torch dtype name, e.g. "bfloat16"
-    last_state_norm: LastStateNorm
-    codec: dict[str, Any]
-    chunk_tokens: int
-    status: Literal["converting", "complete"] = "converting"
-    source_root: str = ""
-    num_samples: int = 0
-    num_tokens: int = 0
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    format_version: int = STORE_FORMAT_VERSION
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, attrs: dict[str, Any]) -> StoreInfo:
-        return cls(**attrs)
+# Read a mapped file's pages in one go (Linux), rather than one page fault at a time.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 
 
 @dataclass
@@ -118,10 +62,10 @@ class RawSample:
 
 @dataclass
 class ReadStats:
-    """What reads cost: bytes from storage, bytes delivered, seconds in I/O and in decoding.
+    """What reads cost: bytes from storage, bytes delivered, seconds in I/O and in checking + decoding.
 
-    `Store.read_sample` reports through the three `add_*` methods, which
-    `metrics.WorkerCounters` implements too (in shared memory, thread-safe).
+    `Store` reports through the three `add_*` methods, which `metrics.WorkerCounters`
+    implements too (in shared memory, thread-safe).
     """
 
     bytes_read: int = 0
@@ -140,91 +84,17 @@ class ReadStats:
         self.bytes_delivered += nbytes
 
 
-Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-
-def plain_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Ordinary memory (huge pages where the kernel gives them): the cheapest to fill, and right
-    whenever the tensor stays in this process or a collate copies it anyway (speculators', SpecForge's)."""
-    return torch.empty(shape, dtype=dtype)
-
-
-def shared_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Shared memory inside a DataLoader worker, so that an item handed on uncollated passes a file
-    descriptor instead of being copied (what default_collate does too); plain memory elsewhere.
-    Filling fresh shared memory costs about twice plain memory (no huge pages)."""
-    if torch.utils.data.get_worker_info() is None:
-        return plain_allocator(shape, dtype)
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-
-
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # references to a storage, as torch.utils.weak counts them
-
-
-class BufferPool:
-    """An allocator that hands out big buffers again once nothing outside the pool refers to them.
-
-    A fresh 100 MB buffer costs ~30 ms of page faults (the kernel zeroes every page, 4 KB at a
-    time), a third of what decoding it costs; a reused one costs nothing.  A buffer that was sent
-    to another process has been moved into shared memory in place, and leaves the pool.
-    """
-
-    MIN_BYTES = 1 << 20  # smaller buffers are cheap to make
-    ROUND_BYTES = 16 << 20  # sizes are rounded up so that samples of different lengths share buffers
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.saw_sends = False  # a buffer was moved into shared memory: items leave this process as they are
-        self._storages: list[torch.UntypedStorage] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES or _use_count is None:
-            return plain_allocator(shape, dtype)
-        with self._lock:  # find and claim (set_ adds a reference) in one step
-            storage = self._claim(nbytes)
-            return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-
-    def _claim(self, nbytes: int) -> torch.UntypedStorage:
-        # Sending a tensor to another process (a DataLoader worker's result queue) moves its storage
-        # into shared memory in place: from then on the other process reads it, so never reuse it.
-        kept = [s for s in self._storages if not s.is_shared()]
-        self.saw_sends = self.saw_sends or len(kept) < len(self._storages)
-        self._storages = kept
-        free = [s for s in self._storages if _use_count(s._cdata) == 1]
-        fitting = [s for s in free if s.nbytes() >= nbytes]
-        if fitting:
-            return min(fitting, key=lambda s: s.nbytes())
-        storage = torch.UntypedStorage(-(-nbytes // self.ROUND_BYTES) * self.ROUND_BYTES)
-        if len(self._storages) >= self.capacity and free:  # make room: drop a free one that is too small
-            self._storages.remove(min(free, key=lambda s: s.nbytes()))
-        if len(self._storages) < self.capacity:
-            self._storages.append(storage)
-        return storage
-
-
-def chunk_codec(codec: str) -> dict[str, Any]:
-    """The zarr v3 compressor configuration for a `--codec` name."""
-    if codec == "zstd":
-        return {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
-    if codec == "lz4":
-        return {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20}
-    if codec == "none":
-        return {"name": "none"}
-    raise ValueError(f"unknown codec {codec!r}: choose zstd, lz4 or none")
-
-
 class Store:
-    """A finished h5feed store, opened for reading.
+    """A finished h5feed store, opened for reading (format 2, or format 1 with per-sample checksums).
 
     Cheap to pickle (only the path travels), so DataLoader workers under fork,
-    spawn or forkserver each open their own file handles lazily.
+    spawn or forkserver each open their own files lazily.  `checked=False` skips
+    the checksum checks: only for measuring what they cost, never for training.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, checked: bool = True) -> None:
         self.path = Path(path)
+        self.checked = checked
         self.info = read_info(self.path)
         if self.info.status != "complete":
             raise StoreError(
@@ -233,21 +103,18 @@ class Store:
                 f"{self.info.status!r}); run the same `h5feed convert` command again to resume it",
             )
         self._load_index()
-        self._chunk_nbytes = {
-            name: self.info.chunk_tokens * width * _itemsize(name, self.info) for name, width in self._widths().items()
-        }
+        self._check_index()
         self._compressed = self.info.codec.get("name") != "none"
+        self._scratch = threading.local()
+        self._warned_unchecked = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
+        return {"path": self.path, "checked": self.checked}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"])  # type: ignore[misc]
+        self.__init__(state["path"], checked=state["checked"])  # type: ignore[misc]
 
-    def _widths(self) -> dict[str, int]:
-        h, k = self.info.hidden_size, self.info.num_aux_layers
-        return {"aux_hidden_states": k * h, "last_hidden_states": h, "input_ids": 1, "loss_mask": 1}
-
+    # --- the index -----------------------------------------------------------------------------
     def _load_index(self) -> None:
         import zarr
 
@@ -260,8 +127,33 @@ class Store:
             self.source_indices = np.asarray(index["source_index"][:], dtype=np.int64)
             self.checksums = np.asarray(index["checksum"][:], dtype=np.uint32)
             self.has_loss_mask = np.asarray(index["has_loss_mask"][:], dtype=bool)
-        except (KeyError, FileNotFoundError) as exc:
-            raise StoreError(self.path, f"the sample index is missing or damaged ({exc})") from exc
+            self.total_rows = int(group["aux_hidden_states"].shape[0])
+        except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
+            raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
+
+    def _check_index(self) -> None:
+        """Refuse an index that could hand out another sample's rows: starts aligned and increasing,
+        lengths positive, no two samples overlapping, all inside the arrays."""
+        n = len(self.sample_lengths)
+        columns = (self.sample_starts, self.source_paths, self.source_indices, self.checksums, self.has_loss_mask)
+        if any(len(c) != n for c in columns):
+            raise StoreError(self.path, f"the sample index is damaged: its columns differ in length; {_REBUILD_HINT}")
+        align = self.info.object_tokens
+        ends = self.sample_starts + -(-self.sample_lengths // align) * align
+        problems = (
+            (self.sample_lengths <= 0, "has no tokens"),
+            (self.sample_starts % align != 0, f"does not start on a multiple of {align} rows"),
+            (self.sample_starts < 0, "starts before the first row"),
+            (ends > self.total_rows, f"ends past the arrays' {self.total_rows} rows"),
+            (np.r_[False, self.sample_starts[1:] < ends[:-1]], "overlaps the sample before it"),
+        )
+        for bad, what in problems:
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise StoreError(
+                    self.path, f"the sample index is damaged: sample {i} (start {int(self.sample_starts[i])}, "
+                    f"{int(self.sample_lengths[i])} tokens) {what}; {_REBUILD_HINT}"
+                )
 
     def __len__(self) -> int:
         return len(self.sample_lengths)
@@ -277,12 +169,13 @@ class Store:
     @property
     def token_nbytes(self) -> int:
         """Bytes of one token's tensors (aux, last, input_id, loss-mask value), uncompressed."""
-        return sum(w * _itemsize(name, self.info) for name, w in self._widths().items())
+        return sum(self.info.row_nbytes(name) for name in CHECKSUMMED)
 
     def _tokens_to_read(self, i: int, max_tokens: int | None) -> int:
         n = int(self.sample_lengths[i])
         return n if max_tokens is None else min(n, max_tokens)
 
+    # --- reading -------------------------------------------------------------------------------
     def read_sample(
         self,
         i: int,
@@ -292,18 +185,23 @@ class Store:
         stats: ReadStats | None = None,
         read_ahead: bool = True,
     ) -> RawSample:
-        """Read the first `max_tokens` tokens (all when None) of sample i, touching only their chunks.
+        """The first `max_tokens` tokens (all when None) of sample i, checked, touching only their chunks.
 
         `read_ahead=False` when the caller already asked for them (`will_need`), as the stream does.
+        Buffers are rounded up to whole chunks, so every chunk decodes in place (no scratch copy).
         """
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
+        self._check_sample(i)
         stats = stats if stats is not None else ReadStats()
         t = self._tokens_to_read(i, max_tokens)
-        start = int(self.sample_starts[i])
         if read_ahead:
             self.will_need(i, max_tokens)
-        arrays = {name: self._read_rows(name, start, t, allocate, stats) for name in CHECKSUMMED}
+        rows = min(-(-t // self.info.chunk_tokens) * self.info.chunk_tokens, self._padded_length(i))
+        arrays = {}
+        for name in CHECKSUMMED:
+            width = self.info.width(name)
+            buffer = allocate((rows, width) if name in HIDDEN_ARRAYS else (rows,), self.info.storage_dtype(name))
+            self._read_rows(i, name, 0, rows, buffer, stats, delivered=t)
+            arrays[name] = buffer[:t]
         dtype = self.info.torch_dtype
         return RawSample(
             input_ids=arrays["input_ids"],
@@ -314,64 +212,186 @@ class Store:
             has_loss_mask=bool(self.has_loss_mask[i]),
         )
 
-    def will_need(self, i: int, max_tokens: int | None = None) -> None:
-        """Ask the kernel to start reading sample i's chunk files now, without waiting for them.
+    def read_rows_into(
+        self, i: int, array: str, start: int, stop: int, out: torch.Tensor, stats: ReadStats | None = None
+    ) -> None:
+        """Decode rows [start, stop) of sample i's `array` into `out`, checked.
 
-        From a cold cache this lets the disk work on later chunks (or on the next
+        `out` is contiguous, of shape [stop - start, width] (hidden arrays, in the storage dtype: uint16
+        bits for bf16) or [stop - start] (int64 ids and masks): for example a sample's place in a
+        collated batch.  Whole chunks decode straight into `out`; a chunk cut by `start` or `stop`
+        decodes into a scratch buffer first.
+        """
+        self._check_sample(i)
+        if array not in CHECKSUMMED:
+            raise ValueError(f"unknown array {array!r}: one of {', '.join(CHECKSUMMED)}")
+        if not 0 <= start <= stop <= int(self.sample_lengths[i]):
+            raise IndexError(f"rows [{start}, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
+        self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
+
+    def will_need(self, i: int, max_tokens: int | None = None) -> None:
+        """Ask the kernel to start reading sample i's objects now, without waiting for them.
+
+        From a cold cache this lets the disk work on later objects (or on the next
         sample) while this thread decodes; on cached files it costs microseconds.
         """
-        first = int(self.sample_starts[i]) // self.info.chunk_tokens
-        count = max(1, math.ceil(self._tokens_to_read(i, max_tokens) / self.info.chunk_tokens))
+        rows = self._tokens_to_read(i, max_tokens)
         for name in CHECKSUMMED:
-            for chunk in range(first, first + count):
-                read_ahead(self.chunk_path(name, chunk))
+            for block in self._blocks(i, 0, rows):
+                read_ahead(self.path / object_key(self.info, name, block))
 
-    def _read_rows(self, name: str, start: int, rows: int, allocate: Allocator, stats: ReadStats) -> torch.Tensor:
-        """Decode whole chunks into a buffer rounded up to the chunk size; return a view of the rows."""
+    # --- internals -----------------------------------------------------------------------------
+    def _check_sample(self, i: int) -> None:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
+
+    def _padded_length(self, i: int) -> int:
         c = self.info.chunk_tokens
-        first = start // c
-        count = max(1, math.ceil(rows / c))
-        width = self._widths()[name]
-        shape: tuple[int, ...] = (count * c, width) if name in HIDDEN_ARRAYS else (count * c,)
-        buffer = allocate(shape, _storage_torch_dtype(name, self.info))
-        flat = buffer.numpy().reshape(count, -1)
-        nbytes = self._chunk_nbytes[name]
-        for j in range(count):
-            self._read_chunk(name, first + j, flat[j], nbytes, stats)
-        stats.add_delivered(rows * width * buffer.element_size())
-        return buffer[:rows]
+        return -(-int(self.sample_lengths[i]) // c) * c
 
-    def chunk_path(self, name: str, chunk: int) -> Path:
-        return self.path / chunk_key(name, chunk)
+    def _blocks(self, i: int, start: int, stop: int) -> range:
+        """The objects (shards in format 2, chunks in format 1) holding rows [start, stop) of sample i."""
+        size = self.info.object_tokens
+        first = int(self.sample_starts[i]) // size
+        return range(first + start // size, first + max(1, math.ceil(stop / size)))
 
-    def _read_chunk(self, name: str, chunk: int, out: np.ndarray, nbytes: int, stats: ReadStats) -> None:
-        """Uncompressed: read straight into `out`.  Compressed: map the file (populated in one go)
-        and decode from the page cache into `out`, so the compressed bytes are never copied."""
-        path = self.chunk_path(name, chunk)
-        t0 = time.perf_counter()
+    def _read_rows(
+        self, i: int, name: str, start: int, stop: int, out: torch.Tensor, stats: ReadStats, delivered: int
+    ) -> None:
+        row_nbytes = self.info.row_nbytes(name)
+        if not out.is_contiguous() or out.numel() * out.element_size() != (stop - start) * row_nbytes:
+            raise ValueError(f"out must be a contiguous buffer of {stop - start} rows of {name}")
+        dest = out.view(torch.uint8).numpy().reshape(stop - start, row_nbytes) if stop > start else None
+        c = self.info.chunk_tokens
+        whole = start == 0 and delivered == int(self.sample_lengths[i])
         try:
-            with open(path, "rb", buffering=0) as f:
-                if not self._compressed:
-                    got = f.readinto(memoryview(out).cast("B"))
-                    stats.add_read(got, time.perf_counter() - t0)
-                    if got != nbytes:
-                        raise StoreError(path, f"chunk holds {got} bytes, expected {nbytes}: the store is damaged")
-                    return
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    raise StoreError(path, "chunk file is empty: the store is damaged")
-                data = mmap.mmap(f.fileno(), size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-        except FileNotFoundError:
-            raise StoreError(path, "chunk file is missing: the store is damaged; run `h5feed verify`") from None
-        t1 = time.perf_counter()
-        stats.add_read(size, t1 - t0)
-        try:
-            blosc.decompress(data, out)
-        except Exception as exc:  # numcodecs raises RuntimeError/ValueError on bad frames
-            raise StoreError(path, f"chunk cannot be decoded ({exc}): the store is damaged") from exc
-        finally:
-            data.close()
-        stats.add_decode(time.perf_counter() - t1)
+            for chunk, frame in self._frames(i, name, range(start // c, -(-stop // c)), stats):
+                t0 = time.perf_counter()
+                lo, hi = max(start, chunk * c), min(stop, (chunk + 1) * c)
+                if lo == chunk * c and hi == (chunk + 1) * c:  # the whole chunk: decode in place
+                    self._decode(frame, dest[lo - start : hi - start].reshape(-1))
+                else:
+                    scratch = self._scratch_buffer(c * row_nbytes)
+                    self._decode(frame, scratch)
+                    rows = scratch.reshape(c, row_nbytes)
+                    dest[lo - start : hi - start] = rows[lo - chunk * c : hi - chunk * c]
+                stats.add_decode(time.perf_counter() - t0)
+        except CorruptSampleError:
+            raise
+        except (ValueError, RuntimeError, OSError) as exc:  # numcodecs and checksums raise these on bad bytes
+            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+        if not self.info.sharded and whole and self.checked:
+            self._check_sample_checksum(i, name, dest, delivered)
+        elif not self.info.sharded and not self._warned_unchecked:
+            self._warned_unchecked = True
+            log.warning("%s: a format-1 store can only check whole samples; reads of part of a sample are "
+                        "unchecked (reconvert it with `h5feed convert` to format 2)", self.path)
+        stats.add_delivered(delivered * row_nbytes)
+
+    def _frames(self, i: int, name: str, chunks: range, stats: ReadStats) -> Iterator[tuple[int, memoryview]]:
+        """(chunk of the sample, its encoded bytes without the checksum) for each chunk, checked.
+
+        A frame is a view of a mapped file, valid until the next one is yielded."""
+        info = self.info
+        per_object = info.chunks_per_shard if info.sharded else 1
+        first_object = int(self.sample_starts[i]) // info.object_tokens
+        present = self._padded_length(i) // info.chunk_tokens  # chunks that hold rows of the sample
+        for j in range(chunks.start // per_object, -(-chunks.stop // per_object)):
+            path = self.path / object_key(info, name, first_object + j)
+            wanted = [k for k in chunks if k // per_object == j]
+            t0 = time.perf_counter()
+            with _mapped(path, populate=len(wanted) == min(per_object, present - j * per_object)) as view:
+                if not info.sharded:
+                    stats.add_read(len(view), time.perf_counter() - t0)
+                    yield wanted[0], view
+                    continue
+                index = self._shard_index(view, path)
+                stats.add_read(shard_index_nbytes(per_object), time.perf_counter() - t0)
+                for k in wanted:
+                    offset, length = (int(x) for x in index[k % per_object])
+                    if offset == EMPTY:
+                        raise _object_error(path, f"inner chunk {k % per_object} is missing from the shard")
+                    stats.add_read(length, 0.0)
+                    with view[offset : offset + length] as encoded, encoded[:-CRC_BYTES] as frame:
+                        if self.checked:
+                            t1 = time.perf_counter()
+                            try:
+                                check_crc32c(frame, encoded[-CRC_BYTES:], f"inner chunk {k % per_object}")
+                            except ValueError as exc:
+                                raise _object_error(path, str(exc)) from None
+                            stats.add_decode(time.perf_counter() - t1)
+                        yield k, frame
+
+    def _shard_index(self, view: memoryview, path: Path) -> np.ndarray:
+        n = self.info.chunks_per_shard
+        size = len(view)
+        with view[max(0, size - shard_index_nbytes(n)) :] as tail:
+            try:
+                return decode_shard_index(tail, n, size).copy()
+            except ValueError as exc:
+                raise _object_error(path, str(exc)) from None
+
+    def _decode(self, frame: memoryview, out: np.ndarray) -> None:
+        """Decode one chunk's frame into `out` (its bytes), refusing a frame of another size."""
+        if not self._compressed:
+            if len(frame) != out.nbytes:
+                raise ValueError(f"chunk holds {len(frame)} bytes, expected {out.nbytes}")
+            out[:] = np.frombuffer(frame, dtype=np.uint8)
+            return
+        if len(frame) < _BLOSC_HEADER.size:
+            raise ValueError(f"chunk of {len(frame)} bytes is too short for a Blosc frame")
+        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack_from(frame)
+        if nbytes != out.nbytes or cbytes != len(frame):
+            raise ValueError(f"Blosc frame of {cbytes} bytes decoding to {nbytes}, expected {len(frame)} and {out.nbytes}")
+        blosc.decompress(frame, out)
+
+    def _scratch_buffer(self, nbytes: int) -> np.ndarray:
+        """A per-thread buffer for chunks only partly wanted (reused: fresh pages cost page faults)."""
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = self._scratch.buffer = np.empty(nbytes, dtype=np.uint8)
+        return buffer[:nbytes]
+
+    def _check_sample_checksum(self, i: int, name: str, dest: np.ndarray, tokens: int) -> None:
+        """Format 1: crc32c of the sample's decoded rows against the one recorded at conversion."""
+        got = crc32c(dest[:tokens])
+        want = int(self.checksums[i][CHECKSUMMED.index(name)])
+        if got != want:
+            raise self._corrupt(i, self.path / name, f"{name} fails its checksum (crc32c {got:#010x}, recorded {want:#010x})")
+
+    def _corrupt(self, i: int, path: Path, problem: str) -> CorruptSampleError:
+        return CorruptSampleError(path, f"{problem}; the store is damaged: run `h5feed verify {self.path}`", i,
+                                  self.source_paths[i])
+
+
+_REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
+
+
+def _object_error(path: Path, problem: str) -> ValueError:
+    exc = ValueError(problem)
+    exc.object_path = path  # type: ignore[attr-defined]
+    return exc
+
+
+@contextlib.contextmanager
+def _mapped(path: Path, populate: bool) -> Iterator[memoryview]:
+    """A read-only view of a whole file, mapped (populated in one go when all of it is wanted)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise _object_error(path, "is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise _object_error(path, "is empty")
+        data = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        with memoryview(data) as view:
+            yield view
+    finally:
+        data.close()
 
 
 def read_ahead(path: Path) -> None:
@@ -385,59 +405,3 @@ def read_ahead(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
-
-
-def chunk_key(name: str, chunk: int) -> str:
-    """Where zarr v3's default chunk key encoding puts chunk `chunk` (of the token axis) of array `name`."""
-    return f"{name}/c/{chunk}/0" if name in HIDDEN_ARRAYS else f"{name}/c/{chunk}"
-
-
-def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
-    """Encode one chunk exactly as zarr's codec pipeline does for `codec` (little-endian bytes, then Blosc)."""
-    if codec["name"] == "none":
-        return lambda chunk: chunk.tobytes()
-    shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
-    from numcodecs import Blosc
-
-    blosc_codec = Blosc.from_config({"cname": codec["cname"], "clevel": codec["clevel"], "blocksize": codec["blocksize"],
-                                     "shuffle": shuffles[codec["shuffle"]], "typesize": itemsize})
-    return lambda chunk: bytes(blosc_codec.encode(chunk))
-
-
-def _storage_torch_dtype(name: str, info: StoreInfo) -> torch.dtype:
-    return storage_dtype(info.torch_dtype) if name in HIDDEN_ARRAYS else torch.int64
-
-
-def _itemsize(name: str, info: StoreInfo) -> int:
-    return _storage_torch_dtype(name, info).itemsize
-
-
-def read_info(path: Path) -> StoreInfo:
-    """Read the store's attributes without zarr, with errors that say what is wrong."""
-    meta_path = path / "zarr.json"
-    if not meta_path.exists():
-        raise StoreError(path, "not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`")
-    try:
-        meta = json.loads(meta_path.read_text())
-        attrs = meta["attributes"][ATTRS_KEY]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise StoreError(path, f"a Zarr group but not an h5feed store ({exc!r})") from exc
-    if attrs.get("format_version") != STORE_FORMAT_VERSION:
-        raise StoreError(
-            path, f"store format version {attrs.get('format_version')} is not {STORE_FORMAT_VERSION}; reconvert it"
-        )
-    return StoreInfo.from_json(attrs)
-
-
-def crc32c(array: np.ndarray, crc: int = 0) -> int:
-    """crc32c of an array's bytes, continuing `crc`: a sample's chunks can be checksummed one by one."""
-    import google_crc32c
-
-    data = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-    data.flags.writeable = False  # google_crc32c takes read-only buffers only
-    return int(google_crc32c.extend(crc, data))
-
-
-def checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """crc32c of each tensor's bytes, the checksum recorded at conversion and checked by verify."""
-    return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]

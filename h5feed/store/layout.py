@@ -1,0 +1,287 @@
+"""What an h5feed store is on disk: attributes, arrays, keys, and the bytes of a shard.
+
+Format 2 (written today), one Zarr v3 group:
+
+    aux_hidden_states   [rows, K*H]  storage dtype (bf16 bits as uint16)
+    last_hidden_states  [rows, H]
+    input_ids           [rows]       int64
+    loss_mask           [rows]       int64
+    index/...           one row per sample (see `INDEX_COLUMNS`)
+
+Each token array is sharded along the tokens: a shard holds `shard_tokens` rows
+as inner chunks of `chunk_tokens` rows, each encoded ``bytes -> blosc -> crc32c``
+(zarr's own codecs), followed by the shard index (offset and length of each
+inner chunk, then its crc32c).  Every sample starts on a shard boundary, so a
+sample is one object per array (by default the shard is as long as the longest
+sample), writers never share an object, and every byte a reader decodes is
+checked by a checksum any Zarr v3 reader checks too.  Inner chunks past a
+sample's end are absent (zarr reads them as the fill value 0).
+
+Format 1 (still read): the same arrays unsharded, one file per chunk of
+`chunk_tokens` rows, no per-chunk checksum; samples start on chunk boundaries
+and `index/checksum` holds crc32c of each sample's decoded bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from h5feed.errors import StoreError
+
+STORE_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+ATTRS_KEY = "h5feed"
+HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
+TOKEN_ARRAYS = ("input_ids", "loss_mask")
+CHECKSUMMED = HIDDEN_ARRAYS + TOKEN_ARRAYS
+DEFAULT_CHUNK_TOKENS = 256
+MAX_DEFAULT_SHARD_TOKENS = 8192  # a longer sample spans several shards
+EMPTY = np.uint64(2**64 - 1)  # a shard index entry of an absent inner chunk
+CRC_BYTES = 4
+
+LastStateNorm = Literal["pre", "post"]
+
+# Bits of a float dtype stored as an unsigned integer of the same width:
+# zarr-python 3 has no bfloat16, and uint keeps every bit pattern exact.
+_STORAGE_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.uint16,
+    torch.float16: torch.uint16,
+    torch.float32: torch.uint32,
+}
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The unsigned integer dtype that carries `dtype`'s bits on disk."""
+    try:
+        return _STORAGE_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"h5feed stores bfloat16, float16 or float32 hidden states, not {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """The self-description kept in the group's attributes."""
+
+    source_format: str
+    hidden_size: int
+    num_aux_layers: int
+    dtype: str  # logical torch dtype name, e.g. "bfloat16"
+    last_state_norm: LastStateNorm
+    codec: dict[str, Any]
+    chunk_tokens: int
+    shard_tokens: int = 0  # 0: format 1, one object per chunk
+    status: Literal["converting", "complete"] = "converting"
+    source_root: str = ""
+    num_samples: int = 0
+    num_tokens: int = 0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    format_version: int = STORE_FORMAT_VERSION
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_tokens > 0
+
+    @property
+    def object_tokens(self) -> int:
+        """Rows per stored object (a shard, or in format 1 a chunk); every sample starts on a multiple."""
+        return self.shard_tokens if self.sharded else self.chunk_tokens
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.shard_tokens // self.chunk_tokens
+
+    def width(self, name: str) -> int:
+        """Values per row of array `name` (1 for the per-token arrays)."""
+        return {"aux_hidden_states": self.num_aux_layers * self.hidden_size, "last_hidden_states": self.hidden_size}.get(
+            name, 1
+        )
+
+    def storage_dtype(self, name: str) -> torch.dtype:
+        return storage_dtype(self.torch_dtype) if name in HIDDEN_ARRAYS else torch.int64
+
+    def row_nbytes(self, name: str) -> int:
+        return self.width(name) * self.storage_dtype(name).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, attrs: dict[str, Any]) -> StoreInfo:
+        return cls(**attrs)
+
+
+def chunk_codec(codec: str) -> dict[str, Any]:
+    """The Blosc configuration (zarr v3 names) of a `--codec` name."""
+    if codec == "zstd":
+        return {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+    if codec == "lz4":
+        return {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20}
+    if codec == "none":
+        return {"name": "none"}
+    raise ValueError(f"unknown codec {codec!r}: choose zstd, lz4 or none")
+
+
+def object_key(info: StoreInfo, name: str, block: int) -> str:
+    """Where zarr v3's default key encoding puts block `block` of the token axis of array `name`:
+    a shard in format 2, a chunk in format 1."""
+    return f"{name}/c/{block}/0" if name in HIDDEN_ARRAYS else f"{name}/c/{block}"
+
+
+def create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
+    """Create the group and its empty token arrays with zarr-python, so any Zarr v3 reader can open them."""
+    import zarr
+
+    group = zarr.open_group(dst, mode="a", attributes={ATTRS_KEY: info.to_json()})  # emptied first, but for the lock
+    rows = max(total_rows, 1)
+    for name in CHECKSUMMED:
+        width = info.width(name)
+        dtype = info.storage_dtype(name)
+        shape = (rows, width) if name in HIDDEN_ARRAYS else (rows,)
+        inner = (info.chunk_tokens, width) if name in HIDDEN_ARRAYS else (info.chunk_tokens,)
+        outer = (info.shard_tokens, width) if name in HIDDEN_ARRAYS else (info.shard_tokens,)
+        group.create_array(name, shape=shape, shards=outer, chunks=inner, dtype=str(dtype).removeprefix("torch."),
+                           compressors=_zarr_compressors(info.codec, dtype.itemsize), fill_value=0)
+
+
+def _zarr_compressors(codec: dict[str, Any], itemsize: int) -> list[Any]:
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    config = dict(codec)
+    blosc = [BloscCodec(typesize=itemsize, **config)] if config.pop("name") == "blosc" else []
+    return [*blosc, Crc32cCodec()]
+
+
+def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+    """Encode one inner chunk exactly as zarr's pipeline does: little-endian bytes, Blosc, then crc32c."""
+    if codec["name"] == "none":
+        return lambda chunk: with_crc32c(chunk.tobytes())
+    shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+    from numcodecs import Blosc
+
+    blosc_codec = Blosc.from_config({"cname": codec["cname"], "clevel": codec["clevel"], "blocksize": codec["blocksize"],
+                                     "shuffle": shuffles[codec["shuffle"]], "typesize": itemsize})
+    return lambda chunk: with_crc32c(bytes(blosc_codec.encode(chunk)))
+
+
+def with_crc32c(data: bytes) -> bytes:
+    """zarr's crc32c codec: the bytes, then their crc32c as 4 little-endian bytes."""
+    return data + crc32c(data).to_bytes(CRC_BYTES, "little")
+
+
+def encode_shard(inner_chunks: list[bytes | None]) -> bytes:
+    """A shard as zarr's sharding codec writes it: the inner chunks, then their index (index_location "end")."""
+    index = np.full((len(inner_chunks), 2), EMPTY, dtype="<u8")
+    offset = 0
+    for j, chunk in enumerate(inner_chunks):
+        if chunk is not None:
+            index[j] = (offset, len(chunk))
+            offset += len(chunk)
+    return b"".join([c for c in inner_chunks if c is not None] + [with_crc32c(index.tobytes())])
+
+
+def shard_index_nbytes(chunks_per_shard: int) -> int:
+    return chunks_per_shard * 16 + CRC_BYTES
+
+
+def decode_shard_index(tail: bytes | memoryview, chunks_per_shard: int, shard_nbytes: int) -> np.ndarray:
+    """The [chunks, 2] (offset, length) table at the end of a shard, checked: ValueError if damaged."""
+    if len(tail) != shard_index_nbytes(chunks_per_shard):
+        raise ValueError(f"shard of {shard_nbytes} bytes is too short for an index of {chunks_per_shard} chunks")
+    body = tail[:-CRC_BYTES]
+    check_crc32c(body, tail[-CRC_BYTES:], "shard index")
+    index = np.frombuffer(body, dtype="<u8").reshape(chunks_per_shard, 2)
+    present = index[:, 0] != EMPTY
+    ends = index[present, 0] + index[present, 1]
+    if np.any(ends > shard_nbytes - len(tail)) or np.any(index[present, 1] <= CRC_BYTES):
+        raise ValueError("shard index points outside the shard")
+    return index
+
+
+def check_crc32c(data: bytes | memoryview, stored: bytes | memoryview, what: str) -> None:
+    computed = crc32c(data)
+    expected = int.from_bytes(stored, "little")
+    if computed != expected:
+        raise ValueError(f"{what} fails its checksum (crc32c {computed:#010x}, stored {expected:#010x})")
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """crc32c of a buffer's bytes (hardware-accelerated), continuing `crc`: data can be checked in pieces."""
+    import crc32c as _crc32c
+
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    return int(_crc32c.crc32c(data, crc))
+
+
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """crc32c of each tensor's bytes: the per-sample checksums recorded at conversion."""
+    return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
+
+
+def read_info(path: Path) -> StoreInfo:
+    """Read the store's attributes without zarr, with errors that say what is wrong."""
+    meta_path = path / "zarr.json"
+    if not meta_path.exists():
+        raise StoreError(path, "not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`")
+    try:
+        meta = json.loads(meta_path.read_text())
+        attrs = meta["attributes"][ATTRS_KEY]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise StoreError(path, f"a Zarr group but not an h5feed store ({exc!r})") from exc
+    if attrs.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        raise StoreError(
+            path, f"store format version {attrs.get('format_version')} is not one this h5feed reads "
+            f"({', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade h5feed or reconvert the store"
+        )
+    try:
+        return StoreInfo.from_json(attrs)
+    except TypeError as exc:
+        raise StoreError(path, f"store attributes are damaged ({exc})") from exc
+
+
+def write_info(path: Path, info: StoreInfo, *, durable: bool) -> None:
+    """Replace the group's attributes in one atomic rename (the status flip readers rely on)."""
+    meta_path = path / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"][ATTRS_KEY] = info.to_json()
+    write_atomically(meta_path, json.dumps(meta, indent=2).encode(), durable=durable)
+
+
+def write_atomically(path: Path, data: bytes, *, durable: bool) -> None:
+    """Write under a temporary name, then rename: readers see the old bytes or the new, never a part.
+    `durable` also survives power loss: the bytes are flushed before the rename, the rename after."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
