@@ -26,9 +26,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         workers=args.workers,
         codec=args.codec,
         chunk_tokens=args.chunk_tokens,
+        shard_tokens=args.shard_tokens,
         skip_bad=args.skip_bad,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        durable=not args.no_fsync,
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -82,11 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="the store to write (a folder); an unfinished one is resumed")
     p.add_argument("--format", choices=["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt",
                                         "speculators-safetensors"], help="input format (default: detected)")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="worker processes; 0 converts in this process (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes; 0 converts in this process (default: the %(default)s cores)")
     p.add_argument("--codec", choices=["zstd", "lz4", "none"], default="zstd",
                    help="zstd: Blosc zstd-1, byte shuffle, 1 MiB blocks; lz4: Blosc lz4 + bitshuffle (default: %(default)s)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=256,
+                   help="tokens per chunk, the unit of decoding (default: %(default)s)")
+    p.add_argument("--shard-tokens", type=int, default=None,
+                   help="tokens per shard, the unit of storage, a multiple of --chunk-tokens (default: the longest "
+                   "sample rounded up, at most 8192: one object per sample and array)")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="skip the fsyncs that make journaled samples survive a power loss (faster on some disks)")
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable files and record them in the store")
     p.add_argument("--overwrite", action="store_true", help="delete DST first")
     p.set_defaults(func=_cmd_convert)

@@ -19,6 +19,7 @@ at a time: the converter holds the store's `WriterLock` from start to end.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -50,8 +51,8 @@ from h5feed.store.layout import (
     StoreInfo,
     chunk_codec,
     chunk_encoder,
-    create_arrays,
     crc32c,
+    create_arrays,
     encode_shard,
     fsync_dir,
     object_key,
@@ -126,6 +127,7 @@ def convert(
     if dst_path.exists() and not overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
+    created = not dst_path.exists()
     try:
         with WriterLock.acquire(dst_path) as lock:
             return _convert(src_path, dst_path, fmt, sources, options, workers, skip_bad, overwrite, progress,
@@ -134,6 +136,10 @@ def convert(
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst, "disk full: free space and run the same command to resume") from exc
         raise
+    finally:
+        if created:  # a run that failed before writing anything leaves no folder behind
+            with contextlib.suppress(OSError):
+                dst_path.rmdir()
 
 
 def _convert(

@@ -8,6 +8,7 @@ main process can read while training runs (`dataset.counters.snapshot()`).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -21,12 +22,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from h5feed.errors import StoreError
+from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
 from h5feed.metrics import LoaderCounters
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 
 SampleSelector = Sequence[int | str | os.PathLike[str]]
+OnCorrupt = Literal["raise", "skip"]
+log = logging.getLogger(__name__)
 
 
 def split_samples(store: Store | str | os.PathLike[str], ratio: float, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -91,7 +94,11 @@ class _FlavoredReader:
         samples: SampleSelector | None,
         missing_loss_mask: Literal["error", "ones"],
         shared_memory: bool | None,
+        on_corrupt: OnCorrupt,
     ) -> None:
+        if on_corrupt not in ("raise", "skip"):
+            raise ValueError(f"on_corrupt must be 'raise' or 'skip', not {on_corrupt!r}")
+        self.on_corrupt = on_corrupt
         self.store = _as_store(store)
         self.shared_memory = shared_memory
         self.flavor: Flavor = get_flavor(flavor)
@@ -156,12 +163,20 @@ class _FlavoredReader:
     def _tokens_to_read(self, store_index: int) -> int:
         return self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
 
-    def _read_item(self, store_index: int, read_ahead: bool = True) -> Item:
+    def _read_item(self, store_index: int, read_ahead: bool = True) -> Item | None:
+        """The trainer's item for one sample, checked; None for a damaged sample when on_corrupt="skip"."""
         counters = self.counters.worker()
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
         allocate = self._allocator()
-        raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead)
+        try:
+            raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead)
+        except CorruptSampleError as exc:
+            if self.on_corrupt == "raise":
+                raise
+            counters.skip_corrupt(store_index)
+            log.error("skipping a damaged sample (on_corrupt='skip'): %s", exc)
+            return None
         item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
         return item
@@ -180,6 +195,10 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         hidden_states_dtype: dtype of the hidden-state keys (speculators casts; default as the trainer's).
         samples: store indices and/or source paths (as in the trainer's own file lists) to select.
         missing_loss_mask: what to do with samples whose source had no loss mask.
+        on_corrupt: what to do with a sample whose stored bytes fail their checksums: "raise" (default) a
+            `CorruptSampleError` naming the sample, its source file and the damaged object, or "skip" it,
+            count it (`counters.snapshot()`, the monitor) and log it. The Dataset then serves the next
+            sound sample of its selection in its place; the Stream leaves it out.
         shared_memory: decode into shared memory inside DataLoader workers. Right when items are
             handed on uncollated (batch_size=None): the hand-off then passes a file descriptor, not
             a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
@@ -198,16 +217,23 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         samples: SampleSelector | None = None,
         missing_loss_mask: Literal["error", "ones"] = "error",
         shared_memory: bool | None = None,
+        on_corrupt: OnCorrupt = "raise",
     ) -> None:
         super().__init__(
-            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory
+            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
+            on_corrupt,
         )
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, index: int) -> Item:
-        return self._read_item(self.indices[index])
+        n = len(self.indices)
+        for offset in range(n):  # with on_corrupt="skip", the next sound sample stands in for a damaged one
+            item = self._read_item(self.indices[(index + offset) % n])
+            if item is not None:
+                return item
+        raise StoreError(self.store.path, f"every one of the {n} selected samples is damaged")
 
 
 class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
@@ -244,6 +270,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         samples: SampleSelector | None = None,
         missing_loss_mask: Literal["error", "ones"] = "error",
         shared_memory: bool | None = None,
+        on_corrupt: OnCorrupt = "raise",
         shuffle: bool | Literal["locality"] = True,
         locality_block: int = 32,
         seed: int = 0,
@@ -255,7 +282,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         world_size: int | None = None,
     ) -> None:
         super().__init__(
-            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory
+            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
+            on_corrupt,
         )
         self.shuffle = shuffle
         self.locality_block = locality_block
@@ -353,7 +381,9 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         self._buffer_pool()  # made here, before the reader threads race to make it
         if self.prefetch < 1:
             for index in sequence:
-                yield self._read_item(index)
+                item = self._read_item(index)
+                if item is not None:
+                    yield item
             return
         upcoming = iter(sequence)
         in_flight: deque[Future[Item]] = deque()
@@ -374,7 +404,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
                     counters.add_wait(time.perf_counter() - t0)
                     submit_next()
                     counters.set_queue_depth(sum(f.done() for f in in_flight))
-                    yield item
+                    if item is not None:  # None: a damaged sample, skipped (on_corrupt="skip")
+                        yield item
             finally:  # also when the consumer stops early: drop what was not started
                 for future in in_flight:
                     future.cancel()

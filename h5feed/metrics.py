@@ -37,6 +37,7 @@ class Field(IntEnum):
     QUEUE_DEPTH = 11  # samples decoded and waiting in the worker's prefetch queue
     PID = 12
     STARTED = 13  # wall time the worker started iterating, 0 before
+    CORRUPT = 14  # samples skipped because their stored bytes failed their checksums (on_corrupt="skip")
 
 
 NUM_FIELDS = len(Field)
@@ -91,6 +92,13 @@ class WorkerCounters:
                 self._row[Field.CURRENT_SAMPLE] = -1
             self._row[Field.LAST_PROGRESS] = time.time()
 
+    def skip_corrupt(self, index: int) -> None:
+        """Count a damaged sample that was skipped instead of delivered."""
+        self._add((Field.CORRUPT, 1))
+        with self._lock:
+            if self._row[Field.CURRENT_SAMPLE] == index:
+                self._row[Field.CURRENT_SAMPLE] = -1
+
     def add_wait(self, seconds: float) -> None:
         self._add((Field.WAIT_SECONDS, seconds))
 
@@ -110,6 +118,7 @@ class WorkerSnapshot:
     decode_seconds: float
     wait_seconds: float
     queue_depth: int
+    corrupt: int  # damaged samples skipped
     current_sample: int | None  # None when idle
     current_seconds: float  # how long the current read has taken so far
     current_bytes: int
@@ -128,7 +137,7 @@ class LoaderSnapshot:
         totals = {
             name: self.total(name)
             for name in ("samples", "tokens", "bytes_read", "bytes_delivered", "read_seconds", "decode_seconds",
-                         "wait_seconds", "queue_depth")
+                         "wait_seconds", "queue_depth", "corrupt")
         }
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
 
@@ -177,6 +186,7 @@ class LoaderCounters:
                     decode_seconds=row[Field.DECODE_SECONDS],
                     wait_seconds=row[Field.WAIT_SECONDS],
                     queue_depth=int(row[Field.QUEUE_DEPTH]),
+                    corrupt=int(row[Field.CORRUPT]),
                     current_sample=current if current >= 0 else None,
                     current_seconds=now - row[Field.CURRENT_SINCE] if current >= 0 else 0.0,
                     current_bytes=int(row[Field.CURRENT_BYTES]) if current >= 0 else 0,

@@ -186,3 +186,35 @@ def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., S
         return made[name]
 
     return make
+
+
+def inner_chunk_span(store_path: Path, sample: int, array: str, chunk: int) -> tuple[Path, int, int]:
+    """(shard file, offset, length) of inner chunk `chunk` (counted within the sample) of a format-2 store,
+    read from the shard's own index, so tests can damage exactly the bytes of one chunk."""
+    from h5feed.store import Store
+    from h5feed.store.layout import decode_shard_index, object_key, shard_index_nbytes
+
+    store = Store(store_path)
+    info = store.info
+    per = info.chunks_per_shard
+    shard = int(store.sample_starts[sample]) // info.shard_tokens + chunk // per
+    path = Path(store_path) / object_key(info, array, shard)
+    data = path.read_bytes()
+    index = decode_shard_index(data[-shard_index_nbytes(per):], per, len(data))
+    offset, length = (int(x) for x in index[chunk % per])
+    return path, offset, length
+
+
+@pytest.fixture
+def flip_byte() -> Callable[..., Path]:
+    """Flip one byte at `at` inside inner chunk `chunk` of sample `sample`'s `array`; returns the shard's path."""
+
+    def flip(store_path: Path, sample: int, array: str = "aux_hidden_states", chunk: int = 0, at: int = 100) -> Path:
+        path, offset, length = inner_chunk_span(store_path, sample, array, chunk)
+        assert at < length - 4, "inside the chunk's frame, not its checksum"
+        data = bytearray(path.read_bytes())
+        data[offset + at] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return path
+
+    return flip

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import inner_chunk_span
 
 from h5feed.convert import _read_journal, convert
-from h5feed.errors import StoreError
+from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
@@ -223,8 +224,8 @@ def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupte
     r = cli(*convert_args(src, dst, "--codec", "lz4"))
     assert r.status == 1
     assert (f"h5feed convert: error: {dst}: was started with "
-            f"{{'format': '{LEGACY}', 'codec': 'zstd', 'chunk_tokens': 16}}, "
-            f"not {{'format': '{LEGACY}', 'codec': 'lz4', 'chunk_tokens': 16}}: "
+            f"{{'format': '{LEGACY}', 'codec': 'zstd', 'chunk_tokens': 16, 'shard_tokens': None}}, "
+            f"not {{'format': '{LEGACY}', 'codec': 'lz4', 'chunk_tokens': 16, 'shard_tokens': None}}: "
             "repeat that command to resume, or pass --overwrite") in r.output
 
     r = cli(*convert_args(src, dst))
@@ -303,42 +304,38 @@ def test_verify_a_clean_store(tmp_path, cli):
     assert r.status == 0 and f"{dst}: 5 samples OK (checksums and source files)" in r.output
 
 
-def test_verify_finds_a_flipped_byte_that_still_decodes(tmp_path, cli, source_sample):
+def test_verify_finds_a_flipped_byte(tmp_path, cli, flip_byte):
     src, dst = converted(tmp_path, codec="none")
-    chunk = dst / "aux_hidden_states" / "c" / "5" / "0"  # the second chunk of sample 3 (rows 80..95)
-    data = bytearray(chunk.read_bytes())
-    assert len(data) == CHUNK * K * H * 2
-    data[1001] ^= 0xFF
-    chunk.write_bytes(data)
+    shard = flip_byte(dst, 3, "aux_hidden_states", chunk=1, at=1001)  # rows 16..31 of sample 3, stored raw
 
-    got = Store(dst).read_sample(3).aux_hidden_states
-    want = source_sample(LEGACY, src, "data_3.pt", 3)["aux"]
-    assert (bits(got) != bits(want)).nonzero().tolist() == [[CHUNK + 500 // (K * H), 500 % (K * H)]]
+    with pytest.raises(CorruptSampleError) as err:
+        Store(dst).read_sample(3)
+    assert (err.value.sample, err.value.source_path, err.value.path) == (3, "data_3.pt", str(shard))
     report = verify_store(dst, progress=False)
     assert [(m.sample, m.source_path) for m in report.mismatches] == [(3, "data_3.pt")]
-    assert report.mismatches[0].problem.startswith("aux_hidden_states checksum ")
+    assert "inner chunk 1 fails its checksum" in report.mismatches[0].problem
 
     r = cli("verify", dst)
     assert r.status == 1
-    assert "MISMATCH sample 3 (data_3.pt): aux_hidden_states checksum " in r.output
+    assert f"MISMATCH sample 3 (data_3.pt): {shard}: sample 3 (converted from data_3.pt): inner chunk 1 fails its " \
+           "checksum" in r.output
     assert f"{dst}: 1 mismatch(es) in 5 samples (checksums)" in r.output
 
 
-def test_verify_finds_a_chunk_that_no_longer_decodes(tmp_path, cli):
+def test_a_chunk_that_no_longer_decodes_is_refused_even_unchecked(tmp_path, flip_byte):
     _, dst = converted(tmp_path, codec="zstd")
-    chunk = dst / "aux_hidden_states" / "c" / "5" / "0"
-    data = bytearray(chunk.read_bytes())
+    path, offset, _ = inner_chunk_span(dst, 3, "aux_hidden_states", 1)
+    data = path.read_bytes()[offset:]
     assert not data[2] & 0x02  # Blosc header flags: compressed, not stored raw
     block = int.from_bytes(data[16:20], "little")
     assert data[block + 4 : block + 8] == b"\x28\xb5\x2f\xfd"  # after the stream length: the zstd frame magic
-    data[block + 4] ^= 0xFF
-    chunk.write_bytes(data)
+    flip_byte(dst, 3, "aux_hidden_states", chunk=1, at=block + 4)
 
-    r = cli("verify", dst)
-
-    assert r.status == 1
-    assert f"MISMATCH sample 3 (data_3.pt): {chunk}: chunk cannot be decoded" in r.output
-    assert r.output.count("MISMATCH") == 1
+    with pytest.raises(CorruptSampleError, match="inner chunk 1 fails its checksum"):
+        Store(dst).read_sample(3)
+    with pytest.raises(CorruptSampleError, match=r"sample 3 \(converted from data_3.pt\): .*[Ee]rror"):
+        Store(dst, checked=False).read_sample(3)  # checks off (cost measurements): decoding still refuses it
+    assert Store(dst).read_sample(2).num_tokens == LENGTHS[2]  # its neighbours are untouched
 
 
 def test_verify_against_the_source_catches_a_changed_source_file(tmp_path, cli):
@@ -368,7 +365,8 @@ def test_inspect_prints_what_the_store_holds(tmp_path, cli):
     src, dst = converted(tmp_path)
     tokens = sum(LENGTHS)
     raw = tokens * ((K + 1) * H * 2 + 8 + 8)
-    stored = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+    arrays = ("aux_hidden_states", "last_hidden_states", "input_ids", "loss_mask")
+    stored = sum(f.stat().st_size for a in arrays for f in (dst / a).rglob("*") if f.is_file())
 
     r = cli("inspect", dst, "--json")
 
@@ -385,7 +383,9 @@ def test_inspect_prints_what_the_store_holds(tmp_path, cli):
         "source_format": LEGACY,
         "source_root": str(src.resolve()),
         "codec": ZSTD,
+        "format_version": 2,
         "chunk_tokens": CHUNK,
+        "shard_tokens": 48,  # the longest sample (40 tokens) in whole chunks
         "raw_bytes": raw,
         "stored_bytes": stored,
         "compression_ratio": round(raw / stored, 3),

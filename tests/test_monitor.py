@@ -81,17 +81,17 @@ def test_data_wait_and_step_rate_match_the_truth(tmp_path, workers, load_s, comp
 
 
 def _stall_one_sample(worker_id: int) -> None:
-    """In the worker: after the first chunk of STALLED_SAMPLE's hidden states, hang for STALL_S."""
+    """In the worker: once the first chunk of STALLED_SAMPLE's hidden states is read, hang for STALL_S."""
     store = get_worker_info().dataset.store
-    chunk = int(store.sample_starts[STALLED_SAMPLE]) // store.info.chunk_tokens
-    read_chunk = store._read_chunk
+    frames = store._frames
 
-    def slow(name, index, *args, **kwargs):
-        read_chunk(name, index, *args, **kwargs)
-        if name == "aux_hidden_states" and index == chunk:
-            time.sleep(STALL_S)
+    def slow(i, name, *args, **kwargs):
+        for k, frame in enumerate(frames(i, name, *args, **kwargs)):
+            if i == STALLED_SAMPLE and name == "aux_hidden_states" and k == 0:
+                time.sleep(STALL_S)
+            yield frame
 
-    store._read_chunk = slow
+    store._frames = slow
 
 
 @pytest.fixture

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import threading
 import time
 
 import psutil
 import pytest
 import torch
+from conftest import inner_chunk_span
 from torch.utils.data import DataLoader
 
 from h5feed import Store
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
+from h5feed.store.layout import shard_index_nbytes
 
 # the brief's 3 workers per rank exceed the 2 cores of CI on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -297,11 +298,13 @@ def test_memory_stays_flat_over_epochs(synthetic_store, num_workers):
 
 
 def _chunk_bytes_read(store: Store, index: int, tokens: int) -> int:
+    """Bytes of the inner chunks holding the first `tokens` rows, and of their shards' indexes."""
     c = store.info.chunk_tokens
-    first = int(store.sample_starts[index]) // c
     count = max(1, math.ceil(tokens / c))
     names = ("aux_hidden_states", "last_hidden_states", "input_ids", "loss_mask")
-    return sum(os.path.getsize(store.chunk_path(name, first + j)) for name in names for j in range(count))
+    index_bytes = shard_index_nbytes(store.info.chunks_per_shard)
+    return sum(index_bytes + sum(inner_chunk_span(store.path, index, name, j)[2] for j in range(count))
+               for name in names)
 
 
 @pytest.mark.parametrize("codec", ["zstd", "none"])
@@ -320,8 +323,9 @@ def test_counters_add_up(synthetic_store, codec, max_len):
     assert total["bytes_read"] == sum(_chunk_bytes_read(store, i, t) for i, t in enumerate(tokens))
     row_bytes = (K * H + H) * 2 + 8 + 8  # bf16 hidden states, int64 input_ids and loss_mask
     assert total["bytes_delivered"] == row_bytes * sum(tokens)
-    if codec == "none":
-        assert total["bytes_read"] == sum(math.ceil(t / 16) * 16 * row_bytes for t in tokens)
+    if codec == "none":  # raw rows of whole chunks, each chunk's crc32c, each array's shard index
+        index_bytes = shard_index_nbytes(store.info.chunks_per_shard)
+        assert total["bytes_read"] == sum(math.ceil(t / 16) * (16 * row_bytes + 4 * 4) + 4 * index_bytes for t in tokens)
     # the map-style dataset counts the same in the main process
     dataset = HiddenStatesDataset(s.path, "speculators-legacy", max_len=max_len)
     for i in range(len(dataset)):

@@ -42,6 +42,7 @@ ATTRS_KEY = "h5feed"
 HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
 TOKEN_ARRAYS = ("input_ids", "loss_mask")
 CHECKSUMMED = HIDDEN_ARRAYS + TOKEN_ARRAYS
+INDEX_COLUMNS = ("sample_start", "sample_length", "source_path", "source_index", "checksum", "has_loss_mask")
 DEFAULT_CHUNK_TOKENS = 256
 MAX_DEFAULT_SHARD_TOKENS = 8192  # a longer sample spans several shards
 EMPTY = np.uint64(2**64 - 1)  # a shard index entry of an absent inner chunk

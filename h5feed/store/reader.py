@@ -316,7 +316,7 @@ class Store:
                         if self.checked:
                             t1 = time.perf_counter()
                             try:
-                                check_crc32c(frame, encoded[-CRC_BYTES:], f"inner chunk {k % per_object}")
+                                check_crc32c(frame, bytes(encoded[-CRC_BYTES:]), f"inner chunk {k % per_object}")
                             except ValueError as exc:
                                 raise _object_error(path, str(exc)) from None
                             stats.add_decode(time.perf_counter() - t1)
@@ -325,11 +325,11 @@ class Store:
     def _shard_index(self, view: memoryview, path: Path) -> np.ndarray:
         n = self.info.chunks_per_shard
         size = len(view)
-        with view[max(0, size - shard_index_nbytes(n)) :] as tail:
-            try:
-                return decode_shard_index(tail, n, size).copy()
-            except ValueError as exc:
-                raise _object_error(path, str(exc)) from None
+        tail = bytes(view[max(0, size - shard_index_nbytes(n)) :])  # small: a copy keeps no view of the map
+        try:
+            return decode_shard_index(tail, n, size)
+        except ValueError as exc:
+            raise _object_error(path, str(exc)) from None
 
     def _decode(self, frame: memoryview, out: np.ndarray) -> None:
         """Decode one chunk's frame into `out` (its bytes), refusing a frame of another size."""
@@ -391,7 +391,10 @@ def _mapped(path: Path, populate: bool) -> Iterator[memoryview]:
         with memoryview(data) as view:
             yield view
     finally:
-        data.close()
+        try:
+            data.close()
+        except BufferError:  # a traceback still holds a view of it: the map closes when that is collected
+            pass
 
 
 def read_ahead(path: Path) -> None:
