@@ -121,6 +121,7 @@ def convert(
     if shard_tokens is not None and (shard_tokens < chunk_tokens or shard_tokens % chunk_tokens):
         raise ValueError(f"shard_tokens must be a multiple of chunk_tokens ({chunk_tokens}), not {shard_tokens}")
     chunk_codec(codec)  # validates the name before anything is written
+    format = format or (None if overwrite else _planned_format(dst_path))  # a resume reads what the plan read
     fmt = FORMATS[format] if format else detect_format(src_path)  # type: ignore[index]
     sources = fmt.discover(src_path)
     options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}
@@ -193,6 +194,13 @@ def _convert(
     report.num_samples, report.num_tokens, report.skipped = info.num_samples, info.num_tokens, skipped
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _planned_format(dst: Path) -> str | None:
+    try:
+        return json.loads((dst / PLAN_FILE).read_text())["options"]["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _clear(dst: Path) -> None:

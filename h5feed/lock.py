@@ -65,7 +65,7 @@ class WriterLock:
 
     def record_semaphores(self) -> None:
         """Note the named semaphores this process maps now (its process pool's), for a later cleanup."""
-        self._write({**self._info, "semaphores": sorted(_mapped_semaphores(os.getpid()))})
+        self._write({**self._info, "semaphores": _mapped_semaphores(os.getpid())})
 
     def release(self) -> None:
         """Unlock and remove the file (a store finished or abandoned cleanly has no lock file)."""
@@ -109,26 +109,43 @@ def _read(fd: int) -> dict[str, Any]:
     return {}
 
 
-def _mapped_semaphores(pid: int | str) -> set[str]:
-    """Names of the /dev/shm/sem.* files a process maps (named POSIX semaphores are mapped files)."""
+def _mapped_shm_inodes(pid: int | str) -> set[int]:
+    """Inodes of the /dev/shm files a process maps.  A named POSIX semaphore is such a file, mapped
+    under the temporary name glibc created it with (since deleted): only its inode tells which it is."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return set()
-    return {line.rsplit("/", 1)[1] for line in maps.splitlines() if " /dev/shm/sem." in line}
+    return {int(line.split()[4]) for line in maps.splitlines() if " /dev/shm/" in line}
 
 
-def remove_orphaned_semaphores(names: list[str]) -> list[str]:
-    """Remove those of `names` that still exist and that no living process maps; return them."""
-    existing = [n for n in names if (_SHM / n).exists()]
-    if not existing:
+def _semaphores_by_inode() -> dict[int, str]:
+    found = {}
+    for name in os.listdir(_SHM):
+        if name.startswith("sem."):
+            try:
+                found[os.stat(_SHM / name).st_ino] = name
+            except FileNotFoundError:
+                continue
+    return found
+
+
+def _mapped_semaphores(pid: int | str) -> list[list[str | int]]:
+    """[name, inode] of the named semaphores a process maps now."""
+    mapped = _mapped_shm_inodes(pid)
+    return [[name, inode] for inode, name in _semaphores_by_inode().items() if inode in mapped]
+
+
+def remove_orphaned_semaphores(recorded: list[list[str | int]]) -> list[str]:
+    """Remove the recorded semaphores that still exist (same name, same inode) and that no living
+    process maps; return their names."""
+    present = _semaphores_by_inode()
+    candidates = {int(inode): str(name) for name, inode in recorded if present.get(int(inode)) == name}
+    if not candidates:
         return []
-    in_use: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        in_use |= _mapped_semaphores(pid)
-    removed = []
-    for name in existing:
-        if name not in in_use:
-            (_SHM / name).unlink(missing_ok=True)
-            removed.append(name)
-    return removed
+        for inode in _mapped_shm_inodes(pid) & candidates.keys():
+            del candidates[inode]
+    for name in candidates.values():
+        (_SHM / name).unlink(missing_ok=True)
+    return sorted(candidates.values())
