@@ -19,6 +19,7 @@ import gzip
 import io
 import json
 import os
+import pickletools
 import re
 import struct
 import threading
@@ -160,29 +161,79 @@ def _check_root(root: Path) -> Path:
     return root
 
 
-_WEIGHTS_UNPICKLER_LINE = re.compile(r"WeightsUnpickler error:\s*(.+)")
-_GLOBAL_NAME = re.compile(r"GLOBAL\s+([\w.]+)")
+# Pickle opcodes that run code, and what they do: torch's weights-only unpickler has no
+# handler for them and reports them as an "Unsupported operand".
+_CODE_OPCODES = {
+    "STACK_GLOBAL": "imports a class or function",
+    "INST": "imports a class or function and calls it",
+    "EXT1": "imports a registered class or function",
+    "EXT2": "imports a registered class or function",
+    "EXT4": "imports a registered class or function",
+    "OBJ": "builds an object of a class",
+    "NEWOBJ_EX": "builds an object of a class",
+}
+_OPCODES = {ord(op.code): op for op in pickletools.opcodes}
+_UNSUPPORTED_OPERAND = re.compile(r"Unsupported operand (\d+)")
+
+# How torch's weights-only unpickler (torch/_weights_only_unpickler.py) words its refusal
+# of a pickle that needs code, and what that pickle does.
+_REFERENCES = "it references {}, a class or function that is not a tensor or plain container"
+_NEEDS_CODE = (
+    (re.compile(r"GLOBAL (\S+) was not an allowed global"), _REFERENCES),
+    (re.compile(r"unsupported GLOBAL (\S+) whose module \S+ is blocked"), _REFERENCES),
+    (re.compile(r"call reduce for unrecognized function ([^\n]+)"), "it calls {}, not one of torch's tensor builders"),
+    (re.compile(r"Can only create new object for [^\n]+ but got ([^\n]+)"), "it creates an object of {}"),
+    (re.compile(r"Can only build [^\n]+ but got ([^\n]+)"), "it sets the state of an object of {}"),
+)
+
+
+def _unsupported_opcode(words: str) -> pickletools.OpcodeInfo | None:
+    """The pickle opcode of an "Unsupported operand N" refusal, None for other words or bytes that are no opcode."""
+    m = _UNSUPPORTED_OPERAND.fullmatch(words)
+    return _OPCODES.get(int(m.group(1))) if m else None
+
+
+def _what_needs_code(words: str) -> str | None:
+    """What a pickle refused by torch's weights-only unpickler does that needs code, or None."""
+    for pattern, template in _NEEDS_CODE:
+        m = pattern.search(words)
+        if m:
+            return template.format(m.group(1)[:120])
+    op = _unsupported_opcode(words)
+    if op is not None and op.name in _CODE_OPCODES:
+        return f"it uses the pickle opcode {op.name}, which {_CODE_OPCODES[op.name]}"
+    return None
 
 
 def _load_error(path: Path, exc: BaseException) -> SourceError:
-    """Turn whatever torch.load raised into a SourceError that says what went wrong."""
+    """Turn whatever torch.load raised into a SourceError that says what went wrong.
+
+    A refusal of torch's weights-only unpickler comes wrapped in advice to retry with
+    ``weights_only=False``: h5feed reports the unpickler's own words (the wrapped
+    error's context, as torch re-raises ``from None``) and never passes that advice on.
+    """
     msg = str(exc)
     if "Weights only load failed" in msg:
-        needs_code = "Unsupported global" in msg or "This file can still be loaded" in msg
+        inner = exc.__context__
+        words = str(inner) if inner is not None else "refused by torch's weights-only unpickler"
+        needs_code = _what_needs_code(words)
         if needs_code:
-            m = _GLOBAL_NAME.search(msg)
-            what = f" ({m.group(1)})" if m else ""
             return SourceError(
                 path,
-                "refusing to load: the pickle needs code to run (h5feed always loads with "
-                f"weights_only=True); it references a class or function{what} that is not a "
-                "tensor or plain container; re-save it holding only tensors, lists and dicts",
+                "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True): "
+                f"{needs_code}; re-save it holding only tensors, lists and dicts",
             )
-        m = _WEIGHTS_UNPICKLER_LINE.search(msg)
-        detail = m.group(1).strip() if m else msg.splitlines()[0]
+        op = _unsupported_opcode(words)
+        if op is not None and op.proto > 2:
+            return SourceError(
+                path,
+                f"its pickle uses the opcode {op.name} of pickle protocol {op.proto}, which torch's weights-only "
+                "loader cannot read; re-save it with torch.save's default pickle protocol (2)",
+            )
+        detail = f"UnpicklingError: {words}"
     else:
-        detail = msg.splitlines()[0] if msg else "unexpected end of file"
-    return SourceError(path, f"not a readable torch.save file (truncated or corrupt): {type(exc).__name__}: {detail}")
+        detail = f"{type(exc).__name__}: {msg.splitlines()[0] if msg else 'unexpected end of file'}"
+    return SourceError(path, f"not a readable torch.save file (truncated or corrupt): {detail}")
 
 
 _ZIP_MAGIC = b"PK\x03\x04"

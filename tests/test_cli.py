@@ -7,6 +7,7 @@ lose nothing that was already converted.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -214,6 +215,38 @@ def test_the_real_command_exits_1_on_a_bad_file(tmp_path):
     assert r.returncode == 1
     assert f"h5feed convert: error: {files[2].resolve()}: {BAD['truncated-pt'][1]}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- trust in the sources (issue 7)
+
+
+class RunsShell:
+    """Unpickling it runs a shell command through os.system: torch words that as a blocked module's GLOBAL."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_runs_os_system_is_refused_as_needing_code(tmp_path, cli):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src)
+    marker = tmp_path / "ran"
+    rewrite(files[2], lambda d: d.update(meta=RunsShell(marker)))
+
+    r = cli(*convert_args(src, dst))
+
+    assert r.status == 1
+    assert (
+        f"h5feed convert: error: {files[2].resolve()}: refusing to load: the pickle needs code to run (h5feed always "
+        "loads with weights_only=True): it references posix.system, a class or function that is not a tensor or "
+        "plain container; re-save it holding only tensors, lists and dicts\n"
+    ) in r.output
+    assert "truncated or corrupt" not in r.output and "False" not in r.output
+    assert not marker.exists() and not dst.exists()
+
 
 
 def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupted_convert):

@@ -8,7 +8,10 @@ import io
 import json
 import os
 import shutil
+import struct
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -656,3 +659,187 @@ def test_gz_probe_reads_the_pickle_at_the_head_only(tmp_path):
     assert fmt.probe(sources[1]).num_tokens == 41
     with pytest.raises(SourceError, match="truncated or corrupt"):
         fmt.load(sources[1])
+
+
+# --------------------------------------------------------------------------- trust (issue 7)
+
+
+class RunsShell:
+    """Unpickling it runs a shell command through os.system (posix.system)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class RunsEval(RunsShell):
+    """Unpickling it evaluates Python source (builtins.eval)."""
+
+    def __reduce__(self):
+        return (eval, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+class RunsPopen(RunsShell):
+    """Unpickling it starts a process (subprocess.Popen)."""
+
+    def __reduce__(self):
+        return (subprocess.Popen, (["touch", str(self.marker)],))
+
+
+class RunsSetstate(RunsShell):
+    """An instance of a class of ours: unpickling it runs its __setstate__."""
+
+    def __reduce__(self):
+        return (RunsSetstate, (self.marker,), {"marker": str(self.marker)})
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["marker"]).touch()
+
+
+PAYLOADS = {  # what each payload makes torch name: its GLOBAL
+    "os.system": (RunsShell, "posix.system"),
+    "builtins.eval": (RunsEval, "eval"),
+    "subprocess.Popen": (RunsPopen, "commands.Popen"),  # pickle protocol 2 writes subprocess under its Python 2 name
+    "custom class": (RunsSetstate, f"{RunsSetstate.__module__}.RunsSetstate"),
+}
+
+def v0_dict(t: int = 4) -> dict:
+    return {"input_ids": torch.arange(t), "hidden_state": torch.zeros(t, K * H), "target": torch.zeros(t, H)}
+
+
+def specforge_dict(t: int = 4) -> dict:
+    aux, last = torch.zeros(1, t, K * H), torch.zeros(1, t, H)
+    return {"input_ids": torch.arange(t), "aux_hidden_state": aux, "hidden_state": last}
+
+
+# (format, file name, a valid sample of it, torch.save's keyword arguments)
+PICKLE_FILES = {
+    "legacy .pt": ("speculators-legacy-pt", "data_0.pt", legacy_dict, {}),
+    "legacy .pt, pre-1.6 serialization": (
+        "speculators-legacy-pt", "data_0.pt", legacy_dict, {"_use_new_zipfile_serialization": False}
+    ),
+    "v0 .pt": ("speculators-v0-pt", "data_0.pt", v0_dict, {}),
+    "specforge .ckpt": ("specforge-ckpt", "data_0.ckpt", specforge_dict, {}),
+    "specforge .ckpt.gz": ("specforge-ckpt", "data_0.ckpt.gz", specforge_dict, {}),
+}
+
+
+def needs_code(what: str) -> str:
+    return (
+        "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True): "
+        f"{what}; re-save it holding only tensors, lists and dicts"
+    )
+
+
+def save_sample(path: Path, d: dict, **kw) -> None:
+    buf = io.BytesIO()
+    torch.save(d, buf, **kw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(buf.getvalue()) if path.name.endswith(".gz") else buf.getvalue())
+
+
+def assert_refused(fn, path: Path, what: str) -> None:
+    with pytest.raises(SourceError) as info:
+        fn()
+    assert (info.value.path, info.value.problem) == (str(path), needs_code(what))
+    assert "False" not in str(info.value)  # never torch's advice to retry with weights_only=False
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+@pytest.mark.parametrize("kind", PICKLE_FILES)
+def test_code_carrying_pickles_are_refused_by_name_and_never_run(tmp_path: Path, kind: str, payload: str) -> None:
+    fmt_name, name, sample, save_kw = PICKLE_FILES[kind]
+    cls, global_name = PAYLOADS[payload]
+    marker = tmp_path / "ran"
+    root = tmp_path / "src"
+    d = sample()
+    d["meta"] = cls(marker)
+    save_sample(root / name, d, **save_kw)
+    f = FORMATS[fmt_name]
+    source = f.discover(root)[0]
+    what = f"it references {global_name}, a class or function that is not a tensor or plain container"
+    assert_refused(lambda: f.probe(source), source.path, what)
+    assert_refused(lambda: f.load(source), source.path, what)
+    if name.endswith(".pt"):  # telling legacy from v0 reads the file
+        assert_refused(lambda: detect_format(root), source.path, what)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_the_payloads_do_run_when_unpickled_unsafely(tmp_path: Path, payload: str) -> None:
+    """The test files above are real attacks: torch.load(weights_only=False) runs them."""
+    marker = tmp_path / "ran"
+    path = tmp_path / "data_0.pt"
+    torch.save({"meta": PAYLOADS[payload][0](marker)}, path)
+    loaded = torch.load(path, weights_only=False)["meta"]
+    if isinstance(loaded, subprocess.Popen):
+        loaded.wait()
+    assert marker.exists()
+
+
+def _unicode(s: str) -> bytes:
+    return b"X" + struct.pack("<I", len(s.encode())) + s.encode()  # BINUNICODE
+
+
+def save_with_pickle(path: Path, pkl: bytes) -> None:
+    """A torch.save zip whose data.pkl is ``pkl``: pickles torch.save would never write."""
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, pkl if info.filename.endswith("/data.pkl") else src.read(info))
+
+
+EVAL_SOURCE = "open('ran', 'w').close()"
+CRAFTED_PICKLES = {  # protocol-2 header, then opcodes torch's weights-only unpickler refuses
+    "STACK_GLOBAL eval": (b"\x80\x02" + _unicode("builtins") + _unicode("eval") + b"\x93" + _unicode(EVAL_SOURCE)
+                          + b"\x85R.", "it uses the pickle opcode STACK_GLOBAL, which imports a class or function"),
+    "INST eval": (b"\x80\x02(" + _unicode(EVAL_SOURCE) + b"ibuiltins\neval\n.",
+                  "it uses the pickle opcode INST, which imports a class or function and calls it"),
+    "OBJ": (b"\x80\x02(}o.", "it uses the pickle opcode OBJ, which builds an object of a class"),
+    "NEWOBJ_EX": (b"\x80\x02})}\x92.", "it uses the pickle opcode NEWOBJ_EX, which builds an object of a class"),
+    "REDUCE of a non-allowed callable": (b"\x80\x02ccollections\nOrderedDict\n)R)R.",
+                                         "it calls OrderedDict(), not one of torch's tensor builders"),
+    "NEWOBJ of a non-allowed class": (b"\x80\x02})\x81.", "it creates an object of {}"),
+    "BUILD of a non-allowed object": (b"\x80\x02K\x01}b.", "it sets the state of an object of <class 'int'>"),
+}
+
+
+@pytest.mark.parametrize("kind", CRAFTED_PICKLES)
+def test_crafted_pickles_are_refused_as_needing_code(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkl, what = CRAFTED_PICKLES[kind]
+    monkeypatch.chdir(tmp_path)  # where the eval payloads would write
+    root = tmp_path / "src"
+    root.mkdir()
+    save_with_pickle(root / "data_0.pt", pkl)
+    f = FORMATS["speculators-legacy-pt"]
+    assert_refused(lambda: f.load(f.discover(root)[0]), root / "data_0.pt", what)
+    assert_refused(lambda: detect_format(root), root / "data_0.pt", what)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_crafted_eval_pickles_do_run_when_unpickled_unsafely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    for kind in ("STACK_GLOBAL eval", "INST eval"):
+        pickle.loads(CRAFTED_PICKLES[kind][0])
+        assert (tmp_path / "ran").exists()
+        (tmp_path / "ran").unlink()
+
+
+def test_pickle_protocol_4_is_named_not_called_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "p4"
+    root.mkdir()
+    torch.save(legacy_dict(), root / "data_0.pt", pickle_protocol=4)
+    f = FORMATS["speculators-legacy-pt"]
+    with pytest.warns(UserWarning, match="Detected pickle protocol 4"), pytest.raises(SourceError) as info:
+        f.load(f.discover(root)[0])
+    assert info.value.problem == (
+        "its pickle uses the opcode FRAME of pickle protocol 4, which torch's weights-only loader cannot read; "
+        "re-save it with torch.save's default pickle protocol (2)"
+    )
