@@ -5,9 +5,14 @@ per-layer tensors in a ``.pt`` (speculators legacy), pre-concatenated tensors
 (speculators v0), tensors with a leading batch dim in a possibly gzipped
 ``.ckpt`` (SpecForge), or ``[T, K+1, H]`` safetensors beside an Arrow dataset
 (speculators 0.5+).  The converter should not care: every format here finds its
-sample files (``discover``), tells their shape cheaply (``probe``) and reads
-them into one standard :class:`SourceSample` (``load``), with errors that name
-the file and say what is wrong with it.
+sample files (``scan``, ``discover``), tells their shape cheaply (``probe``) and
+reads them into one standard :class:`SourceSample` (``load``), with errors that
+name the file and say what is wrong with it.
+
+Trust: nothing under a source is passed over in silence.  An entry that may hide
+samples (an unreadable folder, a broken or looping link, a link out of the
+source, a misnamed ``*.pt``) is an error naming it, or with ``skip_bad`` a
+recorded skip.
 
 Safety: pickles are only ever read with ``torch.load(weights_only=True)``; a
 file that needs code to unpickle is refused, never executed.
@@ -15,11 +20,14 @@ file that needs code to unpickle is refused, never executed.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
 import os
+import pickletools
 import re
+import stat
 import struct
 import threading
 import zipfile
@@ -37,8 +45,10 @@ from h5feed.errors import SourceError
 
 __all__ = [
     "FORMATS",
+    "Discovery",
     "FormatName",
     "SampleShape",
+    "SkippedEntry",
     "SourceFile",
     "SourceFormat",
     "SourceSample",
@@ -114,41 +124,147 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
-def _walk_files(top: Path):
-    """Yield (dirpath, filename) under top, following directory links once (no cycles)."""
-    seen: set[tuple[int, int]] = set()
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+# --------------------------------------------------------------------------- discovery
+
+
+@dataclass(frozen=True)
+class SkippedEntry:
+    """An entry under a source root that discovery could not use as a sample file, and why."""
+
+    path: Path  # absolute: a file, a symbolic link or a folder
+    relpath: str  # relative to the source root, '/'-separated: what a store's ``skipped`` list records
+    problem: str
+
+    def error(self) -> SourceError:
+        return SourceError(self.path, self.problem)
+
+    def record(self) -> dict[str, str]:
+        """The entry as a store's ``skipped`` list keeps it."""
+        return {"path": self.relpath, "problem": self.problem}
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What ``SourceFormat.scan`` found under a source root."""
+
+    files: list[SourceFile]  # sorted by (sample_index, relpath)
+    skipped: list[SkippedEntry]  # sorted by relpath; empty unless scanned with skip_bad
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A file with a sample file's extension; a symbolic link keeps its own path, ``real`` is its target."""
+
+    path: Path
+    real: str
+    is_link: bool
+
+
+def _relpath(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _broken_link_problem(path: Path, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "is a symbolic link that loops: not followed"
+    if exc.errno == errno.ENOENT:
+        return f"is a broken symbolic link: its target {os.readlink(path)} does not exist"
+    return f"is a symbolic link that cannot be followed ({exc.strerror or exc})"
+
+
+def _walk(root: Path, top: Path, extensions: tuple[str, ...]) -> tuple[list[_Candidate], list[SkippedEntry]]:
+    """Every file under ``top`` named ``*{extension}``, and every entry that may hide sample files.
+
+    Folders are walked where they really are.  A symbolic link is resolved: one that
+    leads out of ``top`` is not followed (it could pull in a sibling run's samples);
+    one to a folder inside ``top`` adds nothing (that folder is walked itself, so there
+    are no cycles and no duplicates); one to a file inside ``top`` is a candidate under
+    its own name.  A folder that cannot be listed and a link that cannot be resolved
+    (broken, looping) are skipped entries whatever their names: either may hide samples.
+    """
+    scope = os.path.realpath(top)
+    candidates: list[_Candidate] = []
+    skipped: list[SkippedEntry] = []
+
+    def skip(path: Path, problem: str) -> None:
+        skipped.append(SkippedEntry(path, _relpath(path, root), problem))
+
+    folders = [top]
+    while folders:
+        folder = folders.pop()
         try:
-            st = os.stat(dirpath)
-        except OSError:
-            dirnames[:] = []
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError as exc:
+            if folder == root:
+                raise SourceError(root, f"cannot be read ({exc.strerror or exc})") from exc
+            skip(folder, f"folder cannot be read ({exc.strerror or exc}): the files in it were not searched")
             continue
-        key = (st.st_dev, st.st_ino)
-        if key in seen:  # a link back to a folder already walked
-            dirnames[:] = []
-            continue
-        seen.add(key)
-        dirnames.sort()
-        for name in filenames:
-            yield dirpath, name
+        for entry in entries:
+            path = Path(entry.path)
+            wanted = entry.name.endswith(extensions)
+            if entry.is_symlink():
+                try:
+                    real = os.path.realpath(path, strict=True)
+                    mode = os.stat(real).st_mode
+                except OSError as exc:
+                    skip(path, _broken_link_problem(path, exc))
+                    continue
+                inside = os.path.commonpath([scope, real]) == scope
+                if stat.S_ISDIR(mode):
+                    if not inside:
+                        skip(path, f"is a symbolic link to the folder {real}, outside {top}: not followed")
+                elif wanted:
+                    if not inside:
+                        skip(path, f"is a symbolic link to {real}, outside {top}: not followed")
+                    elif not stat.S_ISREG(mode):
+                        skip(path, f"is a symbolic link to {real}, which is not a regular file")
+                    else:
+                        candidates.append(_Candidate(path, real, is_link=True))
+            elif entry.is_dir(follow_symlinks=False):
+                folders.append(path)
+            elif wanted:
+                if entry.is_file(follow_symlinks=False):
+                    real = os.path.join(scope, os.path.relpath(path, top))
+                    candidates.append(_Candidate(path, real, is_link=False))
+                else:
+                    skip(path, "is not a regular file (a pipe, socket or device)")
+    return candidates, skipped
 
 
-def _discover(root: Path, pattern: re.Pattern[str], under: Path | None = None) -> list[SourceFile]:
-    """Every file under ``under`` (default root) whose name matches ``pattern`` (group 1 = index)."""
+def _find_samples(root: Path, top: Path, extensions: tuple[str, ...], pattern: re.Pattern[str], what: str) -> Discovery:
+    """The sample files under ``top`` (names matching ``pattern``, group 1 = index), and every entry skipped.
+
+    A file with a sample file's extension whose name does not match is skipped, not
+    ignored: ``data_x.pt`` or ``notes.pt`` beside ``data_3.pt`` is most likely a sample
+    under a wrong name.  A link to a file that is already a sample is skipped too.
+    """
     root = Path(os.path.abspath(root))
-    top = root if under is None else under
-    found: list[SourceFile] = []
-    if top.is_dir():
-        for dirpath, name in _walk_files(top):
-            m = pattern.fullmatch(name)
-            if m is None:
-                continue
-            path = Path(dirpath) / name
-            if not path.is_file():
-                continue
-            found.append(SourceFile(path, int(m.group(1)), path.relative_to(root).as_posix()))
-    found.sort(key=lambda s: (s.sample_index, s.relpath))
-    return found
+    top = Path(os.path.abspath(top))
+    if not top.is_dir():
+        return Discovery([], [])
+    candidates, skipped = _walk(root, top, extensions)
+    files: list[SourceFile] = []
+    owner: dict[str, str] = {}  # the real path of each sample file -> its relpath
+    for c in sorted(candidates, key=lambda c: (c.is_link, c.path)):  # a file under its own name before links to it
+        rel = _relpath(c.path, root)
+        m = pattern.fullmatch(c.path.name)
+        if m is None:
+            problem = f"has a sample file's extension but its name does not match {what}"
+            skipped.append(SkippedEntry(c.path, rel, problem))
+        elif c.real in owner:
+            skipped.append(SkippedEntry(c.path, rel, f"is a symbolic link to {owner[c.real]}, already a sample file"))
+        else:
+            owner[c.real] = rel
+            files.append(SourceFile(c.path, int(m.group(1)), rel))
+    files.sort(key=lambda s: (s.sample_index, s.relpath))
+    skipped.sort(key=lambda s: s.relpath)
+    return Discovery(files, skipped)
+
+
+def _nothing_readable(root: Path, skipped: list[SkippedEntry]) -> SourceError:
+    first = "; ".join(f"{s.relpath}: {s.problem}" for s in skipped[:3])
+    return SourceError(root, f"no readable sample files: {len(skipped)} skipped, first problems: {first}")
 
 
 def _check_root(root: Path) -> Path:
@@ -160,29 +276,82 @@ def _check_root(root: Path) -> Path:
     return root
 
 
-_WEIGHTS_UNPICKLER_LINE = re.compile(r"WeightsUnpickler error:\s*(.+)")
-_GLOBAL_NAME = re.compile(r"GLOBAL\s+([\w.]+)")
+# --------------------------------------------------------------------------- torch.load
+
+
+# Pickle opcodes that run code, and what they do: torch's weights-only unpickler has no
+# handler for them and reports them as an "Unsupported operand".
+_CODE_OPCODES = {
+    "STACK_GLOBAL": "imports a class or function",
+    "INST": "imports a class or function and calls it",
+    "EXT1": "imports a registered class or function",
+    "EXT2": "imports a registered class or function",
+    "EXT4": "imports a registered class or function",
+    "OBJ": "builds an object of a class",
+    "NEWOBJ_EX": "builds an object of a class",
+}
+_OPCODES = {ord(op.code): op for op in pickletools.opcodes}
+_UNSUPPORTED_OPERAND = re.compile(r"Unsupported operand (\d+)")
+
+# How torch's weights-only unpickler (torch/_weights_only_unpickler.py) words its refusal
+# of a pickle that needs code, and what that pickle does.
+_REFERENCES = "it references {}, a class or function that is not a tensor or plain container"
+_NEEDS_CODE = (
+    (re.compile(r"GLOBAL (\S+) was not an allowed global"), _REFERENCES),
+    (re.compile(r"unsupported GLOBAL (\S+) whose module \S+ is blocked"), _REFERENCES),
+    (re.compile(r"call reduce for unrecognized function ([^\n]+)"), "it calls {}, not one of torch's tensor builders"),
+    (re.compile(r"Can only create new object for [^\n]+ but got ([^\n]+)"), "it creates an object of {}"),
+    (re.compile(r"Can only build [^\n]+ but got ([^\n]+)"), "it sets the state of an object of {}"),
+)
+
+
+def _unsupported_opcode(words: str) -> pickletools.OpcodeInfo | None:
+    """The pickle opcode of an "Unsupported operand N" refusal, None for other words or bytes that are no opcode."""
+    m = _UNSUPPORTED_OPERAND.fullmatch(words)
+    return _OPCODES.get(int(m.group(1))) if m else None
+
+
+def _what_needs_code(words: str) -> str | None:
+    """What a pickle refused by torch's weights-only unpickler does that needs code, or None."""
+    for pattern, template in _NEEDS_CODE:
+        m = pattern.search(words)
+        if m:
+            return template.format(m.group(1)[:120])
+    op = _unsupported_opcode(words)
+    if op is not None and op.name in _CODE_OPCODES:
+        return f"it uses the pickle opcode {op.name}, which {_CODE_OPCODES[op.name]}"
+    return None
 
 
 def _load_error(path: Path, exc: BaseException) -> SourceError:
-    """Turn whatever torch.load raised into a SourceError that says what went wrong."""
+    """Turn whatever torch.load raised into a SourceError that says what went wrong.
+
+    A refusal of torch's weights-only unpickler comes wrapped in advice to retry with
+    ``weights_only=False``: h5feed reports the unpickler's own words (the wrapped
+    error's context, as torch re-raises ``from None``) and never passes that advice on.
+    """
     msg = str(exc)
     if "Weights only load failed" in msg:
-        needs_code = "Unsupported global" in msg or "This file can still be loaded" in msg
+        inner = exc.__context__
+        words = str(inner) if inner is not None else "refused by torch's weights-only unpickler"
+        needs_code = _what_needs_code(words)
         if needs_code:
-            m = _GLOBAL_NAME.search(msg)
-            what = f" ({m.group(1)})" if m else ""
             return SourceError(
                 path,
-                "refusing to load: the pickle needs code to run (h5feed always loads with "
-                f"weights_only=True); it references a class or function{what} that is not a "
-                "tensor or plain container; re-save it holding only tensors, lists and dicts",
+                "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True): "
+                f"{needs_code}; re-save it holding only tensors, lists and dicts",
             )
-        m = _WEIGHTS_UNPICKLER_LINE.search(msg)
-        detail = m.group(1).strip() if m else msg.splitlines()[0]
+        op = _unsupported_opcode(words)
+        if op is not None and op.proto > 2:
+            return SourceError(
+                path,
+                f"its pickle uses the opcode {op.name} of pickle protocol {op.proto}, which torch's weights-only "
+                "loader cannot read; re-save it with torch.save's default pickle protocol (2)",
+            )
+        detail = f"UnpicklingError: {words}"
     else:
-        detail = msg.splitlines()[0] if msg else "unexpected end of file"
-    return SourceError(path, f"not a readable torch.save file (truncated or corrupt): {type(exc).__name__}: {detail}")
+        detail = f"{type(exc).__name__}: {msg.splitlines()[0] if msg else 'unexpected end of file'}"
+    return SourceError(path, f"not a readable torch.save file (truncated or corrupt): {detail}")
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -399,10 +568,35 @@ class SourceFormat(ABC):
 
     name: FormatName
     last_state_norm: Literal["pre", "post"]
+    _pattern: re.Pattern[str]  # a sample file's name; group 1 is its index
+    _what: str  # that name, for messages
+    _extensions: tuple[str, ...]  # a file named *{extension} that does not match _pattern is skipped, not ignored
+    _folder: str = ""  # where the sample files live under the root ("" = anywhere)
 
-    @abstractmethod
+    def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
+        """Every sample file under root and, with skip_bad, every entry that cannot be read as one.
+
+        Without skip_bad the first such entry (an unreadable folder, a broken or
+        looping link, a link out of the root, a misnamed file) is a SourceError naming it.
+        """
+        root = _check_root(root)
+        found = self._search(root)
+        if found.skipped and not skip_bad:
+            raise found.skipped[0].error()
+        if not found.files:
+            raise _nothing_readable(root, found.skipped) if found.skipped else self._none_found(root)
+        return found
+
     def discover(self, root: Path) -> list[SourceFile]:
-        """Every sample file under root, sorted by (sample_index, relpath)."""
+        """Every sample file under root, sorted by (sample_index, relpath); an entry that cannot be one is an error."""
+        return self.scan(root).files
+
+    def _search(self, root: Path) -> Discovery:
+        absroot = Path(os.path.abspath(root))
+        return _find_samples(absroot, absroot / self._folder, self._extensions, self._pattern, self._what)
+
+    def _none_found(self, root: Path) -> SourceError:
+        return SourceError(root, f"no {self._what} files found (searched all sub-folders)")
 
     @abstractmethod
     def probe(self, source: SourceFile) -> SampleShape:
@@ -423,16 +617,6 @@ class SourceFormat(ABC):
 
 class _TorchDictFormat(SourceFormat):
     """Formats that are one torch.save dict per sample."""
-
-    _pattern: re.Pattern[str]
-    _what: str
-
-    def discover(self, root: Path) -> list[SourceFile]:
-        root = _check_root(root)
-        found = _discover(root, self._pattern)
-        if not found:
-            raise SourceError(root, f"no {self._what} files found (searched all sub-folders)")
-        return found
 
     def _read(self, path: Path) -> dict:
         return _require_dict(path, (_torch_load_gz if path.name.endswith(".gz") else _torch_load_path)(path))
@@ -455,6 +639,7 @@ class SpeculatorsLegacyPt(_TorchDictFormat):
     last_state_norm: Literal["pre", "post"] = "pre"
     _pattern = re.compile(r"data_(\d+)\.pt")
     _what = "data_{i}.pt"
+    _extensions = (".pt",)
 
     def _check(self, path: Path, d: dict) -> _Checked:
         _require_keys(path, d, ("input_ids", "hidden_states"), self.name)
@@ -501,6 +686,7 @@ class SpeculatorsV0Pt(_TorchDictFormat):
     last_state_norm: Literal["pre", "post"] = "post"
     _pattern = re.compile(r"data_(\d+)\.pt")
     _what = "data_{i}.pt"
+    _extensions = (".pt",)
 
     def _check(self, path: Path, d: dict) -> _Checked:
         _require_keys(path, d, ("input_ids", "hidden_state", "target"), self.name)
@@ -516,6 +702,7 @@ class SpecForgeCkpt(_TorchDictFormat):
     last_state_norm: Literal["pre", "post"] = "post"
     _pattern = re.compile(r"data_(\d+)\.ckpt(?:\.gz)?")
     _what = "data_{i}.ckpt or data_{i}.ckpt.gz"
+    _extensions = (".ckpt", ".ckpt.gz")
 
     def _check(self, path: Path, d: dict) -> _Checked:
         _require_keys(path, d, ("input_ids", "aux_hidden_state", "hidden_state"), self.name)
@@ -662,23 +849,25 @@ class SpeculatorsSafetensors(SourceFormat):
     name: FormatName = "speculators-safetensors"
     last_state_norm: Literal["pre", "post"] = "pre"
     _pattern = re.compile(r"hs_(\d+)\.safetensors")
+    _what = "hs_{i}.safetensors"
+    _extensions = (".safetensors",)
+    _folder = "hidden_states"  # flat, or sharded in sub-folders (hidden_states/0000/) by newer speculators
 
     def __init__(self) -> None:
         self._arrow: dict[tuple[str, int], _ArrowRows] = {}
         self._lock = threading.Lock()
 
-    def discover(self, root: Path) -> list[SourceFile]:
-        root = _check_root(root)
-        absroot = Path(os.path.abspath(root))
-        # hidden_states/ is flat, or sharded in sub-folders (hidden_states/0000/) by newer speculators.
-        found = _discover(absroot, self._pattern, absroot / "hidden_states")
-        if not found:
-            hint = ""
-            if _discover(absroot, self._pattern):
-                hint = " (hs_*.safetensors files exist elsewhere: pass the folder that holds hidden_states/ and state.json)"
-            raise SourceError(root, f"no hidden_states/hs_{{i}}.safetensors files found{hint}")
-        self._rows(absroot)  # fail early when the Arrow dataset is missing
+    def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
+        found = super().scan(root, skip_bad)
+        self._rows(Path(os.path.abspath(root)))  # fail early when the Arrow dataset is missing
         return found
+
+    def _none_found(self, root: Path) -> SourceError:
+        absroot = Path(os.path.abspath(root))
+        hint = ""
+        if _find_samples(absroot, absroot, self._extensions, self._pattern, self._what).files:
+            hint = " (hs_*.safetensors files exist elsewhere: pass the folder that holds hidden_states/ and state.json)"
+        return SourceError(root, f"no hidden_states/hs_{{i}}.safetensors files found{hint}")
 
     @staticmethod
     def _data_root(source: SourceFile) -> Path:
@@ -757,47 +946,63 @@ def _format_by_name(name: FormatName) -> SourceFormat:
     return FORMATS[name]
 
 
-def _detect_pt_format(pts: list[SourceFile]) -> SourceFormat:
-    """Legacy vs v0 by the keys of the first file that loads (a bad first file is --skip-bad's job, not ours)."""
-    first_error: SourceError | None = None
-    for source in pts[:8]:
+def _detect_pt_format(root: Path, pts: Discovery, skip_bad: bool) -> SourceFormat:
+    """Legacy vs v0 by the keys of the first file that loads.
+
+    A bad file is passed over (probing reports it, or skips it with skip_bad); when
+    none of the first 8 loads, the first one's error is raised.  With skip_bad every
+    file is tried, and when none loads the error lists what was wrong.
+    """
+    failed: list[SkippedEntry] = []
+    for source in pts.files if skip_bad else pts.files[:8]:
         try:
             d = _require_dict(source.path, _torch_load_path(source.path))
         except SourceError as exc:
-            first_error = first_error or exc
+            failed.append(SkippedEntry(source.path, source.relpath, exc.problem))
             continue
         if "hidden_states" in d:
             return FORMATS["speculators-legacy-pt"]
         if "hidden_state" in d and "target" in d:
             return FORMATS["speculators-v0-pt"]
         found = ", ".join(repr(k) for k in d) or "none"
-        raise SourceError(
-            source.path,
+        problem = (
             f"keys ({found}) match neither speculators legacy ('hidden_states' list) nor "
-            "speculators v0 ('hidden_state' + 'target')",
+            "speculators v0 ('hidden_state' + 'target')"
         )
-    assert first_error is not None
-    raise first_error
+        if not skip_bad:
+            raise SourceError(source.path, problem)
+        failed.append(SkippedEntry(source.path, source.relpath, problem))
+    if not skip_bad:
+        raise failed[0].error()
+    raise _nothing_readable(root, sorted(pts.skipped + failed, key=lambda s: s.relpath))
 
 
-def detect_format(root: Path) -> SourceFormat:
-    """The format of the sample files under root; legacy vs v0 ``.pt`` by the keys of the first file."""
+def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
+    """The format of the sample files under root; legacy vs v0 ``.pt`` by the keys of the first file that loads.
+
+    Entries that cannot be sample files are the chosen format's ``scan``'s business; here
+    they count only when no sample file is found at all (then the first is an error, or
+    with skip_bad the error lists them).
+    """
     root = _check_root(Path(root))
-    absroot = Path(os.path.abspath(root))
-    if _discover(absroot, SpeculatorsSafetensors._pattern, absroot / "hidden_states"):
+    names: tuple[FormatName, ...] = ("speculators-safetensors", "specforge-ckpt", "speculators-legacy-pt")
+    searched = [FORMATS[name]._search(root) for name in names]
+    safetensors, ckpts, pts = searched
+    if safetensors.files:
         return FORMATS["speculators-safetensors"]
-    ckpts = _discover(absroot, SpecForgeCkpt._pattern)
-    pts = _discover(absroot, SpeculatorsLegacyPt._pattern)
-    if ckpts and pts:
+    if ckpts.files and pts.files:
         raise SourceError(
             root,
-            f"holds both data_{{i}}.pt ({len(pts)}) and data_{{i}}.ckpt[.gz] ({len(ckpts)}) files; "
+            f"holds both data_{{i}}.pt ({len(pts.files)}) and data_{{i}}.ckpt[.gz] ({len(ckpts.files)}) files; "
             "convert each set from its own folder",
         )
-    if ckpts:
+    if ckpts.files:
         return FORMATS["specforge-ckpt"]
-    if pts:
-        return _detect_pt_format(pts)
+    if pts.files:
+        return _detect_pt_format(root, pts, skip_bad)
+    skipped = sorted({s.relpath: s for found in searched for s in found.skipped}.values(), key=lambda s: s.relpath)
+    if skipped:
+        raise _nothing_readable(root, skipped) if skip_bad else skipped[0].error()
     raise SourceError(
         root,
         "no sample files of any known format found: expected data_{i}.pt, data_{i}.ckpt[.gz] "

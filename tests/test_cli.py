@@ -7,7 +7,9 @@ lose nothing that was already converted.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,6 +217,105 @@ def test_the_real_command_exits_1_on_a_bad_file(tmp_path):
     assert r.returncode == 1
     assert f"h5feed convert: error: {files[2].resolve()}: {BAD['truncated-pt'][1]}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- trust in the sources (issue 7)
+
+
+class RunsShell:
+    """Unpickling it runs a shell command through os.system: torch words that as a blocked module's GLOBAL."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_runs_os_system_is_refused_as_needing_code(tmp_path, cli):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src)
+    marker = tmp_path / "ran"
+    rewrite(files[2], lambda d: d.update(meta=RunsShell(marker)))
+
+    r = cli(*convert_args(src, dst))
+
+    assert r.status == 1
+    assert (
+        f"h5feed convert: error: {files[2].resolve()}: refusing to load: the pickle needs code to run (h5feed always "
+        "loads with weights_only=True): it references posix.system, a class or function that is not a tensor or "
+        "plain container; re-save it holding only tensors, lists and dicts\n"
+    ) in r.output
+    assert "truncated or corrupt" not in r.output and "False" not in r.output
+    assert not marker.exists() and not dst.exists()
+
+
+# kind: (make the entry in SRC, its relpath, the problem; {src} and {parent} are SRC and its parent, resolved)
+UNUSABLE = {
+    "link to the parent folder": (lambda src: os.symlink("..", src / "up"), "up",
+                                  "is a symbolic link to the folder {parent}, outside {src}: not followed"),
+    "looping link": (lambda src: os.symlink("data_9.pt", src / "data_9.pt"), "data_9.pt",
+                     "is a symbolic link that loops: not followed"),
+    "broken link": (lambda src: os.symlink("gone.pt", src / "data_9.pt"), "data_9.pt",
+                    "is a broken symbolic link: its target gone.pt does not exist"),
+    "misnamed file": (lambda src: shutil.copy(src / "data_0.pt", src / "data_x.pt"), "data_x.pt",
+                      "has a sample file's extension but its name does not match data_{{i}}.pt"),
+}
+
+
+def make_source_with(tmp_path: Path, kind: str) -> tuple[Path, str, str]:
+    """A source of 5 good samples plus the entry of ``kind``, beside a sibling run of 5 more samples."""
+    src = tmp_path / "runs" / "run1"
+    make_source(src)
+    make_source(tmp_path / "runs" / "run2")
+    make_entry, relpath, problem = UNUSABLE[kind]
+    make_entry(src)
+    return src, relpath, problem.format(src=src.resolve(), parent=src.resolve().parent)
+
+
+@pytest.mark.parametrize("kind", UNUSABLE)
+def test_an_entry_discovery_cannot_use_stops_a_conversion_and_is_named(tmp_path, cli, kind):
+    src, relpath, problem = make_source_with(tmp_path, kind)
+    dst = tmp_path / "store"
+
+    r = cli(*convert_args(src, dst))
+
+    assert r.status == 1
+    assert f"h5feed convert: error: {src.resolve() / relpath}: {problem}\n" in r.output
+    assert not dst.exists()
+
+
+WIRING = "convert.py must take skip_bad to detect_format() and record fmt.scan(src, skip_bad).skipped in the plan"
+
+
+@pytest.mark.xfail(strict=True, reason=WIRING)
+@pytest.mark.parametrize("kind", UNUSABLE)
+def test_skip_bad_records_an_entry_discovery_cannot_use(tmp_path, cli, kind):
+    src, relpath, problem = make_source_with(tmp_path, kind)
+    dst = tmp_path / "store"
+
+    r = cli(*convert_args(src, dst, "--skip-bad"))
+
+    assert r.status == 0, r.output
+    assert "(5 converted now, 0 from an earlier run, 1 skipped)" in r.output
+    store = Store(dst)
+    assert list(store.source_paths) == [f"data_{i}.pt" for i in range(5)]  # nothing from the sibling run
+    assert describe_store(dst)["skipped"] == [{"path": relpath, "problem": problem}]
+
+
+@pytest.mark.xfail(strict=True, reason=WIRING)
+def test_skip_bad_with_nothing_readable_and_no_format_given(tmp_path, cli):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    for path in make_source(src, lengths=[4, 5]):
+        BAD["random-bytes"][0](path)
+    corrupt = "not a readable torch.save file (truncated or corrupt): UnpicklingError: Unsupported operand 95"
+
+    r = cli(*convert_args(src, dst, "--skip-bad"))
+
+    assert r.status == 1
+    assert (f"h5feed convert: error: {src.resolve()}: no readable sample files: 2 skipped, first problems: "
+            f"data_0.pt: {corrupt}; data_1.pt: {corrupt}\n") in r.output
+    assert not dst.exists()
 
 
 def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupted_convert):

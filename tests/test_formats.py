@@ -8,7 +8,11 @@ import io
 import json
 import os
 import shutil
+import struct
+import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -271,8 +275,8 @@ def test_discover_sorts_by_index_ignores_other_files_and_nests(tmp_path: Path) -
         torch.save(legacy_dict(), root / rel)
     (root / "sample_lengths.json").write_text("{}")
     (root / "data_config.json").write_text("{}")
-    (root / "data_x.pt").write_bytes(b"")
-    (root / "data_4.pt.tmp").write_bytes(b"")
+    (root / "data_4.pt.tmp").write_bytes(b"")  # not named *.pt: not a sample file under a wrong name
+    (root / "data_5.ckpt").write_bytes(b"")  # another format's file
     (root / "notes.txt").write_text("x")
     found = FORMATS["speculators-legacy-pt"].discover(root)
     assert [(s.sample_index, s.relpath) for s in found] == [
@@ -656,3 +660,427 @@ def test_gz_probe_reads_the_pickle_at_the_head_only(tmp_path):
     assert fmt.probe(sources[1]).num_tokens == 41
     with pytest.raises(SourceError, match="truncated or corrupt"):
         fmt.load(sources[1])
+
+
+# --------------------------------------------------------------------------- trust (issue 7)
+
+
+class RunsShell:
+    """Unpickling it runs a shell command through os.system (posix.system)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class RunsEval(RunsShell):
+    """Unpickling it evaluates Python source (builtins.eval)."""
+
+    def __reduce__(self):
+        return (eval, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+class RunsPopen(RunsShell):
+    """Unpickling it starts a process (subprocess.Popen)."""
+
+    def __reduce__(self):
+        return (subprocess.Popen, (["touch", str(self.marker)],))
+
+
+class RunsSetstate(RunsShell):
+    """An instance of a class of ours: unpickling it runs its __setstate__."""
+
+    def __reduce__(self):
+        return (RunsSetstate, (self.marker,), {"marker": str(self.marker)})
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["marker"]).touch()
+
+
+PAYLOADS = {  # what each payload makes torch name: its GLOBAL
+    "os.system": (RunsShell, "posix.system"),
+    "builtins.eval": (RunsEval, "eval"),
+    "subprocess.Popen": (RunsPopen, "commands.Popen"),  # pickle protocol 2 writes subprocess under its Python 2 name
+    "custom class": (RunsSetstate, f"{RunsSetstate.__module__}.RunsSetstate"),
+}
+
+def v0_dict(t: int = 4) -> dict:
+    return {"input_ids": torch.arange(t), "hidden_state": torch.zeros(t, K * H), "target": torch.zeros(t, H)}
+
+
+def specforge_dict(t: int = 4) -> dict:
+    aux, last = torch.zeros(1, t, K * H), torch.zeros(1, t, H)
+    return {"input_ids": torch.arange(t), "aux_hidden_state": aux, "hidden_state": last}
+
+
+# (format, file name, a valid sample of it, torch.save's keyword arguments)
+PICKLE_FILES = {
+    "legacy .pt": ("speculators-legacy-pt", "data_0.pt", legacy_dict, {}),
+    "legacy .pt, pre-1.6 serialization": (
+        "speculators-legacy-pt", "data_0.pt", legacy_dict, {"_use_new_zipfile_serialization": False}
+    ),
+    "v0 .pt": ("speculators-v0-pt", "data_0.pt", v0_dict, {}),
+    "specforge .ckpt": ("specforge-ckpt", "data_0.ckpt", specforge_dict, {}),
+    "specforge .ckpt.gz": ("specforge-ckpt", "data_0.ckpt.gz", specforge_dict, {}),
+}
+
+
+def needs_code(what: str) -> str:
+    return (
+        "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True): "
+        f"{what}; re-save it holding only tensors, lists and dicts"
+    )
+
+
+def save_sample(path: Path, d: dict, **kw) -> None:
+    buf = io.BytesIO()
+    torch.save(d, buf, **kw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(buf.getvalue()) if path.name.endswith(".gz") else buf.getvalue())
+
+
+def assert_refused(fn, path: Path, what: str) -> None:
+    with pytest.raises(SourceError) as info:
+        fn()
+    assert (info.value.path, info.value.problem) == (str(path), needs_code(what))
+    assert "False" not in str(info.value)  # never torch's advice to retry with weights_only=False
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+@pytest.mark.parametrize("kind", PICKLE_FILES)
+def test_code_carrying_pickles_are_refused_by_name_and_never_run(tmp_path: Path, kind: str, payload: str) -> None:
+    fmt_name, name, sample, save_kw = PICKLE_FILES[kind]
+    cls, global_name = PAYLOADS[payload]
+    marker = tmp_path / "ran"
+    root = tmp_path / "src"
+    d = sample()
+    d["meta"] = cls(marker)
+    save_sample(root / name, d, **save_kw)
+    f = FORMATS[fmt_name]
+    source = f.discover(root)[0]
+    what = f"it references {global_name}, a class or function that is not a tensor or plain container"
+    assert_refused(lambda: f.probe(source), source.path, what)
+    assert_refused(lambda: f.load(source), source.path, what)
+    if name.endswith(".pt"):  # telling legacy from v0 reads the file
+        assert_refused(lambda: detect_format(root), source.path, what)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_the_payloads_do_run_when_unpickled_unsafely(tmp_path: Path, payload: str) -> None:
+    """The test files above are real attacks: torch.load(weights_only=False) runs them."""
+    marker = tmp_path / "ran"
+    path = tmp_path / "data_0.pt"
+    torch.save({"meta": PAYLOADS[payload][0](marker)}, path)
+    loaded = torch.load(path, weights_only=False)["meta"]
+    if isinstance(loaded, subprocess.Popen):
+        loaded.wait()
+    assert marker.exists()
+
+
+def _unicode(s: str) -> bytes:
+    return b"X" + struct.pack("<I", len(s.encode())) + s.encode()  # BINUNICODE
+
+
+def save_with_pickle(path: Path, pkl: bytes) -> None:
+    """A torch.save zip whose data.pkl is ``pkl``: pickles torch.save would never write."""
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, pkl if info.filename.endswith("/data.pkl") else src.read(info))
+
+
+EVAL_SOURCE = "open('ran', 'w').close()"
+CRAFTED_PICKLES = {  # protocol-2 header, then opcodes torch's weights-only unpickler refuses
+    "STACK_GLOBAL eval": (b"\x80\x02" + _unicode("builtins") + _unicode("eval") + b"\x93" + _unicode(EVAL_SOURCE)
+                          + b"\x85R.", "it uses the pickle opcode STACK_GLOBAL, which imports a class or function"),
+    "INST eval": (b"\x80\x02(" + _unicode(EVAL_SOURCE) + b"ibuiltins\neval\n.",
+                  "it uses the pickle opcode INST, which imports a class or function and calls it"),
+    "OBJ": (b"\x80\x02(}o.", "it uses the pickle opcode OBJ, which builds an object of a class"),
+    "NEWOBJ_EX": (b"\x80\x02})}\x92.", "it uses the pickle opcode NEWOBJ_EX, which builds an object of a class"),
+    "REDUCE of a non-allowed callable": (b"\x80\x02ccollections\nOrderedDict\n)R)R.",
+                                         "it calls OrderedDict(), not one of torch's tensor builders"),
+    "NEWOBJ of a non-allowed class": (b"\x80\x02})\x81.", "it creates an object of {}"),
+    "BUILD of a non-allowed object": (b"\x80\x02K\x01}b.", "it sets the state of an object of <class 'int'>"),
+}
+
+
+@pytest.mark.parametrize("kind", CRAFTED_PICKLES)
+def test_crafted_pickles_are_refused_as_needing_code(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkl, what = CRAFTED_PICKLES[kind]
+    monkeypatch.chdir(tmp_path)  # where the eval payloads would write
+    root = tmp_path / "src"
+    root.mkdir()
+    save_with_pickle(root / "data_0.pt", pkl)
+    f = FORMATS["speculators-legacy-pt"]
+    assert_refused(lambda: f.load(f.discover(root)[0]), root / "data_0.pt", what)
+    assert_refused(lambda: detect_format(root), root / "data_0.pt", what)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_crafted_eval_pickles_do_run_when_unpickled_unsafely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    for kind in ("STACK_GLOBAL eval", "INST eval"):
+        pickle.loads(CRAFTED_PICKLES[kind][0])
+        assert (tmp_path / "ran").exists()
+        (tmp_path / "ran").unlink()
+
+
+def test_pickle_protocol_4_is_named_not_called_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "p4"
+    root.mkdir()
+    torch.save(legacy_dict(), root / "data_0.pt", pickle_protocol=4)
+    f = FORMATS["speculators-legacy-pt"]
+    with pytest.warns(UserWarning, match="Detected pickle protocol 4"), pytest.raises(SourceError) as info:
+        f.load(f.discover(root)[0])
+    assert info.value.problem == (
+        "its pickle uses the opcode FRAME of pickle protocol 4, which torch's weights-only loader cannot read; "
+        "re-save it with torch.save's default pickle protocol (2)"
+    )
+
+
+def touch_all(root: Path, *relpaths: str) -> None:
+    """Empty files: discovery reads names only."""
+    for rel in relpaths:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"")
+
+
+def records(found) -> list[dict[str, str]]:
+    return [s.record() for s in found.skipped]
+
+
+def expect_scan(f, root: Path, files: list[str], skipped: list[tuple[str, str]]) -> None:
+    """scan(skip_bad=True) finds exactly these files and skips exactly these entries; discover() raises the first."""
+    found = f.scan(root, skip_bad=True)
+    assert [s.relpath for s in found.files] == files
+    assert records(found) == [{"path": rel, "problem": problem} for rel, problem in skipped]
+    assert [s.path for s in found.skipped] == [root.absolute() / rel for rel, _ in skipped]
+    with pytest.raises(SourceError) as info:
+        f.discover(root)
+    assert (info.value.path, info.value.problem) == (str(root.absolute() / skipped[0][0]), skipped[0][1])
+
+
+MISNAMED = "has a sample file's extension but its name does not match "
+
+
+def test_misnamed_sample_files_are_errors_or_skips(tmp_path: Path) -> None:
+    root = tmp_path / "pt"
+    touch_all(root, "data_0.pt", "rows_0-2/data_3.pt", "notes.pt", "data_x.pt", "rows_0-2/data_3.pt.tmp", "x.ckpt")
+    expect_scan(FORMATS["speculators-legacy-pt"], root, ["data_0.pt", "rows_0-2/data_3.pt"],
+                [("data_x.pt", MISNAMED + "data_{i}.pt"), ("notes.pt", MISNAMED + "data_{i}.pt")])
+    root = tmp_path / "ckpt"
+    touch_all(root, "data_0.ckpt", "data_1.ckpt.gz", "model.ckpt", "data_2.ckpt.bak", "data_y.ckpt.gz", "notes.pt")
+    expect_scan(FORMATS["specforge-ckpt"], root, ["data_0.ckpt", "data_1.ckpt.gz"],
+                [("data_y.ckpt.gz", MISNAMED + "data_{i}.ckpt or data_{i}.ckpt.gz"),
+                 ("model.ckpt", MISNAMED + "data_{i}.ckpt or data_{i}.ckpt.gz")])
+    root, _ = _st_root(tmp_path)
+    touch_all(root, "hidden_states/0000/hs_x.safetensors", "model.safetensors")  # the latter: not in hidden_states/
+    expect_scan(FORMATS["speculators-safetensors"], root,
+                ["hidden_states/hs_0.safetensors", "hidden_states/hs_1.safetensors", "hidden_states/hs_2.safetensors"],
+                [("hidden_states/0000/hs_x.safetensors", MISNAMED + "hs_{i}.safetensors")])
+
+
+def test_links_that_cannot_be_followed_are_errors_or_skips(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch_all(root, "data_0.pt")
+    os.symlink("loop.pt", root / "loop.pt")
+    os.symlink("missing.pt", root / "data_1.pt")
+    os.symlink("rows_a", root / "rows_b")  # folders that lead to each other
+    os.symlink("rows_b", root / "rows_a")
+    os.symlink(tmp_path / "gone", root / "rows_c")  # a folder that went away
+    touch_all(root, "docs/readme.txt")
+    os.symlink("nowhere.txt", root / "docs" / "link.txt")  # any name: a broken link may have been a folder
+    expect_scan(FORMATS["speculators-legacy-pt"], root, ["data_0.pt"], [
+        ("data_1.pt", "is a broken symbolic link: its target missing.pt does not exist"),
+        ("docs/link.txt", "is a broken symbolic link: its target nowhere.txt does not exist"),
+        ("loop.pt", "is a symbolic link that loops: not followed"),
+        ("rows_a", "is a symbolic link that loops: not followed"),
+        ("rows_b", "is a symbolic link that loops: not followed"),
+        ("rows_c", f"is a broken symbolic link: its target {tmp_path / 'gone'} does not exist"),
+    ])
+
+
+def test_a_pipe_named_like_a_sample_is_never_opened(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch_all(root, "data_0.pt")
+    os.mkfifo(root / "data_1.pt")  # opening it would wait for a writer forever
+    os.symlink("data_1.pt", root / "data_2.pt")
+    expect_scan(FORMATS["speculators-legacy-pt"], root, ["data_0.pt"], [
+        ("data_1.pt", "is not a regular file (a pipe, socket or device)"),
+        ("data_2.pt", f"is a symbolic link to {os.path.realpath(root / 'data_1.pt')}, which is not a regular file"),
+    ])
+
+
+def test_links_out_of_the_source_are_not_followed(tmp_path: Path) -> None:
+    """A link to the parent folder used to pull a sibling run's samples into the conversion."""
+    family = tmp_path / "family"
+    for run in ("run1", "run2"):
+        write_synthetic(family / run, "speculators-legacy-pt", 2, H, K, lengths=LENGTHS, seed=1)
+    run1 = family / "run1"
+    os.symlink("..", run1 / "up")
+    os.symlink("../run2/data_0.pt", run1 / "data_7.pt")
+    real = os.path.realpath(family)
+    expect_scan(FORMATS["speculators-legacy-pt"], run1, ["data_0.pt", "data_1.pt"], [
+        ("data_7.pt", f"is a symbolic link to {real}/run2/data_0.pt, outside {run1}: not followed"),
+        ("up", f"is a symbolic link to the folder {real}, outside {run1}: not followed"),
+    ])
+    assert detect_format(run1) is FORMATS["speculators-legacy-pt"]  # detection reads the samples, not the links
+
+
+def test_links_inside_the_source_are_read_once(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    write_synthetic(root, "speculators-legacy-pt", 3, H, K, lengths=LENGTHS, seed=1, layout="rows", rows_per_folder=2)
+    (root / "blobs").mkdir()
+    (root / "rows_2-4" / "data_2.pt").rename(root / "blobs" / "sample.bin")
+    os.symlink("../blobs/sample.bin", root / "rows_2-4" / "data_2.pt")  # a sample whose data lies elsewhere in SRC
+    os.symlink("rows_0-2", root / "alias")  # a second way into a folder that is walked anyway
+    os.symlink(".", root / "itself")
+    os.symlink("rows_0-2/data_1.pt", root / "data_5.pt")  # the same file as sample 1
+    f = FORMATS["speculators-legacy-pt"]
+    expect_scan(f, root, ["rows_0-2/data_0.pt", "rows_0-2/data_1.pt", "rows_2-4/data_2.pt"],
+                [("data_5.pt", "is a symbolic link to rows_0-2/data_1.pt, already a sample file")])
+    (root / "data_5.pt").unlink()
+    found = f.discover(root)
+    assert [s.relpath for s in found] == ["rows_0-2/data_0.pt", "rows_0-2/data_1.pt", "rows_2-4/data_2.pt"]
+    check_sample(f.load(found[2]), "speculators-legacy-pt", root / "blobs" / "sample.bin", 2)
+    os.symlink(root, tmp_path / "src-link")  # the root itself through a link: nothing in it is "outside"
+    assert [s.relpath for s in f.discover(tmp_path / "src-link")] == [s.relpath for s in found]
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder the unprivileged user can enter (pytest's tmp_path lies in a folder only its owner may enter)."""
+    base = Path(tempfile.mkdtemp(prefix="h5feed-test-"))
+    base.chmod(0o755)
+    yield base
+    for folder, subfolders, _ in os.walk(base):  # top-down: each folder is opened up before it is entered
+        for name in subfolders:
+            os.chmod(os.path.join(folder, name), 0o755)
+    shutil.rmtree(base)
+
+
+# Root reads a chmod 000 folder regardless, so a child run as root becomes 'nobody' before it
+# looks: after its imports, as the interpreter's own files may lie where 'nobody' cannot go.
+BECOME_NOBODY = """
+import os, pwd
+if os.geteuid() == 0:
+    nobody = pwd.getpwnam("nobody")
+    os.setgroups([])
+    os.setgid(nobody.pw_gid)
+    os.setuid(nobody.pw_uid)
+"""
+
+
+def run_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run python ``code`` in a child that file permissions bind (see BECOME_NOBODY)."""
+    code = code.replace("# BECOME_NOBODY", BECOME_NOBODY)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": str(cwd)}
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_an_unreadable_folder_is_an_error_or_a_skip(shared_tmp: Path) -> None:
+    """A real chmod 000 folder, read by a real unprivileged process."""
+    src = shared_tmp / "src"
+    write_synthetic(src, "speculators-legacy-pt", 4, H, K, lengths=LENGTHS, seed=1, layout="rows", rows_per_folder=2)
+    out = shared_tmp / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    locked = src / "rows_2-4"
+    locked.chmod(0o000)
+    problem = "folder cannot be read (Permission denied): the files in it were not searched"
+    code = f"""
+import json, os
+from h5feed.errors import SourceError
+from h5feed.formats import FORMATS, detect_format
+# BECOME_NOBODY
+f = FORMATS["speculators-legacy-pt"]
+result = {{"uid": os.geteuid(), "can_list": os.access({str(locked)!r}, os.R_OK)}}
+try:
+    f.discover({str(src)!r})
+except SourceError as exc:
+    result["error"] = [exc.path, exc.problem]
+found = f.scan({str(src)!r}, skip_bad=True)
+result["files"] = [s.relpath for s in found.files]
+result["skipped"] = [s.record() for s in found.skipped]
+result["detected"] = detect_format({str(src)!r}).name
+try:
+    f.scan({str(locked)!r}, skip_bad=True)  # the root itself: nothing to skip to
+except SourceError as exc:
+    result["root_error"] = [exc.path, exc.problem]
+print(json.dumps(result))
+"""
+    r = run_unprivileged(code, cwd=out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result.pop("uid") != 0
+    assert result == {
+        "can_list": False,
+        "error": [str(locked), problem],
+        "files": ["rows_0-2/data_0.pt", "rows_0-2/data_1.pt"],
+        "skipped": [{"path": "rows_2-4", "problem": problem}],
+        "detected": "speculators-legacy-pt",
+        "root_error": [str(locked), "cannot be read (Permission denied)"],
+    }
+    code = f"""
+import sys
+from h5feed.cli import main
+# BECOME_NOBODY
+sys.exit(main(["-q", "convert", {str(src)!r}, {str(out / "store")!r}, "--workers", "0"]))
+"""
+    r = run_unprivileged(code, cwd=out)
+    assert r.returncode == 1, r.stderr
+    assert f"h5feed convert: error: {locked}: {problem}" in r.stderr
+    assert not (out / "store").exists()
+
+
+JUNK = np.random.default_rng(0).bytes(4096)
+
+
+def test_detection_with_skip_bad_passes_over_junk_and_says_when_all_is_junk(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    files = write_synthetic(root, "speculators-v0-pt", 10, H, K, lengths=LENGTHS, seed=1)
+    for p in files[:9]:
+        p.write_bytes(JUNK)
+    os.symlink("missing.pt", root / "data_10.pt")
+    corrupt = "not a readable torch.save file (truncated or corrupt): UnpicklingError: Unsupported operand 95"
+    with pytest.raises(SourceError) as info:
+        detect_format(root)  # without skip_bad the first bad file stops it, as it would stop the conversion
+    assert (info.value.path, info.value.problem) == (str(files[0].absolute()), corrupt)
+    assert detect_format(root, skip_bad=True) is FORMATS["speculators-v0-pt"]  # the tenth file is good
+    files[9].write_bytes(JUNK)
+    with pytest.raises(SourceError) as info:
+        detect_format(root, skip_bad=True)
+    assert (info.value.path, info.value.problem) == (str(root), (
+        "no readable sample files: 11 skipped, first problems: "
+        f"data_0.pt: {corrupt}; data_1.pt: {corrupt}; data_10.pt: is a broken symbolic link: its target missing.pt "
+        "does not exist"))
+
+
+def test_nothing_but_unusable_entries(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    os.symlink("missing.ckpt", root / "data_0.ckpt")
+    touch_all(root, "notes.pt")
+    broken = "is a broken symbolic link: its target missing.ckpt does not exist"
+    for find in (detect_format, FORMATS["specforge-ckpt"].discover):
+        with pytest.raises(SourceError) as info:
+            find(root)
+        assert (info.value.path, info.value.problem) == (str(root.absolute() / "data_0.ckpt"), broken)
+    everything = f"data_0.ckpt: {broken}; notes.pt: {MISNAMED}data_{{i}}.pt"
+    with pytest.raises(SourceError) as info:
+        detect_format(root, skip_bad=True)
+    assert (info.value.path, info.value.problem) == (
+        str(root), f"no readable sample files: 2 skipped, first problems: {everything}")
+    with pytest.raises(SourceError) as info:
+        FORMATS["specforge-ckpt"].scan(root, skip_bad=True)
+    assert (info.value.path, info.value.problem) == (
+        str(root), f"no readable sample files: 1 skipped, first problems: data_0.ckpt: {broken}")
