@@ -122,8 +122,11 @@ def convert(
         raise ValueError(f"shard_tokens must be a multiple of chunk_tokens ({chunk_tokens}), not {shard_tokens}")
     chunk_codec(codec)  # validates the name before anything is written
     format = format or (None if overwrite else _planned_format(dst_path))  # a resume reads what the plan read
-    fmt = FORMATS[format] if format else detect_format(src_path)  # type: ignore[index]
-    sources = fmt.discover(src_path)
+    fmt = FORMATS[format] if format else detect_format(src_path, skip_bad)  # type: ignore[index]
+    found = fmt.scan(src_path, skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
+    for entry in found.skipped:
+        log.warning("skipping %s: %s", entry.path, entry.problem)
+    sources = found.files
     options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}
     if dst_path.exists() and not overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
@@ -131,8 +134,8 @@ def convert(
     created = not dst_path.exists()
     try:
         with WriterLock.acquire(dst_path) as lock:
-            return _convert(src_path, dst_path, fmt, sources, options, workers, skip_bad, overwrite, progress,
-                            durable, lock)
+            return _convert(src_path, dst_path, fmt, sources, [e.record() for e in found.skipped], options, workers,
+                            skip_bad, overwrite, progress, durable, lock)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst, "disk full: free space and run the same command to resume") from exc
@@ -148,6 +151,7 @@ def _convert(
     dst_path: Path,
     fmt: SourceFormat,
     sources: list[SourceFile],
+    unreadable: list[dict[str, str]],
     options: dict[str, Any],
     workers: int,
     skip_bad: bool,
@@ -173,7 +177,7 @@ def _convert(
             plan = _read_plan(dst_path, sources, options, skip_bad)
             _remove_partial_writes(dst_path)
         else:
-            plan = _make_plan(pool, fmt, sources, options, src_path, dst_path, skip_bad, progress, durable)
+            plan = _make_plan(pool, fmt, sources, unreadable, options, src_path, dst_path, skip_bad, progress, durable)
         samples = [_PlannedSample(**s) for s in plan["samples"]]
         done = _read_journal(dst_path)
         pending = [i for i in range(len(samples)) if i not in done]
@@ -236,6 +240,7 @@ def _make_plan(
     pool: Executor,
     fmt: SourceFormat,
     sources: list[SourceFile],
+    unreadable: list[dict[str, str]],
     options: dict[str, Any],
     src_root: Path,
     dst: Path,
@@ -245,7 +250,7 @@ def _make_plan(
 ) -> dict[str, Any]:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
     shapes: list[tuple[SourceFile, SampleShape]] = []
-    skipped: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = list(unreadable)
     reference: SampleShape | None = None
     results = pool.map(_probe_one, [fmt.name] * len(sources), sources, chunksize=16)
     for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):

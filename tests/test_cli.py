@@ -285,10 +285,8 @@ def test_an_entry_discovery_cannot_use_stops_a_conversion_and_is_named(tmp_path,
     assert not dst.exists()
 
 
-WIRING = "convert.py must take skip_bad to detect_format() and record fmt.scan(src, skip_bad).skipped in the plan"
 
 
-@pytest.mark.xfail(strict=True, reason=WIRING)
 @pytest.mark.parametrize("kind", UNUSABLE)
 def test_skip_bad_records_an_entry_discovery_cannot_use(tmp_path, cli, kind):
     src, relpath, problem = make_source_with(tmp_path, kind)
@@ -303,7 +301,6 @@ def test_skip_bad_records_an_entry_discovery_cannot_use(tmp_path, cli, kind):
     assert describe_store(dst)["skipped"] == [{"path": relpath, "problem": problem}]
 
 
-@pytest.mark.xfail(strict=True, reason=WIRING)
 def test_skip_bad_with_nothing_readable_and_no_format_given(tmp_path, cli):
     src, dst = tmp_path / "src", tmp_path / "store"
     for path in make_source(src, lengths=[4, 5]):
