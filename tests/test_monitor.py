@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 import h5feed
 from h5feed.cli import main as cli_main
 from h5feed.metrics import LoaderCounters
-from h5feed.monitor import classify, format_line, format_workers
+from h5feed.observe.renderer import format_line, format_workers
+from h5feed.observe.watchdog import classify
 
 REPO = Path(__file__).resolve().parents[1]
 STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
