@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from h5feed.metrics import LoaderCounters, LoaderSnapshot, WorkerSnapshot
-from h5feed.observe.renderer import Record, format_line, loader_figures, num, step_figures, worker_rows
+from h5feed.observe.renderer import Record, format_line, label, loader_figures, num, step_figures, worker_rows
 from h5feed.observe.timers import GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
     RECENT_S,
@@ -52,6 +53,13 @@ JSONL_PREFIX = "h5feed-monitor"
 T = TypeVar("T")
 
 
+def distributed_rank() -> tuple[int, int]:
+    """(rank, world size) of this process: torch.distributed's once initialised, else torchrun's environment."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def monitor(
     loader: Iterable[T],
     *,
@@ -66,7 +74,10 @@ def monitor(
 
     Args:
         every: seconds between report lines (and JSON-lines records).
-        log_dir: folder for the JSON-lines file (`h5feed-monitor-{name}.jsonl`) and TensorBoard events.
+        log_dir: folder for the JSON-lines file and TensorBoard events.  The file is
+            `h5feed-monitor-{name}.jsonl`, or `h5feed-monitor-{name}-rank{rank}.jsonl` in a run of several
+            ranks (torch.distributed, or torchrun's RANK and WORLD_SIZE), so ranks can share the folder and
+            `h5feed watch` shows them side by side.
         jsonl: the JSON-lines file, if not the default one in `log_dir`; None and no log_dir: no file.
         stall_after: seconds the trainer may wait for a batch, or all workers go without progress,
             before a stall report.
@@ -144,6 +155,8 @@ class Monitor(Generic[T]):
             raise ValueError("every and stall_after must be positive numbers of seconds")
         self.loader = loader
         self.every, self.stall_after, self.name = every, stall_after, name
+        self.rank, self.world_size = distributed_rank()
+        self._label = label(name, self.rank, self.world_size)
         self.dataset = getattr(loader, "dataset", None)
         counters = getattr(self.dataset, "counters", None)
         self.counters = counters if isinstance(counters, LoaderCounters) else None
@@ -152,7 +165,8 @@ class Monitor(Generic[T]):
         if jsonl is not None:
             self.jsonl_path: Path | None = Path(jsonl)
         else:
-            self.jsonl_path = log_path / f"{JSONL_PREFIX}-{name}.jsonl" if log_path is not None else None
+            suffix = f"-rank{self.rank}" if self.world_size > 1 else ""
+            self.jsonl_path = log_path / f"{JSONL_PREFIX}-{name}{suffix}.jsonl" if log_path is not None else None
         self._tb = _tensorboard_writer(tensorboard, log_path)
         self._batch_size = getattr(loader, "batch_size", None) or 1
         self._lock = threading.Lock()
@@ -207,7 +221,7 @@ class Monitor(Generic[T]):
         if self._batches == 1:
             self._first_batch_s = t_got - self._t0
             self._emit({"kind": "first_batch", "first_batch(s)": self._first_batch_s, "batch_bytes": nbytes},
-                       f"h5feed[{self.name}] first batch after {self._first_batch_s:.2f} s ({nbytes / 1e6:.1f} MB)")
+                       f"{self._label} first batch after {self._first_batch_s:.2f} s ({nbytes / 1e6:.1f} MB)")
 
     def _asked(self, t_call: float) -> None:
         gpu_steps = []
@@ -234,7 +248,8 @@ class Monitor(Generic[T]):
         self._start = _Report(self._t0, StepTotals(), self.counters.snapshot() if self.counters is not None else None)
         what = self._describe()
         self._emit({"kind": "start", "every(s)": self.every, "stall_after(s)": self.stall_after, "what": what,
-                    "pid": os.getpid()}, f"h5feed[{self.name}] iterating {what}; waiting for the first batch")
+                    "pid": os.getpid(), "host": socket.gethostname()},
+                   f"{self._label} iterating {what}; waiting for the first batch")
         self._thread = threading.Thread(target=self._watch, name=f"h5feed-monitor-{self.name}", daemon=True)
         self._thread.start()
 
@@ -308,7 +323,7 @@ class Monitor(Generic[T]):
                     last = _Report(now, self._totals_copy(), snap)
             except Exception:  # a broken report must never stop the training, nor flood its log
                 if not failed:
-                    log.exception("h5feed[%s] monitor thread (reported once)", self.name)
+                    log.exception("%s monitor thread (reported once)", self._label)
                 failed = True
 
     def _totals_copy(self) -> StepTotals:
@@ -320,7 +335,7 @@ class Monitor(Generic[T]):
                    for w in snap.workers if w.current_sample is not None]
         doing = "; reading " + ", ".join(reading) if reading else ""
         self._emit({"kind": "workers_started", "workers": len(snap.workers), "after(s)": now - self._t0},
-                   f"h5feed[{self.name}] loader started after {now - self._t0:.1f} s: {len(snap.workers)} "
+                   f"{self._label} loader started after {now - self._t0:.1f} s: {len(snap.workers)} "
                    f"worker(s) up{doing}")
 
     def _path_of(self, index: int | None) -> str | None:
@@ -338,6 +353,8 @@ class Monitor(Generic[T]):
         rec: Record = {
             "kind": kind,
             "name": self.name,
+            "rank": self.rank,
+            "world_size": self.world_size,
             "time": time.time(),
             "step": batches,
             "elapsed(s)": now - self._t0,
@@ -370,7 +387,7 @@ class Monitor(Generic[T]):
             row["state"], row["cpu_s"] = process_state(row["pid"])
         text = verdict_text(verdict, wait, min(quiet) if quiet else None, self._batches,
                              loader_figures(rows) if recent is not None else None)
-        lines = [f"h5feed[{self.name}] STALL: {text}", *(worker_sentence(r) for r in rows)]
+        lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
         if snap is not None and not rows:
             lines.append("  no worker has started: a worker still starting (spawn imports take seconds) or one that died")
         self._emit({"kind": "stall", "verdict": verdict, "message": text, "step": self._batches, "waiting(s)": wait,
@@ -389,7 +406,8 @@ class Monitor(Generic[T]):
         _say(level, line)
         if self.jsonl_path is None:
             return
-        rec = {"kind": rec["kind"], "name": self.name, "time": time.time()} | rec
+        rec = {"kind": rec["kind"], "name": self.name, "time": time.time(), "rank": self.rank,
+               "world_size": self.world_size} | rec
         with self._write_lock:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.jsonl_path, "a") as f:
@@ -399,17 +417,18 @@ class Monitor(Generic[T]):
         if self._tb is None or not rec["steps"]:
             return
         step = rec["step"]
+        prefix = self.name if self.world_size == 1 else f"{self.name}/rank{self.rank}"
         names = {"time_metrics/data_loading(s)": "data_loading(s)", "time_metrics/data_loading(%)": "data_loading(%)",
                  "time_metrics/step_time(s)": "step_time(s)", "time_metrics/gpu_idle(%)": "gpu_idle(%)",
                  "throughput(steps/s)": "throughput(steps/s)", "throughput(samples/s)": "throughput(samples/s)"}
         for tag, key in names.items():
             if rec[key] is not None:
-                self._tb.add_scalar(f"{self.name}/{tag}", rec[key], step)
+                self._tb.add_scalar(f"{prefix}/{tag}", rec[key], step)
         if rec["loader"] is not None:
             for key in ("samples_per_s", "read_GBps", "decoded_GBps", "queue_depth"):
                 if rec["loader"][key] is not None:
-                    self._tb.add_scalar(f"{self.name}/loader/{key}", rec["loader"][key], step)
+                    self._tb.add_scalar(f"{prefix}/loader/{key}", rec["loader"][key], step)
             for row in rec["workers"]:
                 if row["samples_per_s"] is not None:
-                    self._tb.add_scalar(f"{self.name}/loader/worker{row['worker']}/samples_per_s", row["samples_per_s"], step)
+                    self._tb.add_scalar(f"{prefix}/loader/worker{row['worker']}/samples_per_s", row["samples_per_s"], step)
 

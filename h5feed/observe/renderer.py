@@ -75,9 +75,14 @@ def num(value: float | None, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def label(name: str, rank: int, world_size: int) -> str:
+    """How a monitor's lines begin: `h5feed[train]`, or `h5feed[train rank 1/2]` in a run of several ranks."""
+    return f"h5feed[{name}]" if world_size == 1 else f"h5feed[{name} rank {rank}/{world_size}]"
+
+
 def format_line(rec: Record) -> str:
     """The one-line report shared by the log, `h5feed watch` and the tests."""
-    head = f"h5feed[{rec['name']}]"
+    head = label(rec["name"], rec.get("rank", 0), rec.get("world_size", 1))
     waiting = rec.get("waiting(s)")
     loader = rec.get("loader")
     if rec["step"] == 0:
@@ -107,19 +112,27 @@ def format_line(rec: Record) -> str:
     return line
 
 
-_TABLE = [  # (heading, key, format)
+Column = tuple[str, str, str]  # heading, record key, format spec
+
+_WORKER_COLUMNS: list[Column] = [
     ("worker", "worker", "d"), ("pid", "pid", "d"), ("samples", "samples", "d"), ("samples/s", "samples_per_s", ".2f"),
     ("read MB/s", "read_MBps", ".1f"), ("queue", "queue_depth", "d"), ("sample", "sample", "d"),
     ("for s", "sample_s", ".1f"), ("MB so far", "sample_MB", ".1f"), ("no progress s", "since_progress_s", ".1f"),
 ]
 
 
-def format_workers(rows: list[Record]) -> list[str]:
-    """Per-worker rows as an aligned table (the sample's source path last)."""
+def format_table(columns: list[Column], rows: list[Record], last: tuple[str, str]) -> list[str]:
+    """Rows as right-aligned columns ("-" for None), then the `last` (heading, key) column left-aligned."""
     if not rows:
         return []
-    cells = [[h for h, _, _ in _TABLE] + ["path"]]
-    cells += [[num(r[key], spec) if r[key] is not None else "-" for _, key, spec in _TABLE] + [r["path"] or "-"]
+    cells = [[h for h, _, _ in columns] + [last[0]]]
+    cells += [[num(r[key], spec) if r[key] is not None else "-" for _, key, spec in columns] + [r[last[1]] or "-"]
               for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_TABLE))]
-    return ["  ".join(c[i].rjust(widths[i]) for i in range(len(_TABLE))) + "  " + c[-1] for c in cells]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return ["  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) + "  " + c[-1] for c in cells]
+
+
+def format_workers(rows: list[Record]) -> list[str]:
+    """Per-worker rows as an aligned table (the sample's source path last; the rank first if rows have one)."""
+    ranked = any("rank" in r for r in rows)
+    return format_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("path", "path"))
