@@ -7,7 +7,8 @@ all-reduce, so equal step counts are also checked by the subprocess ending withi
 
 Three launches: 2 ranks (two shuffled epochs through DataLoader workers, one rank slowed on
 purpose and both monitored; a padded epoch; an epoch stopped and its state saved after 3 steps),
-3 ranks (resume that state; save another after 2 steps), 2 ranks (resume that one).
+3 ranks (resume that state; save another after 2 steps), 2 ranks (resume that one).  Last, a
+smoke run of bench/train_multi_gpu.py with 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import h5feed
+from h5feed import HiddenStatesStream, StreamLoader
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 7
@@ -49,14 +57,6 @@ class Delay:
 
 
 def rank_main(argv: list[str]) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    import h5feed
-    from h5feed import HiddenStatesStream, StreamLoader
-
     p = argparse.ArgumentParser()
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -262,6 +262,36 @@ def test_monitor_writes_a_file_per_rank_and_watch_names_the_slow_rank(launches):
     assert f"slowest rank: rank {SLOW_RANK} waits {ends[SLOW_RANK]['data_loading(s)']:.3f} s per step" in done.stdout
     worker_rows = [line.split()[:2] for line in lines if line.split()[:1] in (["0"], ["1"])][2:]
     assert worker_rows == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]  # a row per rank and worker
+
+
+
+def test_multi_gpu_bench_smoke(tmp_path):
+    """bench/train_multi_gpu.py end to end with 2 gloo ranks at tiny shapes: both loaders, every figure there."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "bench" / "train_multi_gpu.py"), "--gpus", "2", "--make-data", "4",
+           "--hidden-size", "16", "--tokens", "20:30", "--max-len", "32", "--workers", "1", "--convert-workers", "0",
+           "--data-dir", str(tmp_path / "data"), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((out / "train_multi_gpu.json").read_text())
+    assert result["config"]["backend"] == "gloo" and [r["loader"] for r in result["runs"]] == ["h5feed", "baseline"]
+    store = h5feed.Store(result["config"]["store"])
+    decoded = {}
+    for run in result["runs"]:
+        assert [(r["rank"], r["world_size"], r["samples"], r["steps"]) for r in run["ranks"]] == [(0, 2, 2, 1),
+                                                                                                  (1, 2, 2, 1)]
+        for r in run["ranks"]:
+            assert r["data_loading_pct"] is not None and r["gpu_idle_pct"] is None and r["loader_cpu_s"] > 0
+        decoded[run["loader"]] = [r["decoded_bytes"] for r in run["ranks"]]
+        assert run["total"]["samples_per_s"] == pytest.approx(sum(r["samples_per_s"] for r in run["ranks"]))
+        assert [m["filesystem"] for m in run["machines"]] == [result["runs"][0]["machines"][0]["filesystem"]]
+        assert sorted(p.name for p in (out / run["loader"]).glob("*.jsonl")) == [
+            f"h5feed-monitor-{run['loader']}-rank0.jsonl", f"h5feed-monitor-{run['loader']}-rank1.jsonl"]
+    # every token is read (max_len 32 > 30): both loaders decode each rank's samples in full
+    assert decoded["h5feed"] == decoded["baseline"]
+    assert sum(decoded["h5feed"]) == int(store.sample_lengths.sum()) * store.token_nbytes
+    assert [line.split()[:2] for line in done.stdout.splitlines()[2:8]] == [
+        [loader, rank] for loader in ("h5feed", "baseline") for rank in ("0", "1", "all")]
 
 
 if __name__ == "__main__":  # a rank under torchrun
