@@ -4,7 +4,7 @@ from h5feed.convert import ConvertReport, convert
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
-from h5feed.monitor import Monitor, monitor
+from h5feed.observe import Monitor, monitor
 from h5feed.store import RawSample, Store
 from h5feed.verify import describe_store, verify_store
 

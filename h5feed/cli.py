@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from h5feed.bench import add_bench_parser
 from h5feed.errors import H5feedError
-from h5feed.monitor import add_watch_parser
+from h5feed.observe.watch import add_watch_parser
 
 log = logging.getLogger("h5feed")
 

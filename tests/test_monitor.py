@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 import h5feed
 from h5feed.cli import main as cli_main
 from h5feed.metrics import LoaderCounters
-from h5feed.monitor import classify, format_line, format_workers
+from h5feed.observe.renderer import format_line, format_workers
+from h5feed.observe.watchdog import classify
 
 REPO = Path(__file__).resolve().parents[1]
 STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
@@ -136,6 +137,32 @@ def test_jsonl_log_and_watch_show_the_same_figures(tmp_path, caplog, capsys, sma
     frame = capsys.readouterr().out
     assert "finished" in frame and format_line(end) in frame
     assert all(row in frame for row in format_workers(end["workers"]))
+
+
+def test_one_file_per_rank_and_watch_names_the_slowest_rank(tmp_path, capsys, monkeypatch):
+    """Under torchrun (RANK, WORLD_SIZE set) each rank writes its own file; watch shows every rank and names
+    the one that waits longest for data.  (tests/test_distributed.py does the same with real ranks.)"""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, delay in ((0, 0.0), (1, 0.05)):
+        monkeypatch.setenv("RANK", str(rank))
+        monitored = h5feed.monitor(DataLoader(SlowDataset(6, delay)), every=10.0, log_dir=tmp_path, name="ddp")
+        assert monitored.jsonl_path == tmp_path / f"h5feed-monitor-ddp-rank{rank}.jsonl"
+        for _ in monitored:
+            pass
+    ends = {rank: records(tmp_path / f"h5feed-monitor-ddp-rank{rank}.jsonl")[-1] for rank in (0, 1)}
+    assert [(e["kind"], e["rank"], e["world_size"], e["steps"]) for e in ends.values()] == [("end", 0, 2, 5),
+                                                                                          ("end", 1, 2, 5)]
+    assert format_line(ends[1]).startswith("h5feed[ddp rank 1/2] step 6 |")
+
+    assert cli_main(["watch", str(tmp_path), "--once"]) == 0
+    frame = capsys.readouterr().out
+    assert frame.startswith(f"== ddp  {tmp_path}  (2 of 2 ranks;") and frame.count("== ") == 1
+    table = frame.splitlines()[2:5]
+    assert table[0].split()[:4] == ["rank", "host", "pid", "step"]
+    assert [line.split()[0] for line in table[1:]] == ["0", "1"] and all("finished" in line for line in table[1:])
+    assert f"slowest rank: rank 1 waits {ends[1]['data_loading(s)']:.3f} s per step" in frame
+    workers = [{"rank": rank, **w} for rank, end in ends.items() for w in end["workers"]]
+    assert all(row in frame for row in format_workers(workers)) and len(workers) == 2
 
 
 def test_stall_verdicts():

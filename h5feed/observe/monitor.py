@@ -1,0 +1,434 @@
+"""Where each training step's time goes, live: data wait, GPU idle, loader throughput, and stall reports.
+
+Why: a trainer whose GPU waits on its input says nothing, and people fall back
+on `nvidia-smi`, `ps` and `strace` to guess whether it computes, loads or hangs.
+`monitor(loader)` wraps the loader the trainer iterates and measures, per step,
+how long `next()` blocked (torchtitan's `data_loading(s)` and `data_loading(%)`)
+and, with CUDA, how long the GPU had no work meanwhile (the stream's `query()` at
+each `next()` call, and CUDA events where the CPU runs ahead of the GPU, read once
+complete: nothing waits on the GPU in the hot path).  A thread adds the workers' shared counters
+(`h5feed.metrics`) and writes a line every `every` seconds, a JSON-lines record
+for `h5feed watch`, TensorBoard scalars if asked, and a stall report that says
+what every worker is doing when the trainer or the workers stop moving.
+
+A step is the time between two successive `next()` calls; the first batch,
+which includes worker start-up, is reported on its own and left out of the step
+figures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import torch
+
+from h5feed.metrics import LoaderCounters, LoaderSnapshot, WorkerSnapshot
+from h5feed.observe.renderer import Record, format_line, label, loader_figures, num, step_figures, worker_rows
+from h5feed.observe.timers import GpuTimer, StepTotals
+from h5feed.observe.watchdog import (
+    RECENT_S,
+    Verdict,
+    classify,
+    process_state,
+    verdict_text,
+    worker_sentence,
+)
+from h5feed.store import Store
+
+log = logging.getLogger(__name__)
+
+JSONL_PREFIX = "h5feed-monitor"
+
+T = TypeVar("T")
+
+
+def distributed_rank() -> tuple[int, int]:
+    """(rank, world size) of this process: torch.distributed's once initialised, else torchrun's environment."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def monitor(
+    loader: Iterable[T],
+    *,
+    every: float = 30.0,
+    log_dir: str | os.PathLike[str] | None = None,
+    jsonl: str | os.PathLike[str] | None = None,
+    stall_after: float = 60.0,
+    tensorboard: bool | Literal["auto"] = False,
+    name: str = "train",
+) -> Monitor[T]:
+    """Wrap `loader` so that iterating it reports where the time goes: `for batch in monitor(loader): ...`.
+
+    Args:
+        every: seconds between report lines (and JSON-lines records).
+        log_dir: folder for the JSON-lines file and TensorBoard events.  The file is
+            `h5feed-monitor-{name}.jsonl`, or `h5feed-monitor-{name}-rank{rank}.jsonl` in a run of several
+            ranks (torch.distributed, or torchrun's RANK and WORLD_SIZE), so ranks can share the folder and
+            `h5feed watch` shows them side by side.
+        jsonl: the JSON-lines file, if not the default one in `log_dir`; None and no log_dir: no file.
+        stall_after: seconds the trainer may wait for a batch, or all workers go without progress,
+            before a stall report.
+        tensorboard: True writes scalars to `log_dir` (tensorboard must be installed); "auto" does
+            when it is installed and `log_dir` is given.
+        name: tells several monitors apart in lines, files and scalars.
+    """
+    return Monitor(loader, every=every, log_dir=log_dir, jsonl=jsonl, stall_after=stall_after,
+                   tensorboard=tensorboard, name=name)
+
+
+@dataclass
+class _Report:
+    """Where a window starts: the time (perf_counter), the step sums and the loader counters then."""
+
+    time: float
+    totals: StepTotals
+    snap: LoaderSnapshot | None
+
+
+def _nbytes(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    if isinstance(batch, dict):
+        return sum(_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_nbytes(v) for v in batch)
+    return 0
+
+
+# --- the monitor --------------------------------------------------------------------------------
+
+
+def _say(level: int, line: str) -> None:
+    """Log the line; if the trainer configured no logging, still write it to stderr: that is the point of it."""
+    if log.hasHandlers():
+        if log.level == logging.NOTSET and log.getEffectiveLevel() > level:
+            log.setLevel(logging.INFO)  # an unconfigured level (WARNING) would drop the reports
+        log.log(level, line)
+    else:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
+def _tensorboard_writer(tensorboard: bool | Literal["auto"], log_dir: Path | None) -> Any:
+    if not tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if tensorboard == "auto":
+            return None
+        raise ImportError("h5feed.monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard") from None
+    if log_dir is None:
+        if tensorboard == "auto":
+            return None
+        raise ValueError("h5feed.monitor(tensorboard=True) needs log_dir")
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+class Monitor(Generic[T]):
+    """An iterable over `loader`'s batches that measures and reports each step (see `monitor`)."""
+
+    def __init__(
+        self,
+        loader: Iterable[T],
+        *,
+        every: float,
+        log_dir: str | os.PathLike[str] | None,
+        jsonl: str | os.PathLike[str] | None,
+        stall_after: float,
+        tensorboard: bool | Literal["auto"],
+        name: str,
+    ) -> None:
+        if every <= 0 or stall_after <= 0:
+            raise ValueError("every and stall_after must be positive numbers of seconds")
+        self.loader = loader
+        self.every, self.stall_after, self.name = every, stall_after, name
+        self.rank, self.world_size = distributed_rank()
+        self._label = label(name, self.rank, self.world_size)
+        self.dataset = getattr(loader, "dataset", None)
+        counters = getattr(self.dataset, "counters", None)
+        self.counters = counters if isinstance(counters, LoaderCounters) else None
+        self._store = getattr(self.dataset, "store", None)
+        log_path = Path(log_dir) if log_dir is not None else None
+        if jsonl is not None:
+            self.jsonl_path: Path | None = Path(jsonl)
+        else:
+            suffix = f"-rank{self.rank}" if self.world_size > 1 else ""
+            self.jsonl_path = log_path / f"{JSONL_PREFIX}-{name}{suffix}.jsonl" if log_path is not None else None
+        self._tb = _tensorboard_writer(tensorboard, log_path)
+        self._batch_size = getattr(loader, "batch_size", None) or 1
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._totals = StepTotals()
+        self._batches = 0
+        self._t0 = time.perf_counter()
+        self._first_batch_s: float | None = None
+        self._waiting_since: float | None = None
+        self._step_call: float | None = None  # when the trainer asked for the batch it now holds
+        self._open_wait = 0.0
+        self._open_bytes = 0
+        self._gpu: GpuTimer | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = _Report(self._t0, StepTotals(), None)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    # --- the hot path: clock reads, one lock; with CUDA a stream query (and two events if the CPU runs ahead)
+    def __iter__(self) -> Iterator[T]:
+        self._begin()
+        try:
+            t_call = self._t0
+            batches = iter(self.loader)  # starts the workers
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                self._got(t_call, time.perf_counter(), batch)
+                yield batch
+                t_call = time.perf_counter()
+                self._asked(t_call)
+        finally:
+            self._finish()
+
+    def _got(self, t_call: float, t_got: float, batch: Any) -> None:
+        if self._gpu is None and torch.cuda.is_initialized():
+            self._gpu = GpuTimer()
+        if self._gpu is not None:
+            self._gpu.handed_off()
+        nbytes = _nbytes(batch)
+        with self._lock:
+            self._waiting_since = None
+            self._batches += 1
+            self._open_wait, self._open_bytes = t_got - t_call, nbytes
+        if self._batches == 1:
+            self._first_batch_s = t_got - self._t0
+            self._emit({"kind": "first_batch", "first_batch(s)": self._first_batch_s, "batch_bytes": nbytes},
+                       f"{self._label} first batch after {self._first_batch_s:.2f} s ({nbytes / 1e6:.1f} MB)")
+
+    def _asked(self, t_call: float) -> None:
+        gpu_steps = []
+        if self._step_call is not None and self._gpu is not None:
+            gpu_steps = self._gpu.step_done(self._open_wait, t_call - self._step_call)
+        if self._gpu is not None:
+            self._gpu.called()
+        with self._lock:
+            self._waiting_since = t_call
+            t = self._totals
+            if self._step_call is not None:  # the step that began at the previous call is complete
+                t.steps += 1
+                t.step_s += t_call - self._step_call
+                t.wait_s += self._open_wait
+                t.samples += self._batch_size
+                t.batch_bytes += self._open_bytes
+            self._step_call = t_call
+            t.add_gpu(gpu_steps)
+
+    # --- start and end --------------------------------------------------------------------------
+    def _begin(self) -> None:
+        self._reset()
+        self._waiting_since = self._t0
+        self._start = _Report(self._t0, StepTotals(), self.counters.snapshot() if self.counters is not None else None)
+        what = self._describe()
+        self._emit({"kind": "start", "every(s)": self.every, "stall_after(s)": self.stall_after, "what": what,
+                    "pid": os.getpid(), "host": socket.gethostname()},
+                   f"{self._label} iterating {what}; waiting for the first batch")
+        self._thread = threading.Thread(target=self._watch, name=f"h5feed-monitor-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _describe(self) -> str:
+        if isinstance(self._store, Store):
+            s = self._store
+            parts = [f"store {s.path} ({len(s)} samples, H={s.hidden_size}, K={s.num_aux_layers})"]
+        else:
+            source = self.loader if self.dataset is None else self.dataset
+            size = f" of {len(source)} samples" if hasattr(source, "__len__") else ""  # type: ignore[arg-type]
+            parts = [f"{type(source).__name__}{size}"]
+        workers = getattr(self.loader, "num_workers", 0)
+        if workers:
+            context = getattr(self.loader, "multiprocessing_context", None)
+            method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method(True)
+            plural = "s" if workers > 1 else ""
+            parts.append(f"{workers} DataLoader worker{plural} starting ({method or 'default start method'})")
+        else:
+            parts.append("reading in this process")
+        parts.append(f"batch_size {self._batch_size}")
+        if self.counters is None:
+            parts.append("no h5feed counters: worker activity cannot be seen")
+        return ", ".join(parts)
+
+    def _finish(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._gpu is not None:
+            gpu_steps = self._gpu.collect(wait=True)
+            with self._lock:
+                self._totals.add_gpu(gpu_steps)
+        with self._lock:
+            self._waiting_since = None
+        rec = self._record("end", time.perf_counter(), self._start)
+        rec["first_batch(s)"] = self._first_batch_s
+        self._emit(rec, f"{format_line(rec)} | finished: {self._batches} batches in {rec['elapsed(s)']:.1f} s, "
+                        f"first batch after {num(self._first_batch_s, '.2f', ' s')}")
+        if self._tb is not None:
+            self._tb.flush()
+
+    def summary(self) -> Record:
+        """The step figures over the iteration so far (from the second batch on), plus the first batch's wait."""
+        with self._lock:
+            totals = self._totals.copy()
+        return {"batches": self._batches, "first_batch(s)": self._first_batch_s, **step_figures(totals)}
+
+    # --- the reporting thread -------------------------------------------------------------------
+    def _watch(self) -> None:
+        tick = max(0.02, min(1.0, self.every / 4, self.stall_after / 4))
+        last = self._start
+        recent: deque[LoaderSnapshot] = deque()
+        announced = failed = False
+        stalled: Verdict | None = None
+        while not self._stop.wait(tick):
+            try:
+                now = time.perf_counter()
+                snap = self.counters.snapshot() if self.counters is not None else None
+                if snap is not None:
+                    recent.append(snap)
+                    while len(recent) > 1 and snap.time - recent[1].time >= RECENT_S:
+                        recent.popleft()
+                    if not announced and snap.workers and self._batches == 0:
+                        self._announce_workers(snap, now)
+                        announced = True
+                stalled = self._check_stall(now, snap, recent[0] if recent else None, stalled)
+                if now - last.time >= self.every:
+                    rec = self._record("report", now, last, snap)
+                    self._emit(rec, format_line(rec))
+                    self._scalars(rec)
+                    last = _Report(now, self._totals_copy(), snap)
+            except Exception:  # a broken report must never stop the training, nor flood its log
+                if not failed:
+                    log.exception("%s monitor thread (reported once)", self._label)
+                failed = True
+
+    def _totals_copy(self) -> StepTotals:
+        with self._lock:
+            return self._totals.copy()
+
+    def _announce_workers(self, snap: LoaderSnapshot, now: float) -> None:
+        reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({p})" if (p := self._path_of(w.current_sample)) else "")
+                   for w in snap.workers if w.current_sample is not None]
+        doing = "; reading " + ", ".join(reading) if reading else ""
+        self._emit({"kind": "workers_started", "workers": len(snap.workers), "after(s)": now - self._t0},
+                   f"{self._label} loader started after {now - self._t0:.1f} s: {len(snap.workers)} "
+                   f"worker(s) up{doing}")
+
+    def _path_of(self, index: int | None) -> str | None:
+        """The source file of a store index, for h5feed datasets."""
+        if index is None or not isinstance(self._store, Store) or not 0 <= index < len(self._store):
+            return None
+        return str(Path(self._store.info.source_root) / self._store.source_paths[index])
+
+    def _record(self, kind: str, now: float, since: _Report, snap: LoaderSnapshot | None = None) -> Record:
+        """The figures of the window since `since` (a report) or of the whole iteration (`since` = its start)."""
+        with self._lock:
+            totals, waiting_since, batches = self._totals.copy(), self._waiting_since, self._batches
+        if snap is None and self.counters is not None:
+            snap = self.counters.snapshot()
+        rec: Record = {
+            "kind": kind,
+            "name": self.name,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "time": time.time(),
+            "step": batches,
+            "elapsed(s)": now - self._t0,
+            "window(s)": now - since.time,
+            **step_figures(totals - since.totals),
+            "waiting(s)": now - waiting_since if waiting_since is not None else None,
+            "cuda": self._gpu is not None,
+        }
+        if snap is not None:
+            rows = worker_rows(snap, since.snap, self._path_of)
+            rec["loader"], rec["workers"] = loader_figures(rows), rows
+        else:
+            rec["loader"], rec["workers"] = None, []
+        return rec
+
+    def _check_stall(
+        self, now: float, snap: LoaderSnapshot | None, recent: LoaderSnapshot | None, stalled: Verdict | None
+    ) -> Verdict | None:
+        """Report a stall once per episode (again if its kind changes); returns the current verdict."""
+        waiting_since = self._waiting_since
+        wait = now - waiting_since if waiting_since is not None else None
+        quiet = None
+        if snap is not None:
+            quiet = [self._quiet_s(w, now - self._t0) for w in snap.workers]
+        verdict = classify(wait, quiet, self.stall_after)
+        if verdict is None or verdict == stalled:
+            return verdict
+        rows = worker_rows(snap, recent, self._path_of) if snap is not None else []
+        for row in rows:
+            row["state"], row["cpu_s"] = process_state(row["pid"])
+        text = verdict_text(verdict, wait, min(quiet) if quiet else None, self._batches,
+                             loader_figures(rows) if recent is not None else None)
+        lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
+        if snap is not None and not rows:
+            lines.append("  no worker has started: a worker still starting (spawn imports take seconds) or one that died")
+        self._emit({"kind": "stall", "verdict": verdict, "message": text, "step": self._batches, "waiting(s)": wait,
+                    "workers": rows}, "\n".join(lines), level=logging.WARNING)
+        return verdict
+
+    @staticmethod
+    def _quiet_s(w: WorkerSnapshot, since_start: float) -> float:
+        """How long a worker has gone without progress (a chunk read or a sample finished) in this iteration."""
+        if w.seconds_since_progress is not None and w.seconds_since_progress < since_start:
+            return w.seconds_since_progress
+        return w.current_seconds if w.current_sample is not None else since_start
+
+    # --- sinks ----------------------------------------------------------------------------------
+    def _emit(self, rec: Record, line: str, level: int = logging.INFO) -> None:
+        _say(level, line)
+        if self.jsonl_path is None:
+            return
+        rec = {"kind": rec["kind"], "name": self.name, "time": time.time(), "rank": self.rank,
+               "world_size": self.world_size} | rec
+        with self._write_lock:
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def _scalars(self, rec: Record) -> None:
+        if self._tb is None or not rec["steps"]:
+            return
+        step = rec["step"]
+        prefix = self.name if self.world_size == 1 else f"{self.name}/rank{self.rank}"
+        names = {"time_metrics/data_loading(s)": "data_loading(s)", "time_metrics/data_loading(%)": "data_loading(%)",
+                 "time_metrics/step_time(s)": "step_time(s)", "time_metrics/gpu_idle(%)": "gpu_idle(%)",
+                 "throughput(steps/s)": "throughput(steps/s)", "throughput(samples/s)": "throughput(samples/s)"}
+        for tag, key in names.items():
+            if rec[key] is not None:
+                self._tb.add_scalar(f"{prefix}/{tag}", rec[key], step)
+        if rec["loader"] is not None:
+            for key in ("samples_per_s", "read_GBps", "decoded_GBps", "queue_depth"):
+                if rec["loader"][key] is not None:
+                    self._tb.add_scalar(f"{prefix}/loader/{key}", rec["loader"][key], step)
+            for row in rec["workers"]:
+                if row["samples_per_s"] is not None:
+                    self._tb.add_scalar(f"{prefix}/loader/worker{row['worker']}/samples_per_s", row["samples_per_s"], step)
+

@@ -1,0 +1,138 @@
+"""The monitor's figures: step figures of a window, per-worker rows from counter snapshots, and their text.
+
+Shared by the monitor's log lines, its stall reports and `h5feed watch`, so that all three say the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from h5feed.metrics import LoaderSnapshot
+from h5feed.observe.timers import StepTotals
+
+Record = dict[str, Any]
+
+
+def step_figures(t: StepTotals) -> Record:
+    """The trainer-side figures of a window, named as torchtitan names them."""
+    return {
+        "steps": t.steps,
+        "throughput(steps/s)": t.steps / t.step_s if t.step_s else None,
+        "step_time(s)": t.step_s / t.steps if t.steps else None,
+        "data_loading(s)": t.wait_s / t.steps if t.steps else None,
+        "data_loading(%)": 100 * t.wait_s / t.step_s if t.step_s else None,
+        "gpu_idle(s)": t.gpu_idle_s / t.gpu_steps if t.gpu_steps else None,
+        "gpu_idle(%)": 100 * t.gpu_idle_s / t.gpu_step_s if t.gpu_step_s else None,
+        "throughput(samples/s)": t.samples / t.step_s if t.step_s else None,
+        "batches(GB/s)": t.batch_bytes / t.step_s / 1e9 if t.step_s else None,
+    }
+
+
+def worker_rows(
+    snap: LoaderSnapshot, before: LoaderSnapshot | None, path_of: Callable[[int], str | None]
+) -> list[Record]:
+    """One row per started worker; rates against `before` (None: no rates yet)."""
+    old = {w.worker: w for w in before.workers} if before is not None else {}
+    dt = snap.time - before.time if before is not None else 0.0
+    rows = []
+    for w in snap.workers:
+        o = old.get(w.worker)
+        rows.append({
+            "worker": w.worker,
+            "pid": w.pid,
+            "samples": w.samples,
+            "samples_per_s": (w.samples - (o.samples if o else 0)) / dt if dt > 0 else None,
+            "read_MBps": (w.bytes_read - (o.bytes_read if o else 0)) / dt / 1e6 if dt > 0 else None,
+            "decoded_MBps": (w.bytes_delivered - (o.bytes_delivered if o else 0)) / dt / 1e6 if dt > 0 else None,
+            "queue_depth": w.queue_depth,
+            "sample": w.current_sample,
+            "path": path_of(w.current_sample) if w.current_sample is not None else None,
+            "sample_s": w.current_seconds if w.current_sample is not None else None,
+            "sample_MB": w.current_bytes / 1e6 if w.current_sample is not None else None,
+            "since_progress_s": w.seconds_since_progress,
+        })
+    return rows
+
+
+def loader_figures(rows: list[Record]) -> Record:
+    def total(key: str) -> float | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        return sum(values) if values else None
+
+    read, decoded = total("read_MBps"), total("decoded_MBps")
+    return {
+        "samples_per_s": total("samples_per_s"),
+        "read_GBps": read / 1e3 if read is not None else None,
+        "decoded_GBps": decoded / 1e3 if decoded is not None else None,
+        "queue_depth": sum(r["queue_depth"] for r in rows),
+        "workers": len(rows),
+        "reading": sum(r["sample"] is not None for r in rows),
+    }
+
+
+def num(value: float | None, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def label(name: str, rank: int, world_size: int) -> str:
+    """How a monitor's lines begin: `h5feed[train]`, or `h5feed[train rank 1/2]` in a run of several ranks."""
+    return f"h5feed[{name}]" if world_size == 1 else f"h5feed[{name} rank {rank}/{world_size}]"
+
+
+def format_line(rec: Record) -> str:
+    """The one-line report shared by the log, `h5feed watch` and the tests."""
+    head = label(rec["name"], rec.get("rank", 0), rec.get("world_size", 1))
+    waiting = rec.get("waiting(s)")
+    loader = rec.get("loader")
+    if rec["step"] == 0:
+        line = f"{head} waiting for the first batch ({num(waiting, '.0f', ' s')} so far)"
+        if loader is None:
+            return line + "; this loader has no h5feed counters"
+        if not loader["workers"]:
+            return line + "; no worker has started reading yet"
+        return line + f"; {loader['workers']} worker(s) started, {loader['reading']} reading a sample"
+    if rec["steps"]:
+        line = (
+            f"{head} step {rec['step']} | {num(rec['throughput(steps/s)'], '.2f')} steps/s, "
+            f"step {num(rec['step_time(s)'], '.3f', ' s')} | data_loading {num(rec['data_loading(s)'], '.3f', ' s')} "
+            f"({num(rec['data_loading(%)'], '.1f', '%')}) | GPU idle {num(rec['gpu_idle(%)'], '.1f', '%')}"
+        )
+    else:
+        line = f"{head} step {rec['step']} | no step finished in the last {rec['window(s)']:.1f} s"
+    if loader is not None:
+        line += (
+            f" | loader {num(loader['samples_per_s'], '.1f')} samples/s, {num(loader['read_GBps'], '.2f')} GB/s read, "
+            f"{num(loader['decoded_GBps'], '.2f')} GB/s decoded, queue {loader['queue_depth']}"
+        )
+    elif rec["steps"]:
+        line += f" | batches {num(rec['batches(GB/s)'], '.2f')} GB/s (no loader counters)"
+    if waiting is not None and waiting >= 1.0:
+        line += f" | waiting {waiting:.0f} s for batch {rec['step'] + 1}"
+    return line
+
+
+Column = tuple[str, str, str]  # heading, record key, format spec
+
+_WORKER_COLUMNS: list[Column] = [
+    ("worker", "worker", "d"), ("pid", "pid", "d"), ("samples", "samples", "d"), ("samples/s", "samples_per_s", ".2f"),
+    ("read MB/s", "read_MBps", ".1f"), ("queue", "queue_depth", "d"), ("sample", "sample", "d"),
+    ("for s", "sample_s", ".1f"), ("MB so far", "sample_MB", ".1f"), ("no progress s", "since_progress_s", ".1f"),
+]
+
+
+def format_table(columns: list[Column], rows: list[Record], last: tuple[str, str]) -> list[str]:
+    """Rows as right-aligned columns ("-" for None), then the `last` (heading, key) column left-aligned."""
+    if not rows:
+        return []
+    cells = [[h for h, _, _ in columns] + [last[0]]]
+    cells += [[num(r[key], spec) if r[key] is not None else "-" for _, key, spec in columns] + [r[last[1]] or "-"]
+              for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return ["  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) + "  " + c[-1] for c in cells]
+
+
+def format_workers(rows: list[Record]) -> list[str]:
+    """Per-worker rows as an aligned table (the sample's source path last; the rank first if rows have one)."""
+    ranked = any("rank" in r for r in rows)
+    return format_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("path", "path"))

@@ -1,0 +1,199 @@
+"""`h5feed watch`: the figures of a monitored run, live, from another shell (read from the monitor's JSON lines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from h5feed.errors import H5feedError
+from h5feed.observe.monitor import JSONL_PREFIX
+from h5feed.observe.renderer import Column, Record, format_line, format_table, format_workers, num
+
+
+def _tail_records(path: Path, chunk: int = 1 << 16) -> list[Record]:
+    """The records of the file's current run (since its last "start"), read from the end of the file."""
+    size = path.stat().st_size
+    span = chunk
+    while True:
+        with open(path, "rb") as f:
+            f.seek(max(0, size - span))
+            lines = f.read(span).split(b"\n")
+        if size > span:
+            lines = lines[1:]  # cut mid-line
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # empty, or a line still being written
+        starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+        if starts or span >= size:
+            return records[starts[-1]:] if starts else records
+        span *= 4
+
+
+def _jsonl_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(path.glob(f"{JSONL_PREFIX}*.jsonl"), key=lambda p: p.stat().st_mtime)
+    raise H5feedError(f"{path}: no such run directory or JSON-lines file")
+
+
+def _state(records: list[Record], now: float) -> str:
+    last = records[-1]
+    start = records[0] if records[0].get("kind") == "start" else {}
+    age = now - last["time"]
+    if last["kind"] == "end":
+        return "finished"
+    if age > 2 * start.get("every(s)", 30.0) + 5:
+        return f"no record for {age:.0f} s: is the run still alive (pid {start.get('pid', '?')})?"
+    return "running"
+
+
+def _figures(records: list[Record]) -> Record | None:
+    """The newest record with step figures: a report, or the end of the iteration."""
+    return next((r for r in reversed(records) if r.get("kind") in ("report", "end")), None)
+
+
+def _last_stall(records: list[Record], now: float) -> str | None:
+    stalls = [r for r in records if r.get("kind") == "stall"]
+    return f"last stall ({now - stalls[-1]['time']:.0f} s ago): {stalls[-1]['message']}" if stalls else None
+
+
+def render(path: Path, records: list[Record], now: float) -> str:
+    """The frame of one monitor's file: status, the report line, per-worker rows."""
+    if not records:
+        return f"{path}: no records yet"
+    last = records[-1]
+    out = [f"== {last['name']}  {path}  ({_state(records, now)}; last record {now - last['time']:.0f} s ago)"]
+    if records[0].get("kind") == "start":
+        out.append(f"   {records[0]['what']}")
+    first = next((r for r in records if r.get("kind") == "first_batch"), None)
+    if first is not None:
+        out.append(f"   first batch after {first['first_batch(s)']:.2f} s")
+    if (stall := _last_stall(records, now)) is not None:
+        out.append(f"   {stall}")
+    figures = _figures(records)
+    if figures is None:
+        out.append("   no report yet")
+        return "\n".join(out)
+    out.append(format_line(figures))
+    out += format_workers(figures["workers"])
+    return "\n".join(out)
+
+
+_RANK_COLUMNS: list[Column] = [
+    ("rank", "rank", "d"), ("host", "host", "s"), ("pid", "pid", "d"), ("step", "step", "d"),
+    ("steps/s", "throughput(steps/s)", ".2f"), ("step s", "step_time(s)", ".3f"),
+    ("data wait s", "data_loading(s)", ".3f"), ("data wait %", "data_loading(%)", ".1f"),
+    ("GPU idle %", "gpu_idle(%)", ".1f"), ("loader samples/s", "samples_per_s", ".1f"),
+    ("read GB/s", "read_GBps", ".2f"), ("decoded GB/s", "decoded_GBps", ".2f"), ("queue", "queue_depth", "d"),
+]
+
+
+def _rank_row(records: list[Record], now: float) -> Record:
+    start = records[0] if records[0].get("kind") == "start" else {}
+    figures = _figures(records) or {}
+    loader = figures.get("loader") or {}
+    return {
+        "rank": records[-1]["rank"], "host": start.get("host"), "pid": start.get("pid"), "step": figures.get("step"),
+        **{key: figures.get(key) for key in ("throughput(steps/s)", "step_time(s)", "data_loading(s)",
+                                             "data_loading(%)", "gpu_idle(%)")},
+        **{key: loader.get(key) for key in ("samples_per_s", "read_GBps", "decoded_GBps", "queue_depth")},
+        "state": _state(records, now),
+    }
+
+
+def slowest_rank(rows: list[Record]) -> str | None:
+    """The rank that waits longest for its data, which under DDP sets the pace of every rank."""
+    timed = [r for r in rows if r["data_loading(s)"] is not None]
+    if len(timed) < 2:
+        return None
+    slow = max(timed, key=lambda r: r["data_loading(s)"])
+    others = max(r["data_loading(s)"] for r in timed if r is not slow)
+    return (f"slowest rank: rank {slow['rank']} waits {slow['data_loading(s)']:.3f} s per step for data "
+            f"({num(slow['data_loading(%)'], '.1f', '%')} of its step), the other ranks {others:.3f} s at most; "
+            "under DDP every rank waits for it at each gradient all-reduce, so its input pipeline sets the pace of all")
+
+
+def render_ranks(run: list[tuple[Path, list[Record]]], now: float) -> str:
+    """The frame of one run of several ranks: a row per rank, the slowest rank named, a row per rank and worker."""
+    run = sorted(run, key=lambda track: track[1][-1]["rank"])
+    newest = max(records[-1]["time"] for _, records in run)
+    first = run[0][1]
+    name, world = first[-1]["name"], first[-1]["world_size"]
+    ranks = [records[-1]["rank"] for _, records in run]
+    found = f"{len(run)} of {world} ranks" + ("" if len(run) == world else f" (files of ranks {ranks} only)")
+    out = [f"== {name}  {run[0][0].parent}  ({found}; last record {now - newest:.0f} s ago)"]
+    if first[0].get("kind") == "start":
+        out.append(f"   rank {ranks[0]}: {first[0]['what']}")
+    rows = [_rank_row(records, now) for _, records in run]
+    out += format_table(_RANK_COLUMNS, rows, ("state", "state"))
+    if (sentence := slowest_rank(rows)) is not None:
+        out.append(sentence)
+    for rank, (_, records) in zip(ranks, run):
+        if (stall := _last_stall(records, now)) is not None:
+            out.append(f"   rank {rank} {stall}")
+    workers = [{"rank": rank, **w} for rank, (_, records) in zip(ranks, run)
+               for w in (_figures(records) or {}).get("workers", [])]
+    out += format_workers(workers)
+    return "\n".join(out)
+
+
+def frame(target: Path, now: float | None = None) -> str | None:
+    """What `h5feed watch` shows for a run folder or one file: a block per monitor, one per run of several ranks."""
+    now = time.time() if now is None else now
+    runs: dict[Any, list[tuple[Path, list[Record]]]] = {}
+    for path in _jsonl_files(target):
+        records = _tail_records(path)
+        world = records[-1].get("world_size", 1) if records else 1
+        key = (records[-1]["name"], world) if world > 1 else path
+        runs.setdefault(key, []).append((path, records))
+    if not runs:
+        return None
+    return "\n\n".join(render_ranks(run, now) if isinstance(key, tuple) else render(key, run[0][1], now)
+                        for key, run in runs.items())
+
+
+def watch(path: str | os.PathLike[str], *, once: bool = False, interval: float = 1.0, out: TextIO | None = None) -> int:
+    """Show the figures of a monitored run from another shell, refreshed every `interval` seconds."""
+    out = out or sys.stdout
+    target = Path(path)
+    while True:
+        text = frame(target)
+        if once:
+            out.write((text or _nothing(target)) + "\n")
+            return 0 if text is not None else 1
+        if out.isatty():
+            out.write("\x1b[H\x1b[2J")
+        out.write((text or _nothing(target)) + "\n")
+        out.flush()
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _nothing(target: Path) -> str:
+    return f"{target}: no {JSONL_PREFIX}*.jsonl yet (is the monitor given log_dir={target}?)"
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    return watch(args.path, once=args.once, interval=args.interval)
+
+
+def add_watch_parser(subparsers: Any) -> None:
+    """`h5feed watch RUN_DIR_OR_JSONL`."""
+    p = subparsers.add_parser("watch", help="live view of a monitored training run: step rate, data wait, GPU idle, "
+                                            "per-worker rows (from h5feed.monitor's JSON-lines file)")
+    p.add_argument("path", help="the monitor's log_dir (its h5feed-monitor*.jsonl files, one per rank in a "
+                                "multi-rank run) or one .jsonl file")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default: %(default)s)")
+    p.set_defaults(func=_cmd_watch)
