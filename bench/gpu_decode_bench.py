@@ -30,7 +30,7 @@ from numcodecs import blosc
 
 from h5feed import gpu_decode
 from h5feed.bench import format_table
-from h5feed.store import chunk_codec, chunk_encoder
+from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.synthetic import column_scales, make_sample
 
 
@@ -68,7 +68,7 @@ def make_chunks(count: int, tokens: int, hidden: int, layers: int) -> torch.Tens
 
 def encode_chunks(bits: torch.Tensor, blocksize: int) -> list[bytes]:
     """Each chunk encoded as the store encodes it, with the given Blosc block size."""
-    encode = chunk_encoder(chunk_codec("zstd") | {"blocksize": blocksize}, 2)
+    encode = frame_encoder(chunk_codec("zstd") | {"blocksize": blocksize}, 2)
     return [encode(chunk.numpy()) for chunk in bits]
 
 

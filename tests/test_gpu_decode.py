@@ -22,7 +22,7 @@ from numcodecs import Blosc, blosc
 
 from h5feed import gpu_decode
 from h5feed.gpu_decode import DamagedFrame, FrameError, UnsupportedFrame, parse_frame, reference_decode_into
-from h5feed.store import chunk_codec, chunk_encoder
+from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.synthetic import column_scales, make_sample
 
 MIB = 1 << 20
@@ -93,10 +93,10 @@ def test_reference_equals_numcodecs(name):
 def test_store_chunks_in_a_batch():
     """Realistic activations and token ids, encoded by the store's own encoder, decoded into rows of a batch."""
     chunks = [activations(256, 64, index=i) for i in range(3)] + [activations(100, 64, index=3)]
-    encode_hidden = chunk_encoder(chunk_codec("zstd"), 2)
+    encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
     frames = [encode_hidden(c.view(torch.uint16).numpy()) for c in chunks]
     ids = torch.randint(0, 32000, (256,), generator=torch.Generator().manual_seed(0))
-    frames.append(chunk_encoder(chunk_codec("zstd"), 8)(ids.numpy()))
+    frames.append(frame_encoder(chunk_codec("zstd"), 8)(ids.numpy()))
     batch = torch.full((4, 256, 3 * 64), float("nan"), dtype=torch.bfloat16)
     outs = [batch[i] for i in range(3)] + [batch[3, :100], torch.empty(256, dtype=torch.int64)]
     reference_decode_into(frames, outs)
@@ -246,7 +246,7 @@ def _case_frames() -> list[tuple[bytes, bytes]]:
 def test_gpu_equals_numcodecs(sync_free):
     """Every CPU case plus Kimi-shaped bf16 chunks (256 x 3 x 7168), in one batch, bit for bit."""
     decoder = gpu_decode.CudaBloscDecoder(sync_free=sync_free)
-    encode_hidden = chunk_encoder(chunk_codec("zstd"), 2)
+    encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
     kimi = [activations(256, 7168, index=i) for i in range(3)] + [activations(77, 7168, index=3)]
     cases = _case_frames() + [
         (encode_hidden(c.view(torch.uint16).numpy()), c.view(torch.uint16).numpy().tobytes()) for c in kimi
@@ -264,7 +264,7 @@ def test_gpu_equals_numcodecs(sync_free):
 @gpu
 def test_gpu_rows_of_a_batch_and_buffer_reuse():
     """Decoding into rows of one bf16 batch tensor, then a larger and a smaller batch with the same buffers."""
-    encode_hidden = chunk_encoder(chunk_codec("zstd"), 2)
+    encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
     chunks = [activations(256, 512, index=i) for i in range(6)]
     frames = [encode_hidden(c.view(torch.uint16).numpy()) for c in chunks]
     side = torch.cuda.Stream()

@@ -171,16 +171,22 @@ def _zarr_compressors(codec: dict[str, Any], itemsize: int) -> list[Any]:
     return [*blosc, Crc32cCodec()]
 
 
-def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
-    """Encode one inner chunk exactly as zarr's pipeline does: little-endian bytes, Blosc, then crc32c."""
+def frame_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+    """Encode one inner chunk's rows as zarr's pipeline does before the checksum: little-endian bytes, then Blosc."""
     if codec["name"] == "none":
-        return lambda chunk: with_crc32c(chunk.tobytes())
+        return lambda chunk: chunk.tobytes()
     shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
     from numcodecs import Blosc
 
     blosc_codec = Blosc.from_config({"cname": codec["cname"], "clevel": codec["clevel"], "blocksize": codec["blocksize"],
                                      "shuffle": shuffles[codec["shuffle"]], "typesize": itemsize})
-    return lambda chunk: with_crc32c(bytes(blosc_codec.encode(chunk)))
+    return lambda chunk: bytes(blosc_codec.encode(chunk))
+
+
+def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+    """Encode one inner chunk exactly as zarr's pipeline does: the frame, then its crc32c."""
+    encode = frame_encoder(codec, itemsize)
+    return lambda chunk: with_crc32c(encode(chunk))
 
 
 def with_crc32c(data: bytes) -> bytes:
