@@ -315,3 +315,19 @@ def test_verify_fails_a_store_whose_array_metadata_is_damaged(tmp_path, cli, arr
     r = cli("verify", dst)
 
     assert r.status == 1 and message in r.output
+
+
+def test_the_monitor_reports_skipped_damage(damaged, tmp_path, caplog):
+    import logging
+
+    import h5feed
+
+    dst, _, _ = damaged
+    stream = HiddenStatesStream(dst, shuffle=False, on_corrupt="skip")
+    loader = StreamLoader(stream, num_workers=2, collate_fn=list)
+    caplog.set_level(logging.INFO, logger="h5feed")
+    for _ in h5feed.monitor(loader, every=0.05, log_dir=tmp_path, name="damaged"):
+        time.sleep(0.05)
+    records = [json.loads(line) for line in (tmp_path / "h5feed-monitor-damaged.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "end" and records[-1]["loader"]["corrupt"] == 1
+    assert any("1 DAMAGED sample(s) skipped (on_corrupt='skip'; run `h5feed verify`)" in m for m in caplog.messages)
