@@ -229,6 +229,34 @@ class Store:
             raise IndexError(f"rows [{start}, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
         self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
 
+    def copy_frames_into(
+        self, i: int, array: str, stop: int, out: np.ndarray, stats: ReadStats | None = None
+    ) -> list[tuple[int, int, int]]:
+        """Copy the still-compressed frames of the chunks holding rows [0, stop) of sample i's `array`,
+        each checked against its crc32c, back to back into the byte buffer `out`, for decoding
+        elsewhere (on the GPU: `h5feed.gpu_decode`).  Returns (chunk, offset in `out`, length) of each.
+
+        Raises `CorruptSampleError` like the reads that decode, and ValueError when `out` is too small.
+        """
+        self._check_sample(i)
+        if not 0 < stop <= int(self.sample_lengths[i]):
+            raise IndexError(f"rows [0, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
+        stats = stats if stats is not None else ReadStats()
+        placed, position = [], 0
+        try:
+            for chunk, frame in self._frames(i, array, range(0, -(-stop // self.info.chunk_tokens)), stats):
+                end = position + len(frame)
+                if end > out.nbytes:
+                    raise _TooSmall(f"out holds {out.nbytes} bytes, the frames need more than {end}")
+                out[position:end] = np.frombuffer(frame, dtype=np.uint8)
+                placed.append((chunk, position, len(frame)))
+                position = end
+        except _TooSmall as exc:
+            raise ValueError(str(exc)) from None
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+        return placed
+
     def will_need(self, i: int, max_tokens: int | None = None) -> None:
         """Ask the kernel to start reading sample i's objects now, without waiting for them.
 
@@ -362,6 +390,10 @@ class Store:
     def _corrupt(self, i: int, path: Path, problem: str) -> CorruptSampleError:
         return CorruptSampleError(path, f"{problem}; the store is damaged: run `h5feed verify {self.path}`", i,
                                   self.source_paths[i])
+
+
+class _TooSmall(Exception):
+    """The caller's buffer, not the store, is at fault."""
 
 
 _REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
