@@ -1,5 +1,6 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
+from h5feed.batching import BatchLoader
 from h5feed.collate import TrainerCollate, trainer_collate
 from h5feed.convert import ConvertReport, convert
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
@@ -12,6 +13,7 @@ from h5feed.verify import describe_store, verify_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchLoader",
     "ConvertReport",
     "H5feedError",
     "HiddenStatesDataset",

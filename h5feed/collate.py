@@ -91,6 +91,10 @@ class TrainerCollate:
         """Where items of `rows` rows each go in the batch."""
         raise NotImplementedError
 
+    def largest_plan(self, batch_size: int, longest: int) -> BatchPlan:
+        """A plan as large in every key as any batch of `batch_size` items of at most `longest` rows."""
+        raise NotImplementedError
+
     def specs(self, plan: BatchPlan, trailing: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
         """Shape and dtype of every tensor key for `plan`; `trailing` gives each row key's
         per-position shape and dtype (() for token keys, (width,) for hidden states)."""
@@ -219,6 +223,10 @@ class SpeculatorsCollate(TrainerCollate):
             offset += placed
         return BatchPlan(1, self.max_len, placements, pack_lengths(rows, self.max_len))
 
+    def largest_plan(self, batch_size: int, longest: int) -> BatchPlan:
+        assert self.max_len is not None
+        return BatchPlan(1, self.max_len, [], [0] * batch_size)  # at most one document per item
+
     def _summary_spec(self, key: str, plan: BatchPlan) -> TensorSpec:
         if key == "lengths":
             return (len(plan.lengths),), torch.long
@@ -277,6 +285,9 @@ class SpecForgeCollate(TrainerCollate):
 
     def plan(self, rows: Sequence[int]) -> BatchPlan:
         return BatchPlan(len(rows), max(rows), [Placement(b, 0, count) for b, count in enumerate(rows)])
+
+    def largest_plan(self, batch_size: int, longest: int) -> BatchPlan:
+        return BatchPlan(batch_size, longest, [])
 
     def derive_rows(self, batch: Batch, plan: BatchPlan) -> None:
         for place in plan.placements:
