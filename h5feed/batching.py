@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import multiprocessing
 import os
 import queue
 import threading
@@ -383,6 +384,8 @@ class BatchLoader:
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.num_workers, self.prefetch = batch_size, num_workers, prefetch
         self.threads = threads or len(os.sched_getaffinity(0))
+        if isinstance(multiprocessing_context, str):  # as DataLoader keeps it (h5feed.monitor reads it)
+            multiprocessing_context = multiprocessing.get_context(multiprocessing_context)
         self.multiprocessing_context, self.worker_init_fn, self.timeout = multiprocessing_context, worker_init_fn, timeout
         self.device = torch.device(device) if device is not None and torch.device(device).type != "cpu" else None
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
