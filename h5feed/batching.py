@@ -291,8 +291,10 @@ class BatchWriter:
         dest.copy_(scratch.view(logical))
 
 
-def _in_batches(sequence: list[int], batch_size: int) -> list[list[int]]:
-    return [sequence[j : j + batch_size] for j in range(0, len(sequence), batch_size)]
+def _in_batches(sequence: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    """A worker's samples in its batches: only the rank's last batch can be short."""
+    batches = [sequence[j : j + batch_size] for j in range(0, len(sequence), batch_size)]
+    return batches[:-1] if drop_last and batches and len(batches[-1]) < batch_size else batches
 
 
 def _as_is(message: Any) -> Any:
@@ -303,14 +305,15 @@ def _as_is(message: Any) -> Any:
 class _SlotFeed(IterableDataset[FilledBatch]):
     """What each DataLoader worker runs: its batches of the stream's order, each decoded into one of its own slots."""
 
-    def __init__(self, writer: BatchWriter, batch_size: int, slots_per_worker: int) -> None:
-        self.writer, self.batch_size, self.slots_per_worker = writer, batch_size, slots_per_worker
+    def __init__(self, writer: BatchWriter, batch_size: int, drop_last: bool, slots_per_worker: int) -> None:
+        self.writer, self.batch_size, self.drop_last = writer, batch_size, drop_last
+        self.slots_per_worker = slots_per_worker
 
     def __iter__(self) -> Iterator[FilledBatch]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         own = range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker)
-        batches = _in_batches(self.writer.stream._worker_sequence(), self.batch_size)
+        batches = _in_batches(self.writer.stream._worker_sequence(), self.batch_size, self.drop_last)
         self.writer.stream.counters.worker().start()
         for j, indices in enumerate(batches):
             if j == 0:
@@ -332,8 +335,9 @@ class BatchLoader:
             the stream's own arguments).
         flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`.
         batch_size: items per batch (speculators packs them into one max_len row).
+        drop_last: leave out the last batch when it is short (SpecForge's loader does).
         num_workers: DataLoader worker processes; 0: `threads` reader threads in this process.
-        threads: reader threads with num_workers=0 (default: the cores this process may use).
+        threads: reader threads with num_workers=0 (default: the cores this process may use, at most 4).
         prefetch: batches in flight per worker (the DataLoader's prefetch_factor), or in all
             with threads.
         device: when given (e.g. "cuda"), batches arrive on it (copied without blocking from
@@ -353,6 +357,7 @@ class BatchLoader:
         max_len: int | None = None,
         hidden_states_dtype: torch.dtype | None = None,
         batch_size: int = 1,
+        drop_last: bool = False,
         num_workers: int = 0,
         threads: int | None = None,
         prefetch: int = 2,
@@ -382,8 +387,8 @@ class BatchLoader:
         stream.batch_size = batch_size
         stream._counted_by_loader = True
         self.dataset = stream  # what h5feed.monitor reads its counters from
-        self.batch_size, self.num_workers, self.prefetch = batch_size, num_workers, prefetch
-        self.threads = threads or len(os.sched_getaffinity(0))
+        self.batch_size, self.drop_last, self.num_workers, self.prefetch = batch_size, drop_last, num_workers, prefetch
+        self.threads = threads or min(4, len(os.sched_getaffinity(0)))
         if isinstance(multiprocessing_context, str):  # as DataLoader keeps it (h5feed.monitor reads it)
             multiprocessing_context = multiprocessing.get_context(multiprocessing_context)
         self.multiprocessing_context, self.worker_init_fn, self.timeout = multiprocessing_context, worker_init_fn, timeout
@@ -411,7 +416,8 @@ class BatchLoader:
 
     # --- what DataLoader users call ----------------------------------------------------------
     def __len__(self) -> int:
-        return -(-len(self.dataset) // self.batch_size)
+        samples = len(self.dataset)
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -455,7 +461,7 @@ class BatchLoader:
 
     def _from_workers(self) -> Iterator[FilledBatch]:
         loader = DataLoader(
-            _SlotFeed(self._writer, self.batch_size, self.slots_per_worker), batch_size=None,
+            _SlotFeed(self._writer, self.batch_size, self.drop_last, self.slots_per_worker), batch_size=None,
             num_workers=self.num_workers, collate_fn=_as_is, prefetch_factor=self.prefetch,
             multiprocessing_context=self.multiprocessing_context, worker_init_fn=self.worker_init_fn,
             timeout=self.timeout,
@@ -470,7 +476,7 @@ class BatchLoader:
         writer, ring = self._writer, self._writer.ring
         counters = self.dataset.counters.worker()
         counters.start()
-        upcoming = iter(_in_batches(self.dataset._worker_sequence(), self.batch_size))
+        upcoming = iter(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
         in_flight: deque[Future[FilledBatch]] = deque()
 
         def write(indices: list[int]) -> FilledBatch:

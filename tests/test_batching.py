@@ -107,6 +107,15 @@ def test_two_ranks_and_epochs(legacy_store, assert_same_batch):
             assert_same_batches(got, want, assert_same_batch)
 
 
+def test_drop_last_leaves_out_the_short_batch(specforge_store, assert_same_batch):
+    want = reference(specforge_store.path, "specforge", 40, 4, seed=1)  # 14 samples: 3 batches of 4, one of 2
+    for num_workers in (0, 2):
+        loader = BatchLoader(specforge_store.path, flavor="specforge", max_len=40, batch_size=4, drop_last=True,
+                             num_workers=num_workers, seed=1)
+        assert len(loader) == 3
+        assert_same_batches(copies(loader), want[:3], assert_same_batch)
+
+
 # =========================================================================== slots
 
 
@@ -226,6 +235,15 @@ def test_a_damaged_store_fails_the_batch(legacy_store, tmp_path):
     loader = BatchLoader(copy, flavor="speculators", max_len=200, samples=[6], threads=1)
     with pytest.raises(StoreError, match="aux_hidden_states"):
         list(loader)
+
+
+def test_monitor_reads_the_loaders_counters(legacy_store):
+    import h5feed
+
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=3, threads=2)
+    assert sum(1 for _ in h5feed.monitor(loader, every=60)) == len(loader) == 5
+    counted = loader.dataset.counters.snapshot()
+    assert counted.total("samples") == N and counted.total("bytes_read") > 0
 
 
 # =========================================================================== arguments
