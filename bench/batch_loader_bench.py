@@ -1,6 +1,6 @@
 """Samples/s and CPU seconds per sample of the trainer's path: DataLoader + collate + pin_memory vs BatchLoader.
 
-    python bench/batch_loader_bench.py STORE --max-len 2048 --passes 3
+    PYTHONPATH=. python bench/batch_loader_bench.py STORE --max-len 2048 --passes 3 --repeat 4
 
 Every loader delivers the same speculators-legacy batches (checked on the first pass);
 the first pass also warms the page cache and the slot memory, the next `--passes` are timed.
@@ -46,9 +46,10 @@ def speculators_04_collate(max_len: int) -> Callable[[list[dict[str, Any]]], dic
     return collate
 
 
-def loaders(store: str, max_len: int, batch_size: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+def loaders(store: str, max_len: int, batch_size: int, dtype: torch.dtype, samples: list[int]
+            ) -> dict[str, Callable[[], Any]]:
     def stream() -> h5feed.HiddenStatesStream:
-        return h5feed.HiddenStatesStream(store, FLAVOR, max_len, hidden_states_dtype=dtype, seed=0)
+        return h5feed.HiddenStatesStream(store, FLAVOR, max_len, hidden_states_dtype=dtype, samples=samples, seed=0)
 
     return {
         "DataLoader(stream), 0.4 collate, pin_memory, 4 workers": lambda: DataLoader(
@@ -57,11 +58,14 @@ def loaders(store: str, max_len: int, batch_size: int, dtype: torch.dtype) -> di
             stream(), batch_size=batch_size, num_workers=4, pin_memory=True,
             collate_fn=h5feed.trainer_collate(FLAVOR, max_len)),
         "BatchLoader, 4 workers": lambda: h5feed.BatchLoader(
-            store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=dtype, batch_size=batch_size, num_workers=4),
+            store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=dtype, samples=samples, batch_size=batch_size,
+            num_workers=4),
         "BatchLoader, 2 workers": lambda: h5feed.BatchLoader(
-            store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=dtype, batch_size=batch_size, num_workers=2),
+            store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=dtype, samples=samples, batch_size=batch_size,
+            num_workers=2),
         "BatchLoader, 0 workers, 2 threads": lambda: h5feed.BatchLoader(
-            store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=dtype, batch_size=batch_size, threads=2),
+            store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=dtype, samples=samples, batch_size=batch_size,
+            threads=2),
     }
 
 
@@ -76,14 +80,16 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="each pass reads every sample this many times")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--only", help="run only the loaders whose name contains this")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     reference: list[dict[str, Any]] | None = None
-    print(f"store {args.store}, {len(h5feed.Store(args.store))} samples, max_len {args.max_len}, batch_size "
+    samples = list(range(len(h5feed.Store(args.store)))) * args.repeat
+    print(f"store {args.store}, {len(samples)} samples a pass, max_len {args.max_len}, batch_size "
           f"{args.batch_size}, {args.dtype}, torch threads {torch.get_num_threads()}")
-    for name, make in loaders(args.store, args.max_len, args.batch_size, dtype).items():
+    for name, make in loaders(args.store, args.max_len, args.batch_size, dtype, samples).items():
         if args.only and args.only not in name:
             continue
         loader = make()

@@ -123,32 +123,28 @@ class SlotRing:
     """`count` slots of `slot_bytes` in one memfd, after a table of each slot's state and dirty marks.
 
     Picklable into DataLoader workers (the file descriptor travels, as torch's own shared
-    tensors do); every process maps the file itself on first use, so a forked worker never
-    relies on its parent's (possibly page-locked) mapping.  The memory goes away with the
-    last process that maps it: a crash leaves nothing behind.
+    tensors do).  Every process maps what it uses itself: the trainer's process the whole
+    file (it wraps any slot and page-locks them all once), a worker the table and its own
+    slots, pre-faulted in one go, so a forked worker never relies on its parent's (possibly
+    page-locked) mapping.  The memory goes away with the last process that maps it: a crash
+    leaves nothing behind.
     """
 
     def __init__(self, count: int, slot_bytes: int, dirty_fields: int) -> None:
         self.count, self.slot_bytes, self.dirty_fields = count, slot_bytes, dirty_fields
         self.fd = os.memfd_create("h5feed-batch-slots")
         os.ftruncate(self.fd, self._slot_offset(count))
-        self._init_process_state()
-
-    def _init_process_state(self) -> None:
-        self._pid: int | None = None
-        self._map: mmap.mmap | None = None
-        self.lock = threading.Lock()
         self.page_locked_at: int | None = None
+        self._pid: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"fd": reduction.DupFd(self.fd), "count": self.count, "slot_bytes": self.slot_bytes,
-                "dirty_fields": self.dirty_fields}
+                "dirty_fields": self.dirty_fields, "page_locked_at": None, "_pid": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fd = state.pop("fd")
         self.__dict__.update(state)
         self.fd = fd if isinstance(fd, int) else fd.detach()
-        self._init_process_state()
 
     def _table_bytes(self) -> int:
         return _round_up(self.count * (1 + self.dirty_fields) * 8, mmap.PAGESIZE)
@@ -156,35 +152,49 @@ class SlotRing:
     def _slot_offset(self, slot: int) -> int:
         return self._table_bytes() + slot * _round_up(self.slot_bytes, mmap.PAGESIZE)
 
-    def mapping(self) -> mmap.mmap:
-        """This process's map of the file (made on first use in each process)."""
-        if self._pid != os.getpid():
-            self._map = mmap.mmap(self.fd, self._slot_offset(self.count))
-            self.lock = threading.Lock()  # a forked child's copy of the parent's may be held
-            table = np.frombuffer(self._map, np.int64, self.count * (1 + self.dirty_fields)).reshape(self.count, -1)
-            self.states, self.dirty = table[:, 0], table[:, 1:]
-            self._writable = [torch.frombuffer(self._map, dtype=torch.uint8, count=self.slot_bytes,
-                                               offset=self._slot_offset(s)) for s in range(self.count)]
-            self._pid = os.getpid()
-        assert self._map is not None
-        return self._map
+    def _attach(self) -> None:
+        """Map the table in this process (first use in each process: a forked child maps anew)."""
+        if self._pid == os.getpid():
+            return
+        table = mmap.mmap(self.fd, self._table_bytes())
+        fields = np.frombuffer(table, np.int64, self.count * (1 + self.dirty_fields)).reshape(self.count, -1)
+        self.states, self.dirty = fields[:, 0], fields[:, 1:]
+        self.lock = threading.Lock()  # a forked child's copy of the parent's may be held
+        self._whole: mmap.mmap | None = None
+        self._writable: dict[int, torch.Tensor] = {}
+        self._pid = os.getpid()
+
+    def whole(self) -> mmap.mmap:
+        """The whole file, mapped once in this process (the trainer's)."""
+        self._attach()
+        if self._whole is None:
+            self._whole = mmap.mmap(self.fd, self._slot_offset(self.count))
+        return self._whole
 
     def memory(self, slot: int) -> torch.Tensor:
-        """A slot's bytes, for its writer."""
-        self.mapping()
+        """A slot's bytes, for its writer: from the whole map where this process has it, else mapped alone."""
+        self._attach()
+        if slot not in self._writable:
+            if self._whole is not None:
+                self._writable[slot] = torch.frombuffer(self._whole, dtype=torch.uint8, count=self.slot_bytes,
+                                                        offset=self._slot_offset(slot))
+            else:
+                own = mmap.mmap(self.fd, _round_up(self.slot_bytes, mmap.PAGESIZE), offset=self._slot_offset(slot),
+                                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                self._writable[slot] = torch.frombuffer(own, dtype=torch.uint8, count=self.slot_bytes)
         return self._writable[slot]
 
     def batch_memory(self, slot: int, on_release: Any) -> torch.Tensor:
         """A slot's bytes as a tensor of their own: `on_release(slot)` runs when nothing refers to them any more
         (every view of it keeps the numpy array below alive, and with it the finalizer unfired)."""
-        array = np.frombuffer(self.mapping(), np.uint8, self.slot_bytes, self._slot_offset(slot))
+        array = np.frombuffer(self.whole(), np.uint8, self.slot_bytes, self._slot_offset(slot))
         weakref.finalize(array, on_release, slot).atexit = False
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def claim(self, slots: range) -> int | None:
         """A free slot of `slots`, now FILLING; waits while one is only finishing its copy to the GPU.
         None when every slot is taken: the trainer holds more batches than the ring keeps."""
-        self.mapping()
+        self._attach()
         while True:
             with self.lock:
                 for slot in slots:
@@ -198,7 +208,7 @@ class SlotRing:
 
     def page_lock(self) -> None:
         """Page-lock the slots once (cudaHostRegister), so copies to the GPU from them are asynchronous DMA."""
-        start = np.frombuffer(self.mapping(), np.uint8).ctypes.data
+        start = np.frombuffer(self.whole(), np.uint8).ctypes.data
         error = int(torch.cuda.cudart().cudaHostRegister(start, self._slot_offset(self.count), 1))  # 1: portable
         if error:
             warnings.warn(f"h5feed: cudaHostRegister failed (cudaError {error}); batches stay in pageable memory",
@@ -440,7 +450,7 @@ class BatchLoader:
             self._active.close()  # type: ignore[attr-defined]
             self._active = None
         ring = self._writer.ring
-        ring.mapping()
+        ring.whole()
         with self._lock:
             for slot in range(ring.count):
                 if ring.states[slot] in (FILLING, FILLED) and slot not in self._handed_out:
