@@ -44,7 +44,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream
 from h5feed.errors import StoreError
-from h5feed.store import CHECKSUMMED, HIDDEN_ARRAYS, BufferPool, ReadStats, Store, crc32c, shared_allocator, storage_dtype
+from h5feed.store import (
+    CHECKSUMMED,
+    HIDDEN_ARRAYS,
+    BufferPool,
+    ReadStats,
+    Store,
+    crc32c,
+    shared_allocator,
+    storage_dtype,
+)
 
 FREE, FILLING, FILLED, DRAINING = 0, 1, 2, 3  # a slot's states; FREE->FILLED by its writer, then back by the trainer
 _ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
@@ -242,10 +251,17 @@ class BatchWriter:
     ring: SlotRing
     layout: SlotLayout
     trailing: dict[str, TensorSpec]  # each row key's per-position shape and dtype
-    _pool: BufferPool | None = field(default=None, repr=False)
+    _pool: BufferPool = field(init=False, repr=False)  # buffers for rows decoded before a cast (per process)
+
+    def __post_init__(self) -> None:
+        self._pool = BufferPool(capacity=8)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None}
+        return {key: value for key, value in self.__dict__.items() if key != "_pool"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     def will_need(self, indices: Sequence[int]) -> None:
         """Start the disk on these samples' chunks now (returns at once)."""
@@ -294,8 +310,6 @@ class BatchWriter:
         if dest.dtype == logical:
             read_rows_into(self.stream.store, i, array, start, start + dest.shape[0], dest.view(stored), stats)
             return
-        if self._pool is None:
-            self._pool = BufferPool(capacity=4)
         scratch = self._pool(tuple(dest.shape), stored)
         read_rows_into(self.stream.store, i, array, start, start + dest.shape[0], scratch, stats)
         dest.copy_(scratch.view(logical))

@@ -209,7 +209,7 @@ def assert_same_batch() -> Callable[[dict[str, Any], dict[str, Any]], None]:
 
     def check(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert list(got) == list(want), "keys or key order differ"
-        for key in want:
-            _assert_same_value(got[key], want[key], key)
+        for key, value in want.items():
+            _assert_same_value(got[key], value, key)
 
     return check
