@@ -432,7 +432,7 @@ class BatchLoader:
             ring.page_lock()
         self._writer = BatchWriter(stream, self.collate, ring, layout, trailing)
         self._handed_out: set[int] = set()  # slots whose batch the trainer may still hold
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _release runs from finalizers, which may fire while it is held
         self._pid = os.getpid()
         self._drain_queue: queue.SimpleQueue[tuple[int, Any]] | None = None
         self._active: Iterator[Batch] | None = None
