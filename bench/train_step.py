@@ -37,7 +37,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +186,39 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) -> tuple[Trainer, Shape, float]:
+    """The trainer whose step is closest to `step_ms` on this device, by the draft vocabulary's size (the
+    rest of the model keeps Kimi's shape): a Kimi-shaped step is 65-80 ms on one H200 (DESIGN.md)."""
+    best: tuple[Trainer, Shape, float] | None = None
+    for vocab in (32000, 24000, 16000, 12000, 8000, 4000):
+        candidate = replace(shape, vocab=vocab)
+        trainer = Trainer(candidate, device)
+        ms = step_seconds(trainer, batch)[0] * 1e3
+        log.info("draft vocabulary %d: %.1f ms per step", vocab, ms)
+        if best is None or abs(ms - step_ms) < abs(best[2] - step_ms):
+            best = (trainer, candidate, ms)
+        if ms <= step_ms:
+            break
+    assert best is not None
+    return best
+
+
+def step_seconds(trainer: Trainer, batch: Batch, steps: int = 5) -> tuple[float, float]:
+    """Wall and CPU seconds of one training step on a batch already at hand (after two warm-up steps)."""
+    for _ in range(2):  # kernels, allocator and optimizer state before anything is timed
+        trainer.step(batch).item()
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    for _ in range(steps):
+        trainer.step(batch).item()
+    return (time.perf_counter() - wall) / steps, (cpu_seconds() - cpu) / steps
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (DataLoader workers are reaped per epoch)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 # --- data -----------------------------------------------------------------------------------------

@@ -227,6 +227,10 @@ class Store:
             raise ValueError(f"unknown array {array!r}: one of {', '.join(CHECKSUMMED)}")
         if not 0 <= start <= stop <= int(self.sample_lengths[i]):
             raise IndexError(f"rows [{start}, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
+        dtype = self.info.storage_dtype(array)
+        shape = (stop - start, self.info.width(array)) if array in HIDDEN_ARRAYS else (stop - start,)
+        if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, not {out.dtype} {tuple(out.shape)}")
         self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
 
     def copy_frames_into(
@@ -289,7 +293,9 @@ class Store:
         row_nbytes = self.info.row_nbytes(name)
         if not out.is_contiguous() or out.numel() * out.element_size() != (stop - start) * row_nbytes:
             raise ValueError(f"out must be a contiguous buffer of {stop - start} rows of {name}")
-        dest = out.view(torch.uint8).numpy().reshape(stop - start, row_nbytes) if stop > start else None
+        if stop == start:
+            return
+        dest = out.view(torch.uint8).numpy().reshape(stop - start, row_nbytes)
         c = self.info.chunk_tokens
         whole = start == 0 and delivered == int(self.sample_lengths[i])
         try:
