@@ -15,36 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import h5feed
+from h5feed.baseline import create_collate_fn
 from h5feed.store import crc32c
 
 FLAVOR = "speculators-legacy"
-
-
-def speculators_04_collate(max_len: int) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
-    """speculators 0.4 `create_collate_fn(max_len)` as released: cat, slice and F.pad, cut lengths."""
-
-    def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
-        out = {}
-        for key in batch[0]:
-            out[key] = torch.cat([b[key] for b in batch], dim=0)
-            if key != "lengths":
-                sliced = out[key][:max_len]
-                out[key] = F.pad(sliced, [0, 0] * (sliced.dim() - 1) + [0, max_len - sliced.shape[0]]).unsqueeze(0)
-        lengths, total = [], 0
-        for length in out["lengths"]:
-            if length + total >= max_len:
-                lengths.append(max_len - total)
-                break
-            lengths.append(length)
-            total += length
-        out["lengths"] = torch.tensor(lengths, dtype=torch.long)
-        return out
-
-    return collate
 
 
 def loaders(store: str, max_len: int, batch_size: int, dtype: torch.dtype, samples: list[int]
@@ -54,7 +31,7 @@ def loaders(store: str, max_len: int, batch_size: int, dtype: torch.dtype, sampl
 
     return {
         "DataLoader(stream), 0.4 collate, pin_memory, 4 workers": lambda: DataLoader(
-            stream(), batch_size=batch_size, num_workers=4, pin_memory=True, collate_fn=speculators_04_collate(max_len)),
+            stream(), batch_size=batch_size, num_workers=4, pin_memory=True, collate_fn=create_collate_fn(max_len)),
         "DataLoader(stream), trainer_collate, pin_memory, 4 workers": lambda: DataLoader(
             stream(), batch_size=batch_size, num_workers=4, pin_memory=True,
             collate_fn=h5feed.trainer_collate(FLAVOR, max_len)),
