@@ -1,7 +1,7 @@
 """A real S3 API on loopback for the tests and the remote bench: moto's server in its own process,
 behind a small TCP proxy that can delay, cut or refuse requests on demand.
 
-Tests import the fixtures (`from s3_server import s3, bucket`); the bench starts the same pieces
+Tests import the fixtures (`from s3_server import s3_fixture, bucket_fixture`: fixtures `s3`, `bucket`); the bench starts the same pieces
 as processes (`python tests/s3_server.py --delay 0.02` prints the endpoints, then serves until
 killed).  Everything listens on 127.0.0.1 only, and the proxy is bounded: at most
 `max_connections` connections at a time, faults that fire a given number of times, a request log
@@ -375,8 +375,8 @@ def boto3_client(endpoint: str) -> Any:
                         aws_secret_access_key=CREDENTIALS["secret"], region_name=REGION)
 
 
-@pytest.fixture(scope="session")
-def s3() -> Iterator[S3]:
+@pytest.fixture(scope="session", name="s3")
+def s3_fixture() -> Iterator[S3]:
     server = MotoServer()
     proxy = FaultProxy(server.port).start()
     try:
@@ -386,8 +386,8 @@ def s3() -> Iterator[S3]:
         server.stop()
 
 
-@pytest.fixture
-def bucket(s3: S3) -> Iterator[str]:
+@pytest.fixture(name="bucket")
+def bucket_fixture(s3: S3) -> Iterator[str]:
     """A fresh, empty bucket; the proxy without faults or delay and with an empty log."""
     s3.proxy.reset()
     yield s3.new_bucket()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3_server import S3, bucket, s3  # noqa: F401 (fixtures)
+from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 from h5feed.io import PART_BYTES, CachedStore, IOStats, NodeCache, S3Store, cache_state, open_url
 
@@ -22,17 +22,17 @@ BIG = np.random.default_rng(2).bytes(2 * PART_BYTES + 5)  # three parts
 SMALL = {name: np.random.default_rng(i).bytes(1_000_000) for i, name in enumerate("abcd")}
 
 
-def cached_store(s3: S3, bucket: str, cache_dir: Path, limit: int | None = None) -> CachedStore:  # noqa: F811
+def cached_store(s3: S3, bucket: str, cache_dir: Path, limit: int | None = None) -> CachedStore:
     store = CachedStore(S3Store(f"s3://{bucket}", s3.storage_options, concurrency=4), NodeCache(cache_dir, limit))
     store.stats = IOStats()
     return store
 
 
-def gets(s3: S3, key: str) -> int:  # noqa: F811
+def gets(s3: S3, key: str) -> int:
     return len(s3.proxy.requests("GET", f"/{key}"))
 
 
-def test_the_second_read_is_local(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_the_second_read_is_local(s3: S3, bucket: str, tmp_path: Path) -> None:
     s3.client.put_object(Bucket=bucket, Key="big", Body=BIG)
     store = cached_store(s3, bucket, tmp_path / "cache")
     ranges = [(0, 10), (PART_BYTES - 5, PART_BYTES + 5), (len(BIG) - 3, len(BIG))]
@@ -49,7 +49,7 @@ def test_the_second_read_is_local(s3: S3, bucket: str, tmp_path: Path) -> None: 
         1, len(BIG), 2, 1, len(BIG), 0)
 
 
-def test_open_url_with_a_cache_and_what_inspect_shows(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_open_url_with_a_cache_and_what_inspect_shows(s3: S3, bucket: str, tmp_path: Path) -> None:
     s3.client.put_object(Bucket=bucket, Key="hs.zarr/a", Body=SMALL["a"])
     store = open_url(f"s3://{bucket}/hs.zarr", s3.storage_options, cache_dir=tmp_path / "c", cache_limit=3_000_000)
     assert isinstance(store, CachedStore) and store.get("a") == SMALL["a"] and store.get("a") == SMALL["a"]
@@ -59,7 +59,7 @@ def test_open_url_with_a_cache_and_what_inspect_shows(s3: S3, bucket: str, tmp_p
     assert cache_state(tmp_path / "c").limit_bytes == 3_000_000
 
 
-def test_least_recently_used_objects_are_evicted(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_least_recently_used_objects_are_evicted(s3: S3, bucket: str, tmp_path: Path) -> None:
     for key, data in SMALL.items():
         s3.client.put_object(Bucket=bucket, Key=key, Body=data)
     store = cached_store(s3, bucket, tmp_path / "cache", limit=2_500_000)  # room for two
@@ -73,7 +73,7 @@ def test_least_recently_used_objects_are_evicted(s3: S3, bucket: str, tmp_path: 
     assert (state.objects, state.bytes, state.evictions) == (2, 2_000_000, 2)
 
 
-def test_an_object_in_use_is_never_evicted(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_an_object_in_use_is_never_evicted(s3: S3, bucket: str, tmp_path: Path) -> None:
     for key, data in SMALL.items():
         s3.client.put_object(Bucket=bucket, Key=key, Body=data)
     store = cached_store(s3, bucket, tmp_path / "cache", limit=1_500_000)  # room for one
@@ -88,7 +88,7 @@ def test_an_object_in_use_is_never_evicted(s3: S3, bucket: str, tmp_path: Path) 
     assert store.get("c") == SMALL["c"] and store.get("a") == SMALL["a"] and gets(s3, "a") == 2
 
 
-def test_a_rewritten_object_is_not_served_from_the_cache(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_rewritten_object_is_not_served_from_the_cache(s3: S3, bucket: str, tmp_path: Path) -> None:
     s3.client.put_object(Bucket=bucket, Key="a", Body=SMALL["a"])
     store = cached_store(s3, bucket, tmp_path / "cache")
     assert store.get("a") == SMALL["a"]
@@ -105,7 +105,7 @@ def _open_in_race(store: CachedStore, start: Any, queue: Any) -> None:
     queue.put((digest, store.stats.cache_hits, store.stats.cache_misses))  # type: ignore[attr-defined]
 
 
-def test_processes_racing_for_one_object_download_it_once(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_processes_racing_for_one_object_download_it_once(s3: S3, bucket: str, tmp_path: Path) -> None:
     s3.client.put_object(Bucket=bucket, Key="big", Body=BIG)
     store = cached_store(s3, bucket, tmp_path / "cache")
     s3.proxy.delay = 0.2  # a download long enough for every process to arrive while it runs
@@ -123,12 +123,12 @@ def test_processes_racing_for_one_object_download_it_once(s3: S3, bucket: str, t
     assert (state.objects, state.hits, state.misses, state.partial) == (1, 3, 1, 0)
 
 
-def _download(storage_options: dict[str, Any], bucket: str, cache_dir: Path) -> None:  # noqa: F811
+def _download(storage_options: dict[str, Any], bucket: str, cache_dir: Path) -> None:
     store = CachedStore(S3Store(f"s3://{bucket}", storage_options, concurrency=4), NodeCache(cache_dir))
     store.get("big")
 
 
-def test_a_reader_killed_mid_download_is_cleaned_up(s3: S3, bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_reader_killed_mid_download_is_cleaned_up(s3: S3, bucket: str, tmp_path: Path) -> None:
     s3.client.put_object(Bucket=bucket, Key="big", Body=BIG)
     cache_dir = tmp_path / "cache"
     s3.proxy.gate(4, path="/big", timeout=60)  # holds the three part requests: the download cannot finish
@@ -149,7 +149,7 @@ def test_a_reader_killed_mid_download_is_cleaned_up(s3: S3, bucket: str, tmp_pat
     assert cache_state(cache_dir).misses == 1
 
 
-def test_without_a_cache_dir_nothing_is_cached(s3: S3, bucket: str) -> None:  # noqa: F811
+def test_without_a_cache_dir_nothing_is_cached(s3: S3, bucket: str) -> None:
     s3.client.put_object(Bucket=bucket, Key="a", Body=SMALL["a"])
     store = open_url(f"s3://{bucket}", s3.storage_options)
     assert not isinstance(store, CachedStore)
@@ -157,7 +157,7 @@ def test_without_a_cache_dir_nothing_is_cached(s3: S3, bucket: str) -> None:  # 
 
 
 @pytest.mark.parametrize("limit", [None, 10])
-def test_a_missing_object_leaves_nothing_behind(s3: S3, bucket: str, tmp_path: Path, limit: int | None) -> None:  # noqa: F811
+def test_a_missing_object_leaves_nothing_behind(s3: S3, bucket: str, tmp_path: Path, limit: int | None) -> None:
     from h5feed.io import ObjectNotFound
 
     store = cached_store(s3, bucket, tmp_path / "cache", limit)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from s3_server import S3, Fault, bucket, s3  # noqa: F401 (fixtures)
+from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 from h5feed.io import AccessDenied, IOStats, ObjectNotFound, ObjectUnavailable, RetryPolicy, S3Store
 
@@ -15,7 +15,7 @@ DATA = np.random.default_rng(0).bytes(3_000_000)
 RANGES = [(0, 1_000_000), (1_000_000, 3_000_000)]
 
 
-def opened(s3: S3, bucket: str, reader: str, retry: RetryPolicy = FAST) -> S3Store:  # noqa: F811
+def opened(s3: S3, bucket: str, reader: str, retry: RetryPolicy = FAST) -> S3Store:
     s3.client.put_object(Bucket=bucket, Key="shard", Body=DATA)
     store = S3Store(f"s3://{bucket}", s3.storage_options, concurrency=4, retry=retry, use_obstore=reader == "obstore")
     store.stats = IOStats()
@@ -29,7 +29,7 @@ def retries(store: S3Store) -> int:
 
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (503, "ServiceUnavailable")])
-def test_server_errors_are_retried_and_counted(s3: S3, bucket: str, reader: str, status: int, code: str) -> None:  # noqa: F811
+def test_server_errors_are_retried_and_counted(s3: S3, bucket: str, reader: str, status: int, code: str) -> None:
     store = opened(s3, bucket, reader)
     s3.proxy.add(Fault(status=status, code=code, path="/shard", times=2))
     assert [bytes(b) for b in store.get_ranges("shard", RANGES)] == [DATA[a:b] for a, b in RANGES]
@@ -39,7 +39,7 @@ def test_server_errors_are_retried_and_counted(s3: S3, bucket: str, reader: str,
 
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("cut_at", [100, 500_000])  # in the response head, mid-body
-def test_dropped_connections_are_retried(s3: S3, bucket: str, reader: str, cut_at: int) -> None:  # noqa: F811
+def test_dropped_connections_are_retried(s3: S3, bucket: str, reader: str, cut_at: int) -> None:
     """Every drop is one counted retry, except that aiohttp (under s3fs) silently re-sends a request
     once itself when the server hangs up before the first byte of a response: of three such drops
     h5feed sees one."""
@@ -53,7 +53,7 @@ def test_dropped_connections_are_retried(s3: S3, bucket: str, reader: str, cut_a
 
 
 @pytest.mark.parametrize("reader", READERS)
-def test_a_cut_body_is_never_returned(s3: S3, bucket: str, reader: str) -> None:  # noqa: F811
+def test_a_cut_body_is_never_returned(s3: S3, bucket: str, reader: str) -> None:
     """With no retry left, a response cut mid-body is an error, not short data."""
     store = opened(s3, bucket, reader, retry=RetryPolicy(attempts=1))
     s3.proxy.add(Fault(drop_after=500_000, path="/shard", times=None))
@@ -65,7 +65,7 @@ def test_a_cut_body_is_never_returned(s3: S3, bucket: str, reader: str) -> None:
 
 
 @pytest.mark.parametrize("reader", READERS)
-def test_retries_are_bounded(s3: S3, bucket: str, reader: str) -> None:  # noqa: F811
+def test_retries_are_bounded(s3: S3, bucket: str, reader: str) -> None:
     store = opened(s3, bucket, reader)
     s3.proxy.add(Fault(status=503, code="SlowDown", path="/shard", times=None))
     with pytest.raises(ObjectUnavailable) as err:
@@ -76,7 +76,7 @@ def test_retries_are_bounded(s3: S3, bucket: str, reader: str) -> None:  # noqa:
 
 
 @pytest.mark.parametrize("reader", READERS)
-def test_access_denied_is_not_retried(s3: S3, bucket: str, reader: str) -> None:  # noqa: F811
+def test_access_denied_is_not_retried(s3: S3, bucket: str, reader: str) -> None:
     store = opened(s3, bucket, reader)
     s3.proxy.add(Fault(status=403, code="AccessDenied", path="/shard", times=None))
     with pytest.raises(AccessDenied) as err:
@@ -86,7 +86,7 @@ def test_access_denied_is_not_retried(s3: S3, bucket: str, reader: str) -> None:
 
 
 @pytest.mark.parametrize("reader", READERS)
-def test_missing_objects_and_buckets_are_not_retried(s3: S3, bucket: str, reader: str) -> None:  # noqa: F811
+def test_missing_objects_and_buckets_are_not_retried(s3: S3, bucket: str, reader: str) -> None:
     store = opened(s3, bucket, reader)
     with pytest.raises(ObjectNotFound, match=f"^s3://{bucket}/nothing: no such object or bucket; check the URL"):
         store.get_ranges("nothing", [(0, 10)])
@@ -97,7 +97,7 @@ def test_missing_objects_and_buckets_are_not_retried(s3: S3, bucket: str, reader
     assert retries(store) == 0
 
 
-def test_writes_are_retried(s3: S3, bucket: str) -> None:  # noqa: F811
+def test_writes_are_retried(s3: S3, bucket: str) -> None:
     store = opened(s3, bucket, "s3fs")
     s3.proxy.add(Fault(status=503, code="SlowDown", method="PUT", path="/new", times=2))
     store.put_atomic("new", DATA)

@@ -3,13 +3,15 @@ through the test proxy) read with obstore and with s3fs; plus https:// read-only
 
 from __future__ import annotations
 
+import io
 import pickle
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from s3_server import S3, bucket, s3  # noqa: F401 (fixtures)
+from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 from h5feed.io import (
     PART_BYTES,
@@ -125,7 +127,7 @@ def test_local_put_is_atomic_and_leaves_no_temporary_file(tmp_path: Path) -> Non
     assert store.local_path("a/b/c").read_bytes() == b"x" * 100
 
 
-def test_get_ranges_are_concurrent(s3: S3, bucket: str) -> None:  # noqa: F811
+def test_get_ranges_are_concurrent(s3: S3, bucket: str) -> None:
     """Eight ranges are held by the proxy until all eight are in flight at once (a sequential client never fills it)."""
     s3.client.put_object(Bucket=bucket, Key="shard", Body=payload(8000))
     for use_obstore in (True, False):
@@ -135,7 +137,7 @@ def test_get_ranges_are_concurrent(s3: S3, bucket: str) -> None:  # noqa: F811
         assert b"".join(got) == payload(8000) and gate.filled, store.reader
 
 
-def test_connection_pool_is_sized_to_the_concurrency(s3: S3, bucket: str) -> None:  # noqa: F811
+def test_connection_pool_is_sized_to_the_concurrency(s3: S3, bucket: str) -> None:
     """botocore's default pool of 10 would hold 30 requests to 10 at a time, and the gate would never fill."""
     s3.client.put_object(Bucket=bucket, Key="shard", Body=payload(30_000))
     store = S3Store(f"s3://{bucket}", s3.storage_options, concurrency=30, use_obstore=False)
@@ -144,7 +146,7 @@ def test_connection_pool_is_sized_to_the_concurrency(s3: S3, bucket: str) -> Non
     assert b"".join(got) == payload(30_000) and gate.filled
 
 
-def test_https_is_read_only(s3: S3, bucket: str) -> None:  # noqa: F811
+def test_https_is_read_only(s3: S3, bucket: str) -> None:
     data = payload(5000)
     s3.client.put_object(Bucket=bucket, Key="public/hs.zarr/shard", Body=data, ACL="public-read")
     store = open_url(f"{s3.proxy.url}/{bucket}/public/hs.zarr")
@@ -153,3 +155,18 @@ def test_https_is_read_only(s3: S3, bucket: str) -> None:  # noqa: F811
     assert [bytes(b) for b in store.get_ranges("shard", [(10, 20), (4000, 5000)])] == [data[10:20], data[4000:]]
     with pytest.raises(ObjectError, match="hs.zarr/x: this location is read-only"):
         store.put_atomic("x", b"1")
+
+
+def test_chained_urls(s3: S3, bucket: str) -> None:
+    """A store inside a zip inside a bucket: a synchronous fsspec filesystem, read from a thread pool."""
+    files = {"hs.zarr/zarr.json": b"{}", "hs.zarr/shard/0": payload(100_000)}
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    s3.client.put_object(Bucket=bucket, Key="stores.zip", Body=archive.getvalue())
+    store = open_url(f"zip://hs.zarr::s3://{bucket}/stores.zip", {"s3": s3.storage_options})
+    assert type(store) is FsspecStore and store.list() == {"shard/0": 100_000, "zarr.json": 2}
+    ranges = [(0, 10), (50_000, 100_000)]
+    assert [bytes(b) for b in store.get_ranges("shard/0", ranges)] == [files["hs.zarr/shard/0"][a:b] for a, b in ranges]
+    assert store.get("zarr.json") == b"{}"

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3_server import S3, bucket, s3  # noqa: F401 (fixtures)
+from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 from h5feed.io import IOStats, ObjectStore, S3Store
 
@@ -44,7 +44,7 @@ def read_in_child(store: ObjectStore, method: str) -> tuple[str, str, int]:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_s3fs_store_in_children_after_the_parent_read(s3: S3, bucket: str, method: str) -> None:  # noqa: F811
+def test_s3fs_store_in_children_after_the_parent_read(s3: S3, bucket: str, method: str) -> None:
     s3.client.put_object(Bucket=bucket, Key="shard", Body=DATA)
     store = S3Store(f"s3://{bucket}", s3.storage_options, use_obstore=False)
     assert hashlib.sha256(store.get("shard")).hexdigest() == DIGEST  # the parent's client and loop exist now
@@ -52,7 +52,7 @@ def test_s3fs_store_in_children_after_the_parent_read(s3: S3, bucket: str, metho
     assert hashlib.sha256(store.get("shard")).hexdigest() == DIGEST  # and still work
 
 
-def _parent(storage_options: dict[str, Any], bucket: str, queue: Any) -> None:  # noqa: F811
+def _parent(storage_options: dict[str, Any], bucket: str, queue: Any) -> None:
     """A fresh process (spawned), so that whether it has used obstore is known."""
     fast, slow = (S3Store(f"s3://{bucket}", storage_options, use_obstore=flag) for flag in (True, False))
     results = {}
@@ -65,7 +65,7 @@ def _parent(storage_options: dict[str, Any], bucket: str, queue: Any) -> None:  
     queue.put(results)
 
 
-def test_obstore_store_in_children_after_the_parent_read(s3: S3, bucket: str) -> None:  # noqa: F811
+def test_obstore_store_in_children_after_the_parent_read(s3: S3, bucket: str) -> None:
     s3.client.put_object(Bucket=bucket, Key="shard", Body=DATA)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

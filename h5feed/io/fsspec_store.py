@@ -65,13 +65,13 @@ class FsspecStore(ObjectStore):
             if self.protocol in ("s3", "s3a"):
                 fs.retries = 1  # s3fs's own retry loop (a class attribute), off: ours counts
             self._client_fs, self._client_root = fs, root.rstrip("/")
-            self._client_pool: ThreadPoolExecutor | None = None
-            self._client_pid = os.getpid()
+            self._client_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="h5feed-io")
+            self._client_pid = os.getpid()  # last: another thread's first call may make its own, never a half one
         return self._client_fs, self._client_root
 
     def _path(self, key: str) -> str:
         root = self._client()[1]
-        return f"{root}/{key}" if key else root
+        return "/".join(part for part in (root, key) if part)
 
     def _call(self, key: str, fn: Callable[[], T], nbytes: Callable[[T], int] = lambda _: 0) -> T:
         """One request with retries, counted."""
@@ -95,8 +95,6 @@ class FsspecStore(ObjectStore):
             from fsspec.asyn import sync
 
             return sync(fs.loop, self._get_ranges_async, fs, key, path, list(ranges))
-        if self._client_pool is None:
-            self._client_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="h5feed-io")
         return list(self._client_pool.map(lambda r: self._get_range_sync(fs, key, path, *r), ranges))
 
     def _get_range_sync(self, fs: Any, key: str, path: str, start: int, stop: int) -> bytes:

@@ -16,6 +16,7 @@ exactly as s3fs takes them, unless given in the storage options.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -59,21 +60,18 @@ class S3Store(FsspecStore):
         if not self.use_obstore:
             return None
         if self.__dict__.get("_client_obstore_pid") != os.getpid():
-            self._client_obstore_pid = os.getpid()
-            self._client_obstore = None
+            client = None
             if not obstore_usable():
                 log.warning("%s: this process was forked after its parent read through obstore, which cannot run in "
                             "it; reading with s3fs instead (slower). Start DataLoader workers with "
                             "multiprocessing_context='spawn' or 'forkserver' to read with obstore.", self.url)
-                return None
-            try:
-                import obstore  # noqa: F401
-            except ImportError:
-                return None
-            self._client_obstore = self._make_obstore()
-            self._client_obstore_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="h5feed-s3")
-            if not _obstore_used_by:
-                _obstore_used_by.append(os.getpid())
+            elif importlib.util.find_spec("obstore") is not None:
+                client = self._make_obstore()
+                self._client_obstore_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="h5feed-s3")
+                if not _obstore_used_by:
+                    _obstore_used_by.append(os.getpid())
+            self._client_obstore = client
+            self._client_obstore_pid = os.getpid()  # last, as in FsspecStore._client
         return self._client_obstore
 
     def _make_obstore(self) -> Any:
@@ -83,7 +81,8 @@ class S3Store(FsspecStore):
         client_kwargs = opts.get("client_kwargs", {})
         endpoint = (opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
                     or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
-        bucket, _, self._client_obstore_prefix = self.url.split("://", 1)[1].partition("/")
+        bucket, _, prefix = self.url.split("://", 1)[1].partition("/")
+        self._client_obstore_prefix = prefix.rstrip("/")
         config: dict[str, Any] = {}
         botocore_chain = _BotocoreCredentials(opts.get("profile"))
         if opts.get("anon"):
@@ -113,8 +112,7 @@ class S3Store(FsspecStore):
         return head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region", "us-east-1")
 
     def _obstore_path(self, key: str) -> str:
-        prefix = self._client_obstore_prefix.rstrip("/")
-        return f"{prefix}/{key}" if prefix else key
+        return "/".join(part for part in (self._client_obstore_prefix, key) if part)
 
     def get(self, key: str) -> bytes:
         client = self._obstore()
