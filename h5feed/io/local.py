@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,9 +27,13 @@ class LocalStore(ObjectStore):
 
     def _open(self, key: str) -> int:
         try:
-            return os.open(self.root / key, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            fd = os.open(self.root / key, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(self.key_url(key), "no such file; check the path") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ObjectNotFound(self.key_url(key), "a folder, not a file")
+        return fd
 
     def get(self, key: str) -> bytes:
         fd = self._open(key)

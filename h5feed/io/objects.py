@@ -53,8 +53,9 @@ class IOCounters(Protocol):
 
 @dataclass
 class IOStats:
-    """Network traffic of one process: requests that succeeded, their bytes and seconds, the retries
-    they needed, and node-cache hits and misses.  Thread-safe: requests finish on I/O threads."""
+    """Network traffic of one process: requests that succeeded, the payload bytes they brought and
+    their seconds (summed: concurrent requests overlap), the retries they needed, and node-cache
+    hits and misses.  Thread-safe: requests finish on I/O threads."""
 
     requests: int = 0
     bytes: int = 0
@@ -62,7 +63,7 @@ class IOStats:
     retries: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
-    cache_bytes: int = 0  # bytes served from the node cache
+    cache_bytes: int = 0  # sizes of the objects opened from the node cache
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()

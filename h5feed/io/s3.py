@@ -5,10 +5,11 @@ s3fs, at less CPU per byte (bench/remote_bench.py), so reads go through it when
 
 - the storage options are ones it can honour exactly (credentials, endpoint, region, profile,
   anonymous); any other option (requester pays, SSE, botocore config, ...) keeps every read on s3fs;
-- this process may use it: obstore's runtime is process-wide and hangs in a child forked after
-  the parent used it.  Such a child reads with s3fs instead and says so once in the log;
-  DataLoader workers started with spawn or forkserver, or forked before the parent read
-  anything through obstore, use obstore.
+- this process may use it: obstore's runtime is process-wide, starts with the first request, and
+  hangs in a child forked after that.  Such a child reads with s3fs instead and says so once in
+  the log.  DataLoader workers started with spawn or forkserver use obstore, and so do forked ones
+  as long as the parent made no range read before the fork (opening a store reads its metadata
+  with `get`, which stays on s3fs).
 
 Credentials come from botocore's chain (environment, ~/.aws files, profiles, instance roles),
 exactly as s3fs takes them, unless given in the storage options.
@@ -43,7 +44,11 @@ def obstore_usable() -> bool:
 
 
 class S3Store(FsspecStore):
-    """An FsspecStore for s3:// whose `get`, `get_ranges` and `get_large` go through obstore when it can."""
+    """An FsspecStore for s3:// whose range reads (`get_ranges`, `get_large`) go through obstore when it can.
+
+    A whole-object `get` (metadata, one small request) stays on s3fs, so that a trainer's main
+    process can open a store without starting obstore, and its forked DataLoader workers read with it.
+    """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 16,
                  retry: RetryPolicy = DEFAULT_RETRY, use_obstore: bool = True) -> None:
@@ -68,8 +73,6 @@ class S3Store(FsspecStore):
             elif importlib.util.find_spec("obstore") is not None:
                 client = self._make_obstore()
                 self._client_obstore_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="h5feed-s3")
-                if not _obstore_used_by:
-                    _obstore_used_by.append(os.getpid())
             self._client_obstore = client
             self._client_obstore_pid = os.getpid()  # last, as in FsspecStore._client
         return self._client_obstore
@@ -114,21 +117,14 @@ class S3Store(FsspecStore):
     def _obstore_path(self, key: str) -> str:
         return "/".join(part for part in (self._client_obstore_prefix, key) if part)
 
-    def get(self, key: str) -> bytes:
-        client = self._obstore()
-        if client is None:
-            return super().get(key)
-        import obstore
-
-        path = self._obstore_path(key)
-        return self._call(key, lambda: bytes(obstore.get(client, path).bytes()), len)
-
     def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Buffer]:
         client = self._obstore()
         if client is None:
             return super().get_ranges(key, ranges)
         import obstore
 
+        if not _obstore_used_by:  # its runtime starts with the first request (making a client starts nothing)
+            _obstore_used_by.append(os.getpid())
         path, url, stats = self._obstore_path(key), self.key_url(key), self.stats
 
         def attempt(start: int, stop: int) -> Buffer:
