@@ -1,11 +1,11 @@
 """A real S3 API on loopback for the tests and the remote bench: moto's server in its own process,
 behind a small TCP proxy that can delay, cut or refuse requests on demand.
 
-Tests import the fixtures (`from s3_server import s3_fixture, bucket_fixture`: fixtures `s3`, `bucket`); the bench starts the same pieces
-as processes (`python tests/s3_server.py --delay 0.02` prints the endpoints, then serves until
-killed).  Everything listens on 127.0.0.1 only, and the proxy is bounded: at most
-`max_connections` connections at a time, faults that fire a given number of times, a request log
-of bounded length.
+Tests import the fixtures (`from s3_server import s3_fixture, bucket_fixture` gives them `s3` and
+`bucket`); the bench starts the same pieces as processes (`python tests/s3_server.py --delay 0.02`
+prints the endpoints, then serves until killed).  Everything listens on 127.0.0.1 only, and the
+proxy is bounded: at most `max_connections` connections at a time, faults that fire a given
+number of times, a request log of bounded length.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import signal
 import socket
 import subprocess
@@ -44,10 +43,9 @@ class MotoServer:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        env = {**os.environ, "MOTO_PORT": str(self.port)}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
         while True:

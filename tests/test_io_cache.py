@@ -52,7 +52,7 @@ def test_the_second_read_is_local(s3: S3, bucket: str, tmp_path: Path) -> None:
 def test_open_url_with_a_cache_and_what_inspect_shows(s3: S3, bucket: str, tmp_path: Path) -> None:
     s3.client.put_object(Bucket=bucket, Key="hs.zarr/a", Body=SMALL["a"])
     store = open_url(f"s3://{bucket}/hs.zarr", s3.storage_options, cache_dir=tmp_path / "c", cache_limit=3_000_000)
-    assert isinstance(store, CachedStore) and store.get("a") == SMALL["a"] and store.get("a") == SMALL["a"]
+    assert isinstance(store, CachedStore) and store.get_large("a") == SMALL["a"] == store.get_large("a")
     assert cache_state(tmp_path / "c").summary() == (
         f"cache {tmp_path / 'c'}: 1 objects, 0.00 GB (limit 0.00 GB); 50% hits "
         "(1 hits, 1 misses, 0.00 GB downloaded, 0 evicted)")
@@ -64,11 +64,11 @@ def test_least_recently_used_objects_are_evicted(s3: S3, bucket: str, tmp_path: 
         s3.client.put_object(Bucket=bucket, Key=key, Body=data)
     store = cached_store(s3, bucket, tmp_path / "cache", limit=2_500_000)  # room for two
     for key in "aba":
-        assert store.get(key) == SMALL[key]
-    assert store.get("c") == SMALL["c"]  # b was used longest ago
+        assert store.get_large(key) == SMALL[key]
+    assert store.get_large("c") == SMALL["c"]  # b was used longest ago
     assert [gets(s3, k) for k in "abc"] == [1, 1, 1]
-    assert store.get("a") == SMALL["a"] and gets(s3, "a") == 1  # still cached
-    assert store.get("b") == SMALL["b"] and gets(s3, "b") == 2  # fetched again; c goes
+    assert store.get_large("a") == SMALL["a"] and gets(s3, "a") == 1  # still cached
+    assert store.get_large("b") == SMALL["b"] and gets(s3, "b") == 2  # fetched again; c goes
     state = cache_state(tmp_path / "cache")
     assert (state.objects, state.bytes, state.evictions) == (2, 2_000_000, 2)
 
@@ -78,24 +78,31 @@ def test_an_object_in_use_is_never_evicted(s3: S3, bucket: str, tmp_path: Path) 
         s3.client.put_object(Bucket=bucket, Key=key, Body=data)
     store = cached_store(s3, bucket, tmp_path / "cache", limit=1_500_000)  # room for one
     with store.open_cached("a") as held:
-        assert store.get("b") == SMALL["b"]  # a is in use: the cache goes over its limit rather than evict it
+        assert store.get_large("b") == SMALL["b"]  # a is in use: the cache goes over its limit rather than evict it
         assert cache_state(tmp_path / "cache").objects == 2
-        assert store.get("c") == SMALL["c"]  # evicts b, not the older a
-        assert held.read() == SMALL["a"] and store.get("a") == SMALL["a"] and gets(s3, "a") == 1
+        assert store.get_large("c") == SMALL["c"]  # evicts b, not the older a
+        assert held.read() == SMALL["a"] and store.get_large("a") == SMALL["a"] and gets(s3, "a") == 1
         assert cache_state(tmp_path / "cache").evictions == 1
-    assert store.get("d") == SMALL["d"]  # a is free again, and the least recently used
+    assert store.get_large("d") == SMALL["d"]  # a is free again, and the least recently used
     assert [gets(s3, k) for k in "abcd"] == [1, 1, 1, 1]
-    assert store.get("c") == SMALL["c"] and store.get("a") == SMALL["a"] and gets(s3, "a") == 2
+    assert store.get_large("c") == SMALL["c"] and store.get_large("a") == SMALL["a"] and gets(s3, "a") == 2
 
 
-def test_a_rewritten_object_is_not_served_from_the_cache(s3: S3, bucket: str, tmp_path: Path) -> None:
+def test_metadata_and_rewritten_objects_are_never_stale(s3: S3, bucket: str, tmp_path: Path) -> None:
+    s3.client.put_object(Bucket=bucket, Key="zarr.json", Body=b'{"status": "converting"}')
     s3.client.put_object(Bucket=bucket, Key="a", Body=SMALL["a"])
     store = cached_store(s3, bucket, tmp_path / "cache")
-    assert store.get("a") == SMALL["a"]
-    store.put_atomic("a", SMALL["b"])
-    assert store.get("a") == SMALL["b"]
+    assert store.get("zarr.json") == b'{"status": "converting"}'  # get: metadata, never cached
+    s3.client.put_object(Bucket=bucket, Key="zarr.json", Body=b'{"status": "complete"}')
+    assert store.get("zarr.json") == b'{"status": "complete"}' and cache_state(tmp_path / "cache").objects == 0
+    assert store.get_large("a") == SMALL["a"]
+    store.put_atomic("a", SMALL["b"])  # a write through the store forgets this node's copy
+    assert store.get_large("a") == SMALL["b"]
+    s3.client.put_object(Bucket=bucket, Key="a", Body=SMALL["c"])  # rewritten by someone else:
+    assert store.get_large("a") == SMALL["b"]  # cached objects are taken to be immutable,
+    assert CachedStore(store.inner, store.cache, namespace="conversion 2").get_large("a") == SMALL["c"]  # hence this
     store.delete("a")
-    assert not store.exists("a") and cache_state(tmp_path / "cache").objects == 0
+    assert not store.exists("a") and cache_state(tmp_path / "cache").objects == 1  # only conversion 2's copy is left
 
 
 def _open_in_race(store: CachedStore, start: Any, queue: Any) -> None:
@@ -125,7 +132,7 @@ def test_processes_racing_for_one_object_download_it_once(s3: S3, bucket: str, t
 
 def _download(storage_options: dict[str, Any], bucket: str, cache_dir: Path) -> None:
     store = CachedStore(S3Store(f"s3://{bucket}", storage_options, concurrency=4), NodeCache(cache_dir))
-    store.get("big")
+    store.get_large("big")
 
 
 def test_a_reader_killed_mid_download_is_cleaned_up(s3: S3, bucket: str, tmp_path: Path) -> None:
@@ -145,7 +152,7 @@ def test_a_reader_killed_mid_download_is_cleaned_up(s3: S3, bucket: str, tmp_pat
 
     store = cached_store(s3, bucket, cache_dir)  # this process's first use of the cache: it cleans up
     assert os.listdir(cache_dir / "partial") == os.listdir(cache_dir / "locks") == os.listdir(cache_dir / "objects") == []
-    assert store.get("big") == BIG and gets(s3, "big") == 3
+    assert store.get_large("big") == BIG and gets(s3, "big") == 3
     assert cache_state(cache_dir).misses == 1
 
 
@@ -162,5 +169,5 @@ def test_a_missing_object_leaves_nothing_behind(s3: S3, bucket: str, tmp_path: P
 
     store = cached_store(s3, bucket, tmp_path / "cache", limit)
     with pytest.raises(ObjectNotFound, match=f"^s3://{bucket}/nothing: no such object"):
-        store.get("nothing")
+        store.get_large("nothing")
     assert os.listdir(tmp_path / "cache" / "partial") == os.listdir(tmp_path / "cache" / "objects") == []

@@ -292,11 +292,12 @@ def cache_state(cache_dir: str | os.PathLike[str]) -> CacheState:
 
 
 class CachedStore(ObjectStore):
-    """An ObjectStore whose reads go through a NodeCache; everything else goes to `inner`.
+    """An ObjectStore whose data reads (`get_ranges`, `get_large`, `open_cached`) go through a
+    NodeCache; everything else, `get` included (metadata such as `zarr.json`, which changes while a
+    store converts), goes to `inner` uncached.
 
-    Cached objects are taken to be immutable once written, as a finished store's are.  Read an
-    object that can change (a store's `zarr.json` while it converts) through `.inner`, and give a
-    `namespace` that changes when the store is rewritten at the same URL (e.g. its conversion id),
+    Cached objects are taken to be immutable once written, as a finished store's are: give a
+    `namespace` that changes when a store is rewritten at the same URL (e.g. its conversion id),
     so that old copies are never served.
     """
 
@@ -318,15 +319,15 @@ class CachedStore(ObjectStore):
         return self.cache.open(self.inner, key, self.namespace)
 
     def get(self, key: str) -> bytes:
-        with self.open_cached(key) as obj:
-            return obj.read()
+        return self.inner.get(key)
 
     def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Buffer]:
         with self.open_cached(key) as obj:
             return obj.read_ranges(ranges)
 
     def get_large(self, key: str, size: int | None = None) -> bytes:
-        return self.get(key)
+        with self.open_cached(key) as obj:
+            return obj.read()
 
     def size(self, key: str) -> int:
         return self.inner.size(key)

@@ -66,6 +66,7 @@ class FsspecStore(ObjectStore):
                 fs.retries = 1  # s3fs's own retry loop (a class attribute), off: ours counts
             self._client_fs, self._client_root = fs, root.rstrip("/")
             self._client_pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="h5feed-io")
+            self._client_slots = asyncio.Semaphore(self.concurrency)  # bound to fs.loop on first use
             self._client_pid = os.getpid()  # last: another thread's first call may make its own, never a half one
         return self._client_fs, self._client_root
 
@@ -104,7 +105,7 @@ class FsspecStore(ObjectStore):
         return self._call(key, lambda: check_length(url, start, stop, fs.cat_file(path, start=start, end=stop)), len)
 
     async def _get_ranges_async(self, fs: Any, key: str, path: str, ranges: list[Range]) -> list[Buffer]:
-        url, stats, slots = self.key_url(key), self.stats, asyncio.Semaphore(self.concurrency)
+        url, stats, slots = self.key_url(key), self.stats, self._client_slots
 
         async def attempt(start: int, stop: int) -> bytes:
             t0 = time.perf_counter()

@@ -141,11 +141,13 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def get(self, key: str) -> bytes:
-        """The whole object, in one request."""
+        """The whole object in one request: metadata and other small objects (never cached; see `get_large`)."""
 
     @abstractmethod
     def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Buffer]:
-        """The bytes of each [start, stop) range of one object, fetched concurrently; an empty range costs no request."""
+        """The bytes of each [start, stop) range of one object, fetched concurrently; an empty range costs no request.
+
+        `concurrency` bounds the requests in flight per store and process, across all calls and threads."""
 
     @abstractmethod
     def size(self, key: str) -> int:
@@ -171,7 +173,7 @@ class ObjectStore(ABC):
         return True
 
     def get_large(self, key: str, size: int | None = None) -> bytes:
-        """The whole object, as concurrent ranges when it is larger than one part (a source `.pt`, a shard)."""
+        """The whole object as data (a source `.pt`, a shard): concurrent ranges when larger than one part."""
         size = self.size(key) if size is None else size
         if size <= PART_BYTES:
             return self.get(key)
