@@ -348,6 +348,8 @@ def _num(value: float | None, spec: str) -> str:
 def table(runs: list[dict[str, Any]]) -> str:
     rows = [["loader", "workers", "cache", "steps", "step time", "data-wait %", "GPU idle %", "samples/s",
              "loading cores", "CPU s/sample", "GPU decode ms/sample"]]
+    rows += [[r["loader"], str(r["workers"]), "FAILED", r["error"][:60]] + [""] * 7 for r in runs if "error" in r]
+    runs = [r for r in runs if "error" not in r]
     rows += [[r["loader"], str(r["workers"]), r["cache"], str(r["steps"]), _num(r["step_time_s"], ".3f") + " s",
               _num(r["data_loading_pct"], ".1f"), _num(r["gpu_idle_pct"], ".1f"), _num(r["samples_per_s"], ".2f"),
               _num(r["loading_cpu_cores"], ".2f"), _num(r["loading_cpu_s_per_sample"], ".3f"),
@@ -421,11 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     for workers in (int(w) for w in args.workers.split(",")):
         builders = loaders(store, args, workers, pin=device.type == "cuda")
         for name in args.loaders.split(","):
-            loader = builders[name]()  # built first: the baseline reads its first file's folder here
-            cache = evict(store) if args.cold else "as found"
-            log.info("%s, %d workers: %s batches, cache %s", name, workers, len(loader), cache)
-            runs.append(train(name, loader, trainer, args, cache, workers, train_cpu_per_step))
-            del loader
+            try:
+                loader = builders[name]()  # built first: the baseline reads its first file's folder here
+                cache = evict(store) if args.cold else "as found"
+                log.info("%s, %d workers: %s batches, cache %s", name, workers, len(loader), cache)
+                runs.append(train(name, loader, trainer, args, cache, workers, train_cpu_per_step))
+                del loader
+            except Exception as exc:  # one loader's failure is a finding, not the end of the other runs
+                log.exception("%s with %d workers failed", name, workers)
+                runs.append({"loader": name, "workers": workers, "error": repr(exc)})
 
     result = {
         "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "shape": asdict(shape),
