@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from h5feed import HiddenStatesStream, StreamLoader
 from h5feed.collate import trainer_collate
