@@ -70,6 +70,7 @@ from h5feed.store import Store
 log = logging.getLogger("train_step")
 
 DRAFT_VOCAB = 32000
+EMBED_VOCAB = 32768  # the verifier's embedding: covers h5feed.synthetic's token ids (the draft vocabulary may be smaller)
 TTT_STEPS = 3
 Batch = dict[str, torch.Tensor]
 
@@ -154,7 +155,7 @@ class Drafter(nn.Module):
     def __init__(self, s: Shape) -> None:
         super().__init__()
         self.s = s
-        self.embed = nn.Embedding(s.vocab, s.hidden).requires_grad_(False)  # the verifier's, frozen
+        self.embed = nn.Embedding(EMBED_VOCAB, s.hidden).requires_grad_(False)  # the verifier's, frozen
         self.fc = nn.Linear(s.aux_layers * s.hidden, s.hidden, bias=False)
         self.layer = DecoderLayer(s)
         self.norm = RMSNorm(s.hidden, eps=1e-6)
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s is on %s: a cold page cache means nothing there", store.path, fs)
 
     warm = create_collate_fn(args.max_len)([{
-        "input_ids": torch.randint(0, shape.vocab, (args.max_len,)),
+        "input_ids": torch.randint(0, EMBED_VOCAB, (args.max_len,)),
         "hidden_states": torch.randn(args.max_len, shape.aux_layers * shape.hidden, dtype=torch.bfloat16),
         "verifier_last_hidden_states": torch.randn(args.max_len, shape.hidden, dtype=torch.bfloat16),
         "loss_mask": torch.ones(args.max_len, dtype=torch.long),

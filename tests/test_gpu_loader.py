@@ -26,7 +26,7 @@ def test_without_cuda_the_error_names_the_cpu_loader(synthetic_store):
 @pytest.mark.parametrize("flavor, fmt, batch_size, max_len", [
     ("speculators-legacy", "speculators-legacy-pt", 1, 64),
     ("speculators-legacy", "speculators-legacy-pt", 3, 64),
-    ("speculators-legacy", "speculators-legacy-pt", 2, None),
+    ("speculators-legacy", "speculators-legacy-pt", 2, 150),
     ("speculators", "speculators-legacy-pt", 2, 80),
     ("specforge", "specforge-ckpt", 2, 50),
 ])
