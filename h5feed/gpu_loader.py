@@ -1,10 +1,12 @@
 """decode="cuda": the trainer's batches decoded on the GPU, so that the CPU only reads and checks files.
 
 Reader threads copy each sample's still-compressed chunk frames, every one checked
-against its crc32c (`Store.copy_frames_into`), into a page-locked staging buffer;
-the trainer's thread sends a batch's frames to the GPU in one copy, decodes them
-there in one nvCOMP batch (`h5feed.gpu_decode`), and places the rows where the
-trainer's collate puts them (device-to-device copies, pads zeroed).  The batches
+against its crc32c (`Store.copy_frames_into`), into a page-locked staging buffer,
+`decode_group` batches at a time; the trainer's thread sends a group's frames to the
+GPU in one copy, decodes them there in one nvCOMP batch (`h5feed.gpu_decode`: the
+GPU decodes several times faster per byte in large batches) on a stream of its own,
+and places the rows where the trainer's collate puts them (device-to-device copies,
+pads zeroed).  The batches
 equal, tensor for tensor, what `DataLoader(HiddenStatesStream(...),
 collate_fn=trainer_collate(flavor, max_len), pin_memory=True)` yields, already on
 the GPU.  A staging buffer is reused once the event recorded after its copy to the
@@ -34,13 +36,13 @@ _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its
 
 @dataclass
 class _Staged:
-    """One batch's compressed frames in a pinned buffer, and where each decodes to."""
+    """A group of batches' compressed frames in one pinned buffer, and where each frame decodes to."""
 
-    indices: list[int]
-    windows: list[int]  # rows read of each sample (the flavor's window)
+    batches: list[list[int]]
+    windows: list[int]  # rows read of each sample of the group, in order (the flavor's window)
     buffer: int  # which staging buffer
     spans: list[tuple[int, int]]  # (offset, length) of each frame in the buffer
-    targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
+    targets: list[tuple[int, str, int]]  # (sample position in the group, array, chunk) of each frame
 
 
 class _StagingRing:
@@ -75,7 +77,8 @@ class CudaBatchLoader:
         data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out its own arguments).
         flavor, max_len, hidden_states_dtype, batch_size, drop_last: as `BatchLoader`.
         threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
-        prefetch: batches staged ahead of the one being decoded.
+        prefetch: groups of batches staged ahead of the one being decoded.
+        decode_group: batches decoded in one GPU call.
         device: the CUDA device the batches arrive on.
         **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
 
@@ -93,7 +96,8 @@ class CudaBatchLoader:
         batch_size: int = 1,
         drop_last: bool = False,
         threads: int = 2,
-        prefetch: int = 4,
+        prefetch: int = 2,
+        decode_group: int = 4,
         device: torch.device | str = "cuda",
         **stream_kwargs: Any,
     ) -> None:
@@ -113,7 +117,7 @@ class CudaBatchLoader:
                              f"(this one: format {store.info.format_version}, {codec}); use h5feed.BatchLoader")
         stream.batch_size, stream._counted_by_loader = batch_size, True
         self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
-        self.threads, self.prefetch = threads, prefetch
+        self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
         self.device = torch.device(device)
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
@@ -125,8 +129,8 @@ class CudaBatchLoader:
         longest = max((stream._tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
-        self._ring = _StagingRing(prefetch + threads + 1, batch_size * per_sample)
-        self._decoder = CudaBloscDecoder(self.device)
+        self._ring = _StagingRing(prefetch + threads + 1, decode_group * batch_size * per_sample)
+        self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
         self.gpu_decode_ms = 0.0
         self._pending_timings: deque[Any] = deque()
 
@@ -146,16 +150,17 @@ class CudaBatchLoader:
         stream = self.dataset
         stream._consumed = 0
         stream.counters.worker().start()
-        upcoming = iter(_in_batches(stream._worker_sequence(), self.batch_size, self.drop_last))
+        batches = _in_batches(stream._worker_sequence(), self.batch_size, self.drop_last)
+        groups = iter([batches[j : j + self.decode_group] for j in range(0, len(batches), self.decode_group)])
         in_flight: deque[Future[_Staged]] = deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-gpu-read") as pool:
 
             def submit_next() -> None:
-                indices = next(upcoming, None)
-                if indices is not None:
-                    for i in indices:
+                group = next(groups, None)
+                if group is not None:
+                    for i in (i for indices in group for i in indices):
                         stream.store.will_need(i, stream._tokens_to_read(i))
-                    in_flight.append(pool.submit(self._stage, indices))
+                    in_flight.append(pool.submit(self._stage, group))
 
             try:
                 for _ in range(self.prefetch):
@@ -163,24 +168,24 @@ class CudaBatchLoader:
                 while in_flight:
                     staged = in_flight.popleft().result()
                     submit_next()
-                    batch = self._decode(staged)
-                    stream.note_consumed(len(staged.indices))
-                    yield batch
+                    for indices, batch in zip(staged.batches, self._decode(staged)):
+                        stream.note_consumed(len(indices))
+                        yield batch
             finally:
                 for future in in_flight:
                     future.cancel()
                 self._collect_timings(wait=True)
 
     # --- reader threads: compressed, checked frames into pinned memory ----------------------------
-    def _stage(self, indices: list[int]) -> _Staged:
+    def _stage(self, batches: list[list[int]]) -> _Staged:
         stream, store = self.dataset, self.dataset.store
         counters = stream.counters.worker()
         slot = self._ring.acquire()
         host = self._ring.buffers[slot].numpy()
-        staged = _Staged(indices, [], slot, [], [])
+        staged = _Staged(batches, [], slot, [], [])
         position = 0
         try:
-            for n, i in enumerate(indices):
+            for n, i in enumerate(i for indices in batches for i in indices):
                 counters.begin_sample(i)
                 window = stream._tokens_to_read(i)
                 staged.windows.append(window)
@@ -195,41 +200,53 @@ class CudaBatchLoader:
             raise
         return staged
 
-    # --- the trainer's thread: one GPU decode per batch, then the collate's placement -------------
-    def _decode(self, staged: _Staged) -> Batch:
-        store, collate = self.dataset.store, self.collate
-        c = store.info.chunk_tokens
-        decoded = {(n, array): torch.empty((-(-w // c) * c, store.info.width(array)) if array in HIDDEN_ARRAYS
-                                           else (-(-w // c) * c,), dtype=store.info.storage_dtype(array),
-                                           device=self.device)
-                   for n, w in enumerate(staged.windows) for array in self._arrays}
-        outs = [decoded[(n, array)][chunk * c : (chunk + 1) * c] for n, array, chunk in staged.targets]
-        timing = self._decoder.decode_from_pinned(self._ring.buffers[staged.buffer], staged.spans, outs)
-        self._ring.release(staged.buffer, timing.copy_done)
-        self._pending_timings.append(timing)
+    # --- the trainer's thread: one GPU decode per group, then the collate's placement -------------
+    def _decode(self, staged: _Staged) -> list[Batch]:
+        info = self.dataset.store.info
+        c, side = info.chunk_tokens, self._decoder.stream
+        with torch.cuda.stream(side):
+            decoded = {(n, array): torch.empty((-(-w // c) * c, info.width(array)) if array in HIDDEN_ARRAYS
+                                               else (-(-w // c) * c,), dtype=info.storage_dtype(array),
+                                               device=self.device)
+                       for n, w in enumerate(staged.windows) for array in self._arrays}
+            outs = [decoded[(n, array)][chunk * c : (chunk + 1) * c] for n, array, chunk in staged.targets]
+            timing = self._decoder.decode_from_pinned(self._ring.buffers[staged.buffer], staged.spans, outs)
+            self._ring.release(staged.buffer, timing.copy_done)
+            self._pending_timings.append(timing)
+            batches, first = [], 0
+            for indices in staged.batches:
+                batches.append(self._place(indices, staged.windows[first : first + len(indices)], decoded, first))
+                first += len(indices)
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_stream(side)  # the trainer's kernels start once the group is decoded and placed
+        for batch in batches:
+            for value in batch.values():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    value.record_stream(consumer)  # made on the side stream, used on the trainer's
         self._collect_timings(wait=False)
+        return batches
 
-        tokens = [int(store.sample_lengths[i]) for i in staged.indices]
-        plan = collate.plan([collate.item_rows(t) for t in tokens])
-        with torch.cuda.stream(self._decoder.stream):
-            batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
-                     for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
-            written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
-            for n, (window, place) in enumerate(zip(staged.windows, plan.placements)):
-                for rk in collate.row_keys:
-                    rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
-                    if rk.array is not None and rows:
-                        source = decoded[(n, rk.array)][rk.shift : rk.shift + rows]
-                        dest = batch[rk.key][place.row, place.offset : place.offset + rows]
-                        if rk.array in HIDDEN_ARRAYS:
-                            source = source.view(store.info.torch_dtype)
-                        dest.copy_(source)
-                    written[rk.key][place.row] = place.offset + rows
+    def _place(self, indices: list[int], windows: list[int], decoded: dict[tuple[int, str], torch.Tensor],
+               first: int) -> Batch:
+        """One batch of the trainer's collate, from its samples' decoded rows (on the current stream)."""
+        store, collate = self.dataset.store, self.collate
+        plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in indices])
+        batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
+                 for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
+        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
+        for n, (window, place) in enumerate(zip(windows, plan.placements), start=first):
             for rk in collate.row_keys:
-                zero_pads(batch[rk.key], written[rk.key])
-            collate.derive_rows(batch, plan)
-            collate.write_summary(batch, plan)
-        torch.cuda.current_stream(self.device).wait_stream(self._decoder.stream)
+                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
+                if rk.array is not None and rows:
+                    source = decoded[(n, rk.array)][rk.shift : rk.shift + rows]
+                    if rk.array in HIDDEN_ARRAYS:
+                        source = source.view(store.info.torch_dtype)
+                    batch[rk.key][place.row, place.offset : place.offset + rows].copy_(source)
+                written[rk.key][place.row] = place.offset + rows
+        for rk in collate.row_keys:
+            zero_pads(batch[rk.key], written[rk.key])
+        collate.derive_rows(batch, plan)
+        collate.write_summary(batch, plan)
         return batch
 
     def _collect_timings(self, wait: bool) -> None:
