@@ -170,6 +170,18 @@ def test_pad_rows_of_a_reused_slot_are_zero(specforge_store, assert_same_batch):
         assert_same_batch(batch, expected)
 
 
+def test_a_pass_dropped_midway_stops_its_readers(legacy_store):
+    import threading
+
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1, threads=2)
+    iterator = iter(loader)
+    next(iterator)
+    assert any(t.name.startswith("h5feed-batch") for t in threading.enumerate())
+    del iterator  # as a `for` loop left with break: the loader does not keep its pass alive
+    assert not any(t.name.startswith("h5feed-batch") for t in threading.enumerate())
+    assert len(copies(loader)) == N  # and the next pass starts afresh
+
+
 # =========================================================================== resume
 
 
