@@ -446,6 +446,11 @@ class BatchLoader:
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
 
+    @property
+    def batch_sampler(self) -> BatchLoader:
+        """speculators' Trainers call `train_loader.batch_sampler.set_epoch(epoch)` each epoch: this loader takes it."""
+        return self
+
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()
 
