@@ -14,7 +14,8 @@ The swap, in the trainer's `setup_dataloader`:
     loader = h5feed.StreamLoader(stream, batch_size=B, num_workers=4, pin_memory=True,
                                  collate_fn=h5feed.trainer_collate("speculators-legacy", M))
 
-0.4 adds its noise to each item; BatchLoader builds no items, so the noise goes onto the
+0.4's `Trainer` takes the loader as its train_loader (it calls `len()`, `batch_sampler.set_epoch`
+and iterates).  0.4 adds its noise to each item; BatchLoader builds no items, so the noise goes onto the
 batch's rows instead (`add_uniform_noise`): the same distribution, drawn on the device.
 
     python examples/speculators_04.py /data/hs.zarr --max-len 2048 --workers 4 --steps 100

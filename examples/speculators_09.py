@@ -13,9 +13,10 @@ The swap, in `create_train_val_loaders` / `_setup_dataloader`:
     # page-locked, recycled batch buffers
     loader = h5feed.BatchLoader("/data/hs.zarr", flavor="speculators", max_len=M, batch_size=B, num_workers=4)
 
-speculators' `Trainer` moves each batch with `v.to(local_rank, non_blocking=True)`: with
-BatchLoader that copy is a DMA from the page-locked slot, and the slot is reused only
-once the GPU has finished it.
+speculators' `Trainer(model, config, train_loader=loader)` takes it as it is: it calls
+`len(loader)`, `loader.batch_sampler.set_epoch(epoch)` and iterates, and moves each batch
+with `v.to(local_rank, non_blocking=True)`: with BatchLoader that copy is a DMA from the
+page-locked slot, and the slot is reused only once the GPU has finished it.
 
     python examples/speculators_09.py /data/hs.zarr --max-len 2048 --workers 4 --steps 100
 """

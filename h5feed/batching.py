@@ -31,7 +31,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import reduction
@@ -388,7 +388,7 @@ class BatchLoader:
         self._lock = threading.RLock()  # _release runs from finalizers, which may fire while it is held
         self._pid = os.getpid()
         self._drain_queue: queue.SimpleQueue[tuple[int, Any]] | None = None
-        self._active: Iterator[Batch] | None = None
+        self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # weak: a dropped pass ends at once
         self._warned = False
 
     # --- what DataLoader users call ----------------------------------------------------------
@@ -399,6 +399,11 @@ class BatchLoader:
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
 
+    @property
+    def batch_sampler(self) -> BatchLoader:
+        """speculators' Trainers call `train_loader.batch_sampler.set_epoch(epoch)` each epoch: this loader takes it."""
+        return self
+
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()
 
@@ -408,14 +413,16 @@ class BatchLoader:
     def __iter__(self) -> Iterator[Batch]:
         """One pass over this rank's batches; starting another ends the one before."""
         self.close()
-        self._active = self._batches()
-        return self._active
+        batches = self._batches()
+        self._active = weakref.ref(batches)
+        return batches
 
     def close(self) -> None:
         """End the current pass (its workers or threads stop); slots it had filled go back to the ring."""
-        if self._active is not None:
-            self._active.close()  # type: ignore[attr-defined]
-            self._active = None
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._active = None
         ring = self._writer.ring
         ring.whole()
         with self._lock:
@@ -424,7 +431,7 @@ class BatchLoader:
                     ring.states[slot] = FREE
 
     # --- one pass ----------------------------------------------------------------------------
-    def _batches(self) -> Iterator[Batch]:
+    def _batches(self) -> Generator[Batch, None, None]:
         stream = self.dataset
         stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
         feed = self._from_workers() if self.num_workers else self._from_threads()
@@ -434,9 +441,9 @@ class BatchLoader:
                 stream.note_consumed(filled.samples)
                 yield batch
         finally:
-            feed.close()  # type: ignore[attr-defined]
+            feed.close()
 
-    def _from_workers(self) -> Iterator[FilledBatch]:
+    def _from_workers(self) -> Generator[FilledBatch, None, None]:
         loader = DataLoader(
             _SlotFeed(self._writer, self.batch_size, self.drop_last, self.slots_per_worker), batch_size=None,
             num_workers=self.num_workers, collate_fn=_as_is, prefetch_factor=self.prefetch,
@@ -449,7 +456,7 @@ class BatchLoader:
         finally:
             iterator._shutdown_workers()  # type: ignore[attr-defined]
 
-    def _from_threads(self) -> Iterator[FilledBatch]:
+    def _from_threads(self) -> Generator[FilledBatch, None, None]:
         writer, ring = self._writer, self._writer.ring
         counters = self.dataset.counters.worker()
         counters.start()

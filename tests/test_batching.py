@@ -116,6 +116,25 @@ def test_drop_last_leaves_out_the_short_batch(specforge_store, assert_same_batch
         assert_same_batches(copies(loader), want[:3], assert_same_batch)
 
 
+def test_speculators_trainer_drives_it_as_its_dataloader(legacy_store, assert_same_batch):
+    """What speculators 0.9's `Trainer.train_epoch` does with its train_loader, on CPU (it would `.to(local_rank)`)."""
+    train_loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=64, batch_size=3, threads=2, seed=6)
+    for epoch in range(2):
+        if hasattr(train_loader.batch_sampler, "set_epoch"):
+            train_loader.batch_sampler.set_epoch(epoch)
+        num_steps = len(train_loader)
+        stream = HiddenStatesStream(legacy_store.path, "speculators", 64, seed=6)
+        stream.set_epoch(epoch)
+        want = list(StreamLoader(stream, batch_size=3, collate_fn=trainer_collate("speculators", 64)))
+        steps = 0
+        for local_step, batch in enumerate(train_loader, 1):
+            gpu_batch = {k: v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}
+            assert_same_batch(gpu_batch, want[local_step - 1])
+            steps = local_step
+        assert steps == num_steps == 5
+
+
 # =========================================================================== slots
 
 
@@ -168,6 +187,18 @@ def test_pad_rows_of_a_reused_slot_are_zero(specforge_store, assert_same_batch):
     want = reference(specforge_store.path, "specforge", 100, 2, shuffle=False)
     for batch, expected in zip(loader, want, strict=True):
         assert_same_batch(batch, expected)
+
+
+def test_a_pass_dropped_midway_stops_its_readers(legacy_store):
+    import threading
+
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1, threads=2)
+    iterator = iter(loader)
+    next(iterator)
+    assert any(t.name.startswith("h5feed-batch") for t in threading.enumerate())
+    del iterator  # as a `for` loop left with break: the loader does not keep its pass alive
+    assert not any(t.name.startswith("h5feed-batch") for t in threading.enumerate())
+    assert len(copies(loader)) == N  # and the next pass starts afresh
 
 
 # =========================================================================== resume
