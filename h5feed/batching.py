@@ -54,6 +54,8 @@ from h5feed.store import (
 
 FREE, FILLING, FILLED, DRAINING = 0, 1, 2, 3  # a slot's states; FREE->FILLED by its writer, then back by the trainer
 _ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
+READ_AHEAD_BATCHES = 3  # a worker's batches the disk is asked for ahead of the one it decodes (a cold cache
+# needs several requests in flight to reach the disk's rate: one sample ahead per worker left 2 workers at ~60% of it)
 _POLL_SECONDS = 0.0005  # how often a writer looks again for a slot whose copy to the GPU is finishing
 
 
@@ -292,11 +294,11 @@ class _SlotFeed(IterableDataset[FilledBatch]):
         own = range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker)
         batches = _in_batches(self.writer.stream._worker_sequence(), self.batch_size, self.drop_last)
         self.writer.stream.counters.worker().start()
+        for indices in batches[:READ_AHEAD_BATCHES]:
+            self.writer.will_need(indices)
         for j, indices in enumerate(batches):
-            if j == 0:
-                self.writer.will_need(indices)
-            if j + 1 < len(batches):
-                self.writer.will_need(batches[j + 1])  # the disk works on the next batch while this one decodes
+            if j + READ_AHEAD_BATCHES < len(batches):  # the disk works on later batches while this one decodes
+                self.writer.will_need(batches[j + READ_AHEAD_BATCHES])
             yield self.writer.write(indices, self.writer.ring.claim(own))
 
 
