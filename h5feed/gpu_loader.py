@@ -1,22 +1,20 @@
 """decode="cuda": the trainer's batches decoded on the GPU, so that the CPU only reads and checks files.
 
-Reader threads copy each sample's still-compressed chunk frames, every one checked
-against its crc32c (`Store.copy_frames_into`), into a page-locked staging buffer,
-`decode_group` batches at a time; the trainer's thread sends a group's frames to the
-GPU in one copy, decodes them there in one nvCOMP batch (`h5feed.gpu_decode`: the
-GPU decodes several times faster per byte in large batches) on a stream of its own,
-and places the rows where the trainer's collate puts them (device-to-device copies,
-pads zeroed).  The batches
+Reader threads, one batch each, copy its samples' still-compressed chunk frames,
+every one checked against its crc32c (`Store.copy_frames_into`), into the batch's
+region of one page-locked staging memory; the trainer's thread sends the frames of
+up to `decode_group` consecutive staged batches to the GPU in one copy, decodes them
+there in one nvCOMP batch (`h5feed.gpu_decode`: the GPU decodes several times faster
+per byte in large batches) on a stream of its own, and places the rows where the
+trainer's collate puts them (device-to-device copies, pads zeroed).  The batches
 equal, tensor for tensor, what `DataLoader(HiddenStatesStream(...),
 collate_fn=trainer_collate(flavor, max_len), pin_memory=True)` yields, already on
-the GPU.  A staging buffer is reused once the event recorded after its copy to the
-GPU has completed.  Without CUDA or nvCOMP, use `BatchLoader` (a clear error says so).
+the GPU.  A region is reused once the event recorded after its copy to the GPU has completed.  Without CUDA or nvCOMP, use `BatchLoader` (a clear error says so).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,38 +34,13 @@ _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its
 
 @dataclass
 class _Staged:
-    """A group of batches' compressed frames in one pinned buffer, and where each frame decodes to."""
+    """One batch's compressed frames in its region of the pinned staging memory, and where each decodes to."""
 
-    batches: list[list[int]]
-    windows: list[int]  # rows read of each sample of the group, in order (the flavor's window)
-    buffer: int  # which staging buffer
-    spans: list[tuple[int, int]]  # (offset, length) of each frame in the buffer
-    targets: list[tuple[int, str, int]]  # (sample position in the group, array, chunk) of each frame
-
-
-class _StagingRing:
-    """Page-locked buffers handed to reader threads; each comes back once the GPU has copied it."""
-
-    def __init__(self, count: int, nbytes: int) -> None:
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
-        self._copied: list[torch.cuda.Event | None] = [None] * count
-        self._free = deque(range(count))
-        self._ready = threading.Condition()
-
-    def acquire(self) -> int:
-        with self._ready:
-            self._ready.wait_for(lambda: bool(self._free))
-            slot = self._free.popleft()
-        event = self._copied[slot]
-        if event is not None:
-            event.synchronize()  # the GPU has the bytes of the batch before: the buffer is free
-        return slot
-
-    def release(self, slot: int, copied: torch.cuda.Event | None) -> None:
-        with self._ready:
-            self._copied[slot] = copied
-            self._free.append(slot)
-            self._ready.notify()
+    indices: list[int]
+    windows: list[int]  # rows read of each sample (the flavor's window)
+    region: int  # which region of the staging memory
+    spans: list[tuple[int, int]]  # (offset in the staging memory, length) of each frame
+    targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
 
 
 class CudaBatchLoader:
@@ -77,8 +50,8 @@ class CudaBatchLoader:
         data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out its own arguments).
         flavor, max_len, hidden_states_dtype, batch_size, drop_last: as `BatchLoader`.
         threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
-        prefetch: groups of batches staged ahead of the one being decoded.
-        decode_group: batches decoded in one GPU call.
+        prefetch: batches staged ahead (read by the threads in parallel).
+        decode_group: consecutive staged batches decoded in one GPU call.
         device: the CUDA device the batches arrive on.
         **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
 
@@ -96,7 +69,7 @@ class CudaBatchLoader:
         batch_size: int = 1,
         drop_last: bool = False,
         threads: int = 2,
-        prefetch: int = 2,
+        prefetch: int = 8,
         decode_group: int = 4,
         device: torch.device | str = "cuda",
         **stream_kwargs: Any,
@@ -129,7 +102,10 @@ class CudaBatchLoader:
         longest = max((stream._tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
-        self._ring = _StagingRing(prefetch + threads + 1, decode_group * batch_size * per_sample)
+        self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
+        self._region_bytes = batch_size * per_sample
+        self._staging = torch.empty(self._regions * self._region_bytes, dtype=torch.uint8, pin_memory=True)
+        self._copied: list[torch.cuda.Event | None] = [None] * self._regions
         self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
         self.gpu_decode_ms = 0.0
         self._pending_timings: deque[Any] = deque()
@@ -150,26 +126,31 @@ class CudaBatchLoader:
         stream = self.dataset
         stream._consumed = 0
         stream.counters.worker().start()
-        batches = _in_batches(stream._worker_sequence(), self.batch_size, self.drop_last)
-        groups = iter([batches[j : j + self.decode_group] for j in range(0, len(batches), self.decode_group)])
+        batches = iter(enumerate(_in_batches(stream._worker_sequence(), self.batch_size, self.drop_last)))
         in_flight: deque[Future[_Staged]] = deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-gpu-read") as pool:
 
             def submit_next() -> None:
-                group = next(groups, None)
-                if group is not None:
-                    for i in (i for indices in group for i in indices):
+                j, indices = next(batches, (None, None))
+                if indices is not None:
+                    for i in indices:
                         stream.store.will_need(i, stream._tokens_to_read(i))
-                    in_flight.append(pool.submit(self._stage, group))
+                    region = j % self._regions  # its last batch is decoded by now: its copy is queued or done
+                    in_flight.append(pool.submit(self._stage, indices, region, self._copied[region]))
 
             try:
                 for _ in range(self.prefetch):
                     submit_next()
                 while in_flight:
-                    staged = in_flight.popleft().result()
-                    submit_next()
-                    for indices, batch in zip(staged.batches, self._decode(staged)):
-                        stream.note_consumed(len(indices))
+                    group = [in_flight.popleft().result()]
+                    while (len(group) < self.decode_group and in_flight and in_flight[0].done()
+                           and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
+                        group.append(in_flight.popleft().result())
+                    decoded = self._decode(group)
+                    for _ in group:
+                        submit_next()
+                    for staged, batch in zip(group, decoded):
+                        stream.note_consumed(len(staged.indices))
                         yield batch
             finally:
                 for future in in_flight:
@@ -177,46 +158,44 @@ class CudaBatchLoader:
                 self._collect_timings(wait=True)
 
     # --- reader threads: compressed, checked frames into pinned memory ----------------------------
-    def _stage(self, batches: list[list[int]]) -> _Staged:
+    def _stage(self, indices: list[int], region: int, copied: torch.cuda.Event | None) -> _Staged:
         stream, store = self.dataset, self.dataset.store
         counters = stream.counters.worker()
-        slot = self._ring.acquire()
-        host = self._ring.buffers[slot].numpy()
-        staged = _Staged(batches, [], slot, [], [])
+        if copied is not None:
+            copied.synchronize()  # the GPU has the bytes this region held before
+        start = region * self._region_bytes
+        host = self._staging[start : start + self._region_bytes].numpy()
+        staged = _Staged(indices, [], region, [], [])
         position = 0
-        try:
-            for n, i in enumerate(i for indices in batches for i in indices):
-                counters.begin_sample(i)
-                window = stream._tokens_to_read(i)
-                staged.windows.append(window)
-                for array in self._arrays:
-                    for chunk, offset, length in store.copy_frames_into(i, array, window, host[position:], counters):
-                        staged.spans.append((position + offset, length))
-                        staged.targets.append((n, array, chunk))
-                    position = staged.spans[-1][0] + staged.spans[-1][1]
-                counters.end_sample(i, window)
-        except BaseException:
-            self._ring.release(slot, None)
-            raise
+        for n, i in enumerate(indices):
+            counters.begin_sample(i)
+            window = stream._tokens_to_read(i)
+            staged.windows.append(window)
+            for array in self._arrays:
+                for chunk, offset, length in store.copy_frames_into(i, array, window, host[position:], counters):
+                    staged.spans.append((start + position + offset, length))
+                    staged.targets.append((n, array, chunk))
+                position = staged.spans[-1][0] + staged.spans[-1][1] - start
+            counters.end_sample(i, window)
         return staged
 
     # --- the trainer's thread: one GPU decode per group, then the collate's placement -------------
-    def _decode(self, staged: _Staged) -> list[Batch]:
+    def _decode(self, group: list[_Staged]) -> list[Batch]:
         info = self.dataset.store.info
         c, side = info.chunk_tokens, self._decoder.stream
         with torch.cuda.stream(side):
-            decoded = {(n, array): torch.empty((-(-w // c) * c, info.width(array)) if array in HIDDEN_ARRAYS
-                                               else (-(-w // c) * c,), dtype=info.storage_dtype(array),
-                                               device=self.device)
-                       for n, w in enumerate(staged.windows) for array in self._arrays}
-            outs = [decoded[(n, array)][chunk * c : (chunk + 1) * c] for n, array, chunk in staged.targets]
-            timing = self._decoder.decode_from_pinned(self._ring.buffers[staged.buffer], staged.spans, outs)
-            self._ring.release(staged.buffer, timing.copy_done)
+            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if array in HIDDEN_ARRAYS
+                                                else (-(-w // c) * c,), dtype=info.storage_dtype(array),
+                                                device=self.device)
+                        for n, w in enumerate(staged.windows) for array in self._arrays} for staged in group]
+            spans = [span for staged in group for span in staged.spans]
+            outs = [decoded[g][(n, array)][chunk * c : (chunk + 1) * c]
+                    for g, staged in enumerate(group) for n, array, chunk in staged.targets]
+            timing = self._decoder.decode_from_pinned(self._staging, spans, outs)
+            for staged in group:
+                self._copied[staged.region] = timing.copy_done
             self._pending_timings.append(timing)
-            batches, first = [], 0
-            for indices in staged.batches:
-                batches.append(self._place(indices, staged.windows[first : first + len(indices)], decoded, first))
-                first += len(indices)
+            batches = [self._place(staged.indices, staged.windows, rows) for staged, rows in zip(group, decoded)]
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_stream(side)  # the trainer's kernels start once the group is decoded and placed
         for batch in batches:
@@ -226,15 +205,14 @@ class CudaBatchLoader:
         self._collect_timings(wait=False)
         return batches
 
-    def _place(self, indices: list[int], windows: list[int], decoded: dict[tuple[int, str], torch.Tensor],
-               first: int) -> Batch:
+    def _place(self, indices: list[int], windows: list[int], decoded: dict[tuple[int, str], torch.Tensor]) -> Batch:
         """One batch of the trainer's collate, from its samples' decoded rows (on the current stream)."""
         store, collate = self.dataset.store, self.collate
         plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in indices])
         batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
                  for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
         written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
-        for n, (window, place) in enumerate(zip(windows, plan.placements), start=first):
+        for n, (window, place) in enumerate(zip(windows, plan.placements)):
             for rk in collate.row_keys:
                 rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
                 if rk.array is not None and rows:
