@@ -302,6 +302,19 @@ class _SlotFeed(IterableDataset[FilledBatch]):
             yield self.writer.write(indices, self.writer.ring.claim(own))
 
 
+def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
+              hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
+    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
+    if isinstance(data, HiddenStatesStream):
+        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
+        return data
+    return HiddenStatesStream(data, flavor or "speculators-legacy", max_len, hidden_states_dtype=hidden_states_dtype,
+                              **stream_kwargs)
+
+
 class BatchLoader:
     """The trainer's batches, decoded straight into a recycled ring of (page-locked) batch buffers.
 
@@ -347,15 +360,7 @@ class BatchLoader:
         timeout: float = 0,
         **stream_kwargs: Any,
     ) -> None:
-        if isinstance(data, HiddenStatesStream):
-            given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
-            extra = [name for name, value in given.items() if value is not None]
-            if extra:
-                raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
-            stream = data
-        else:
-            stream = HiddenStatesStream(data, flavor or "speculators-legacy", max_len,
-                                        hidden_states_dtype=hidden_states_dtype, **stream_kwargs)
+        stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
         if stream.transform is not None:
             raise ValueError("BatchLoader decodes stored rows straight into the batch, so it cannot run a per-item "
                              "transform; apply noise to the batch instead (see examples/), or use a DataLoader over "

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from h5feed.batching import _in_batches
+from h5feed.batching import _in_batches, stream_of
 from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
@@ -78,11 +78,7 @@ class CudaBatchLoader:
         if reason is not None:
             raise RuntimeError(f"decode on the GPU is not available ({reason}); use h5feed.BatchLoader, which "
                                "decodes on the CPU")
-        if isinstance(data, HiddenStatesStream):
-            stream = data
-        else:
-            stream = HiddenStatesStream(data, flavor or "speculators-legacy", max_len,
-                                        hidden_states_dtype=hidden_states_dtype, **stream_kwargs)
+        stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
         store = stream.store
         codec = store.info.codec
         if not (codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded):
