@@ -36,7 +36,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -550,6 +550,9 @@ def run_bench(
     spec: SyntheticSpec = SyntheticSpec(),
     convert_workers: int | None = None,
     progress: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+    read_cache_dir: str | os.PathLike[str] | None = None,
+    read_cache_limit: int | None = None,
 ) -> BenchResult:
     """Time the loaders on the same samples and return the figures (see the module docstring).
 
@@ -564,6 +567,8 @@ def run_bench(
         flavor: the item flavor (default speculators-legacy, or specforge for a post-norm store).
         spec, convert_workers: the embedded default set and the workers converting it (default all cores).
         progress: one line per pass on stderr.
+        storage_options, read_cache_dir, read_cache_limit: for a STORE URL, `Store`'s `storage_options`,
+            `cache_dir` and `cache_limit`.
     """
     def say(message: str) -> None:
         if progress:
@@ -578,8 +583,8 @@ def run_bench(
     if store is None:
         store_path = ensure_default_set(cache_dir, spec, convert_workers=convert_workers, progress=progress, log=say)
     else:
-        store_path = Path(store)
-    opened = Store(store_path)
+        store_path = store
+    opened = Store(store_path, storage_options=storage_options, cache_dir=read_cache_dir, cache_limit=read_cache_limit)
     info = opened.info
     source_root = Path(info.source_root)
     if flavor is None:
@@ -627,6 +632,7 @@ def run_bench(
     if not caches:
         raise H5feedError("nothing to measure: cold passes are off or impossible, and warm passes are off")
 
+    store_bytes = opened.stored_nbytes() if opened.remote else _dir_bytes(Path(store_path))
     setup = _Setup(opened, flavor, max_len, hidden_states_dtype, workers, baseline_files, missing_loss_mask)
     sampler = MemorySampler()
     if sampler.metric == "rss":
@@ -635,7 +641,7 @@ def run_bench(
     result = BenchResult(
         store=str(store_path), source_root=str(source_root), source_format=info.source_format,
         num_samples=len(opened), num_tokens=int(opened.sample_lengths.sum()), hidden_size=info.hidden_size,
-        num_aux_layers=info.num_aux_layers, store_bytes=_dir_bytes(store_path), source_bytes=source_bytes,
+        num_aux_layers=info.num_aux_layers, store_bytes=store_bytes, source_bytes=source_bytes,
         workers=workers, max_len=max_len, flavor=flavor,
         hidden_states_dtype=str(hidden_states_dtype).removeprefix("torch."), memory_metric=sampler.metric,
         cold="cold" in caches, machine=_machine(), notes=notes,
@@ -689,6 +695,9 @@ def run_bench(
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from h5feed.cli import location_options
+
+    where = location_options(args)
     spec = SyntheticSpec(num_samples=args.num_samples)
     result = run_bench(
         args.store,
@@ -701,6 +710,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         spec=spec,
         progress=not args.quiet,
+        storage_options=where["storage_options"],
+        read_cache_dir=where["cache_dir"],
+        read_cache_limit=where["cache_limit"],
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
     return 0
@@ -716,6 +728,7 @@ def _loader_list(text: str) -> list[str]:
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `h5feed bench` on the CLI's subparsers."""
+    from h5feed.cli import add_location_options
     p = subparsers.add_parser(
         "bench",
         help="loader throughput against the speculators 0.4 .pt loader, on the same samples",
@@ -739,6 +752,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where the embedded default set is kept (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_location_options(p, cache_flag="--read-cache-dir")  # --cache-dir is where the default set is kept
     p.set_defaults(func=_cmd_bench)
     return p
 

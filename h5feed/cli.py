@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from h5feed.bench import add_bench_parser
 from h5feed.errors import H5feedError
@@ -46,7 +47,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from h5feed.verify import verify_store
 
-    report = verify_store(args.store, args.against, progress=not args.quiet)
+    report = verify_store(args.store, args.against, progress=not args.quiet, **location_options(args))
     for mismatch in report.mismatches:
         log.error("MISMATCH %s", mismatch)
     what = "checksums and source files" if report.compared_with_source else "checksums"
@@ -60,7 +61,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from h5feed.verify import describe_store
 
-    summary = describe_store(args.store)
+    summary = describe_store(args.store, **location_options(args))
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -72,6 +73,38 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"  skipped {skipped['path']}: {skipped['problem']}")
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def add_location_options(p: argparse.ArgumentParser, cache_flag: str = "--cache-dir") -> None:
+    """How a read command reaches a store in a bucket: the backend's options and the node cache."""
+    p.add_argument("--storage-option", metavar="KEY=VALUE", action="append", default=[],
+                   help="an option of the URL's fsspec backend, e.g. endpoint_url=http://host:9000 or "
+                   "client_kwargs.region_name=eu-west-1 (VALUE is JSON when it parses); repeatable")
+    p.add_argument(cache_flag, dest="read_cache_dir", metavar="DIR",
+                   help="node-local cache of a remote store's objects (later reads are local); default: none")
+    p.add_argument(cache_flag.replace("-dir", "-limit"), dest="read_cache_limit", type=byte_count, metavar="BYTES",
+                   help="the cache's size limit, e.g. 500G (least recently used objects are evicted)")
+
+
+def byte_count(text: str) -> int:
+    """`500G`, `1.5T`, `123456`: bytes (K, M, G, T are powers of 1000)."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 500G)") from None
+
+
+def location_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Store`'s storage_options, cache_dir and cache_limit, from the flags `add_location_options` adds."""
+    from h5feed.io import parse_storage_options
+
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        raise H5feedError(str(exc)) from None
+    return {"storage_options": options, "cache_dir": args.read_cache_dir, "cache_limit": args.read_cache_limit}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,12 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("verify", help="check a store's checksums, or compare it bit for bit with its sources")
-    p.add_argument("store")
+    p.add_argument("store", help="a local path or a URL (s3://, gs://, az://, https://, ...)")
     p.add_argument("--against", metavar="SRC", help="the source folder to compare every tensor with")
+    add_location_options(p)
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("inspect", help="what a store holds: samples, tokens, shapes, codec, compression")
-    p.add_argument("store")
+    p = sub.add_parser("inspect", help="what a store holds: samples, tokens, shapes, codec, compression; cache state")
+    p.add_argument("store", help="a local path or a URL (s3://, gs://, az://, https://, ...)")
+    add_location_options(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_inspect)
     add_bench_parser(sub)

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +32,10 @@ OnCorrupt = Literal["raise", "skip"]
 log = logging.getLogger(__name__)
 
 
-def split_samples(store: Store | str | os.PathLike[str], ratio: float, seed: int = 0) -> tuple[list[int], list[int]]:
+def split_samples(
+    store: Store | str | os.PathLike[str], ratio: float, seed: int = 0, *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[list[int], list[int]]:
     """A seeded random split of a store's samples into (train, validation) store indices.
 
     speculators' own `split_files` shuffles in `os.walk` order with Python's global
@@ -40,7 +43,7 @@ def split_samples(store: Store | str | os.PathLike[str], ratio: float, seed: int
     """
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], not {ratio}")
-    n = len(_as_store(store))
+    n = len(_as_store(store, storage_options))
     order = np.random.default_rng(seed).permutation(n).tolist()
     cut = int(n * ratio)
     return sorted(order[:cut]), sorted(order[cut:])
@@ -74,8 +77,17 @@ def select_samples(store: Store, samples: SampleSelector | None) -> list[int]:
     return selected
 
 
-def _as_store(store: Store | str | os.PathLike[str]) -> Store:
-    return store if isinstance(store, Store) else Store(store)
+def _as_store(
+    store: Store | str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | None = None,
+) -> Store:
+    """The store to read: one given open, or opened from a path or URL with these options."""
+    if not isinstance(store, Store):
+        return Store(store, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+    if storage_options or cache_dir is not None or cache_limit is not None:
+        raise ValueError("storage_options, cache_dir and cache_limit open a store from its location; "
+                         "an open Store already has its own: pass its path or URL instead")
+    return store
 
 
 class _FlavoredReader:
@@ -95,11 +107,14 @@ class _FlavoredReader:
         missing_loss_mask: Literal["error", "ones"],
         shared_memory: bool | None,
         on_corrupt: OnCorrupt,
+        storage_options: Mapping[str, Any] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
     ) -> None:
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', not {on_corrupt!r}")
         self.on_corrupt = on_corrupt
-        self.store = _as_store(store)
+        self.store = _as_store(store, storage_options, cache_dir, cache_limit)
         self.shared_memory = shared_memory
         self.flavor: Flavor = get_flavor(flavor)
         if max_len is not None and max_len < 1:
@@ -166,6 +181,7 @@ class _FlavoredReader:
     def _read_item(self, store_index: int, read_ahead: bool = True) -> Item | None:
         """The trainer's item for one sample, checked; None for a damaged sample when on_corrupt="skip"."""
         counters = self.counters.worker()
+        self.store.io_stats = counters
         counters.begin_sample(store_index)
         tokens = self._tokens_to_read(store_index)
         allocate = self._allocator()
@@ -186,7 +202,7 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
     """Map-style drop-in for the trainers' own datasets: `dataset[i]` is the trainer's item for sample i.
 
     Args:
-        store: path of an h5feed store (or an open `Store`).
+        store: an h5feed store: a local path, an fsspec URL (s3://, gs://, az://, https://, ...), or an open `Store`.
         flavor: whose items to yield: ``speculators-legacy`` (0.4, shifted), ``speculators`` (0.5+),
             ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22).
         max_len: the trainer's max_len: only the tokens its collate can use are read.
@@ -204,6 +220,10 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
             a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
             memory costs about twice as much to fill as pooled plain memory. None (default): plain
             memory until the first item is seen leaving the worker as it is, shared from then on.
+        storage_options: for a URL: the fsspec backend's options (credentials, endpoint_url, ...);
+            by default each backend finds them itself (environment, config files).
+        cache_dir, cache_limit: for a URL: a node-local cache of the store's objects (the first
+            epoch fills it, later ones read it), at most `cache_limit` bytes; none by default.
     """
 
     def __init__(
@@ -218,10 +238,13 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         missing_loss_mask: Literal["error", "ones"] = "error",
         shared_memory: bool | None = None,
         on_corrupt: OnCorrupt = "raise",
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
     ) -> None:
         super().__init__(
             store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
-            on_corrupt,
+            on_corrupt, storage_options, cache_dir, cache_limit,
         )
 
     def __len__(self) -> int:
@@ -280,10 +303,13 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         threads: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
     ) -> None:
         super().__init__(
             store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
-            on_corrupt,
+            on_corrupt, storage_options, cache_dir, cache_limit,
         )
         self.shuffle = shuffle
         self.locality_block = locality_block
@@ -378,6 +404,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         """
         counters = self.counters.worker()
         counters.start()
+        self.store.io_stats = counters  # before the first fetch ahead
         self._buffer_pool()  # made here, before the reader threads race to make it
         if self.prefetch < 1:
             for index in sequence:

@@ -38,6 +38,12 @@ class Field(IntEnum):
     PID = 12
     STARTED = 13  # wall time the worker started iterating, 0 before
     CORRUPT = 14  # samples skipped because their stored bytes failed their checksums (on_corrupt="skip")
+    REQUESTS = 15  # network requests that succeeded (remote stores)
+    NETWORK_BYTES = 16  # payload bytes they brought
+    NETWORK_SECONDS = 17  # their seconds, summed (concurrent requests overlap)
+    RETRIES = 18  # transient failures retried (resets, timeouts, 5xx, throttling)
+    CACHE_HITS = 19  # objects found in the node cache (cache_dir)
+    CACHE_MISSES = 20  # objects downloaded into it
 
 
 NUM_FIELDS = len(Field)
@@ -47,7 +53,9 @@ class WorkerCounters:
     """One worker's row, written by that worker's threads (under a process-local lock).
 
     It implements `store.ReadStats`'s `add_*` methods, so `Store.read_sample(stats=...)`
-    updates the shared row chunk by chunk: a stall report can say how far a read got.
+    updates the shared row chunk by chunk: a stall report can say how far a read got; and
+    `h5feed.io`'s counters (`add_request`, `add_retry`, `add_cache`), so a remote store's
+    network figures land in the same row (`store.io_stats = counters`).
     """
 
     def __init__(self, row: torch.Tensor, lock: threading.Lock) -> None:
@@ -74,6 +82,17 @@ class WorkerCounters:
 
     def add_delivered(self, nbytes: int) -> None:
         self._add((Field.BYTES_DELIVERED, nbytes))
+
+    # --- the io.IOCounters protocol (called from I/O threads) --------------------------------
+    def add_request(self, nbytes: int, seconds: float) -> None:
+        self._add((Field.REQUESTS, 1), (Field.NETWORK_BYTES, nbytes), (Field.NETWORK_SECONDS, seconds))
+        self._set((Field.LAST_PROGRESS, time.time()))
+
+    def add_retry(self) -> None:
+        self._add((Field.RETRIES, 1))
+
+    def add_cache(self, hit: bool, nbytes: int) -> None:
+        self._add((Field.CACHE_HITS if hit else Field.CACHE_MISSES, 1))
 
     # --- sample life cycle ----------------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +138,12 @@ class WorkerSnapshot:
     wait_seconds: float
     queue_depth: int
     corrupt: int  # damaged samples skipped
+    requests: int  # network requests (remote stores), their payload bytes and summed seconds
+    network_bytes: int
+    network_seconds: float
+    retries: int  # transient network failures retried
+    cache_hits: int  # objects read from the node cache, and downloaded into it
+    cache_misses: int
     current_sample: int | None  # None when idle
     current_seconds: float  # how long the current read has taken so far
     current_bytes: int
@@ -137,7 +162,8 @@ class LoaderSnapshot:
         totals = {
             name: self.total(name)
             for name in ("samples", "tokens", "bytes_read", "bytes_delivered", "read_seconds", "decode_seconds",
-                         "wait_seconds", "queue_depth", "corrupt")
+                         "wait_seconds", "queue_depth", "corrupt", "requests", "network_bytes", "network_seconds",
+                         "retries", "cache_hits", "cache_misses")
         }
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
 
@@ -187,6 +213,12 @@ class LoaderCounters:
                     wait_seconds=row[Field.WAIT_SECONDS],
                     queue_depth=int(row[Field.QUEUE_DEPTH]),
                     corrupt=int(row[Field.CORRUPT]),
+                    requests=int(row[Field.REQUESTS]),
+                    network_bytes=int(row[Field.NETWORK_BYTES]),
+                    network_seconds=row[Field.NETWORK_SECONDS],
+                    retries=int(row[Field.RETRIES]),
+                    cache_hits=int(row[Field.CACHE_HITS]),
+                    cache_misses=int(row[Field.CACHE_MISSES]),
                     current_sample=current if current >= 0 else None,
                     current_seconds=now - row[Field.CURRENT_SINCE] if current >= 0 else 0.0,
                     current_bytes=int(row[Field.CURRENT_BYTES]) if current >= 0 else 0,

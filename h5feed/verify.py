@@ -9,6 +9,7 @@ with `against`, with the source files bit for bit.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 
 from h5feed.errors import H5feedError
 from h5feed.formats import FORMATS, SourceFile
+from h5feed.io import cache_state
 from h5feed.store import CHECKSUMMED, Store, checksums, storage_dtype
 from h5feed.store.layout import INDEX_COLUMNS
 
@@ -36,7 +38,7 @@ class Mismatch:
 
 @dataclass
 class VerifyReport:
-    store: Path
+    store: Path | str  # a path, or a URL
     samples_checked: int = 0
     compared_with_source: bool = False
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -47,12 +49,16 @@ class VerifyReport:
 
 
 def verify_store(
-    path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None, *, progress: bool = True
+    path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None, *, progress: bool = True,
+    storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
 ) -> VerifyReport:
-    """Check every sample's checksums; with `against`, compare every tensor bit for bit with its source file."""
-    store = Store(path)
-    report = VerifyReport(Path(path), compared_with_source=against is not None)
-    report.mismatches += _unreadable_arrays(Path(path))
+    """Check every sample's checksums; with `against`, compare every tensor bit for bit with its source file.
+
+    `path` is a local path or an fsspec URL (`storage_options`, `cache_dir` and `cache_limit` as `Store`'s)."""
+    store = Store(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+    report = VerifyReport(store.path, compared_with_source=against is not None)
+    report.mismatches += _unreadable_arrays(store)
     source_format = FORMATS[store.info.source_format] if against is not None else None  # type: ignore[index]
     for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):
         relpath = store.source_paths[i]
@@ -81,12 +87,12 @@ def verify_store(
     return report
 
 
-def _unreadable_arrays(path: Path) -> list[Mismatch]:
+def _unreadable_arrays(store: Store) -> list[Mismatch]:
     """Every array of the group must open in zarr-python, as any Zarr v3 reader would open it."""
     import zarr
 
     problems = []
-    group = zarr.open_group(path, mode="r")
+    group = store.zarr_group()
     for name in (*CHECKSUMMED, *(f"index/{c}" for c in INDEX_COLUMNS)):
         try:
             array = group[name]
@@ -110,15 +116,20 @@ def _stored_bits(
     }
 
 
-def describe_store(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The figures `h5feed inspect` prints: what is stored, how big, how well compressed."""
-    store = Store(path)
+def describe_store(
+    path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | None = None,
+) -> dict[str, Any]:
+    """The figures `h5feed inspect` prints: what is stored, how big, how well compressed; with
+    `cache_dir`, the state of the node cache there (objects, bytes, hits and misses of every process)."""
+    store = Store(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
     info = store.info
     tokens = int(store.sample_lengths.sum())
     raw = tokens * store.token_nbytes
-    stored = sum(f.stat().st_size for name in CHECKSUMMED for f in (Path(path) / name).rglob("*") if f.is_file())
+    stored = store.stored_nbytes()
+    cache = {} if cache_dir is None or not store.remote else {"cache": cache_state(cache_dir).summary()}
     return {
-        "store": str(path),
+        "store": str(store.path),
         "samples": len(store),
         "tokens": tokens,
         "tokens_per_sample": {
@@ -140,4 +151,5 @@ def describe_store(path: str | os.PathLike[str]) -> dict[str, Any]:
         "stored_bytes": stored,
         "compression_ratio": round(raw / stored, 3) if stored else None,
         "skipped": info.skipped,
+        **cache,
     }

@@ -47,6 +47,12 @@ def worker_rows(
             "decoded_MBps": (w.bytes_delivered - (o.bytes_delivered if o else 0)) / dt / 1e6 if dt > 0 else None,
             "queue_depth": w.queue_depth,
             "corrupt": w.corrupt,
+            "network_MBps": (w.network_bytes - (o.network_bytes if o else 0)) / dt / 1e6 if dt > 0 else None,
+            "requests_per_s": (w.requests - (o.requests if o else 0)) / dt if dt > 0 else None,
+            "requests": w.requests,
+            "retries": w.retries,
+            "cache_hits": w.cache_hits,
+            "cache_misses": w.cache_misses,
             "sample": w.current_sample,
             "path": path_of(w.current_sample) if w.current_sample is not None else None,
             "sample_s": w.current_seconds if w.current_sample is not None else None,
@@ -61,13 +67,19 @@ def loader_figures(rows: list[Record]) -> Record:
         values = [r[key] for r in rows if r[key] is not None]
         return sum(values) if values else None
 
-    read, decoded = total("read_MBps"), total("decoded_MBps")
+    read, decoded, network = total("read_MBps"), total("decoded_MBps"), total("network_MBps")
     return {
         "samples_per_s": total("samples_per_s"),
         "read_GBps": read / 1e3 if read is not None else None,
         "decoded_GBps": decoded / 1e3 if decoded is not None else None,
         "queue_depth": sum(r["queue_depth"] for r in rows),
         "corrupt": sum(r["corrupt"] for r in rows),
+        "network_GBps": network / 1e3 if network is not None else None,
+        "requests_per_s": total("requests_per_s"),
+        "requests": sum(r["requests"] for r in rows),
+        "retries": sum(r["retries"] for r in rows),
+        "cache_hits": sum(r["cache_hits"] for r in rows),
+        "cache_misses": sum(r["cache_misses"] for r in rows),
         "workers": len(rows),
         "reading": sum(r["sample"] is not None for r in rows),
     }
@@ -107,6 +119,8 @@ def format_line(rec: Record) -> str:
             f" | loader {num(loader['samples_per_s'], '.1f')} samples/s, {num(loader['read_GBps'], '.2f')} GB/s read, "
             f"{num(loader['decoded_GBps'], '.2f')} GB/s decoded, queue {loader['queue_depth']}"
         )
+        if loader.get("requests") or loader.get("cache_hits") or loader.get("cache_misses"):
+            line += network_text(loader)
         if loader.get("corrupt"):
             line += f" | {loader['corrupt']} DAMAGED sample(s) skipped (on_corrupt='skip'; run `h5feed verify`)"
     elif rec["steps"]:
@@ -114,6 +128,16 @@ def format_line(rec: Record) -> str:
     if waiting is not None and waiting >= 1.0:
         line += f" | waiting {waiting:.0f} s for batch {rec['step'] + 1}"
     return line
+
+
+def network_text(loader: Record) -> str:
+    """A remote store's share of the report line: network rate, requests, retries, node-cache hits."""
+    text = (f" | network {num(loader.get('network_GBps'), '.2f')} GB/s, {num(loader.get('requests_per_s'), '.0f')} "
+            f"requests/s, {loader.get('retries', 0)} retries")
+    cached = loader.get("cache_hits", 0) + loader.get("cache_misses", 0)
+    if cached:
+        text += f", cache {100 * loader['cache_hits'] / cached:.0f}% hits ({loader['cache_misses']} downloaded)"
+    return text
 
 
 Column = tuple[str, str, str]  # heading, record key, format spec

@@ -29,12 +29,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from h5feed.errors import StoreError
+
+if TYPE_CHECKING:
+    from h5feed.io import ObjectStore
 
 STORE_FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
@@ -244,25 +247,31 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
     return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
 
 
-def read_info(path: Path) -> StoreInfo:
-    """Read the store's attributes without zarr, with errors that say what is wrong."""
-    meta_path = path / "zarr.json"
-    if not meta_path.exists():
-        raise StoreError(path, "not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`")
+def read_info(location: Path | ObjectStore) -> StoreInfo:
+    """Read the store's attributes without zarr, with errors that say what is wrong.
+
+    `location` is a local folder, or the store's objects (`h5feed.io.open_url`) wherever they are."""
+    from h5feed.io import ObjectNotFound, ObjectStore
+
+    where = location.url if isinstance(location, ObjectStore) else location
     try:
-        meta = json.loads(meta_path.read_text())
+        text = location.get("zarr.json") if isinstance(location, ObjectStore) else (location / "zarr.json").read_bytes()
+    except (ObjectNotFound, FileNotFoundError, NotADirectoryError):
+        raise StoreError(where, "not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`") from None
+    try:
+        meta = json.loads(text)
         attrs = meta["attributes"][ATTRS_KEY]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise StoreError(path, f"a Zarr group but not an h5feed store ({exc!r})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise StoreError(where, f"a Zarr group but not an h5feed store ({exc!r})") from exc
     if attrs.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise StoreError(
-            path, f"store format version {attrs.get('format_version')} is not one this h5feed reads "
+            where, f"store format version {attrs.get('format_version')} is not one this h5feed reads "
             f"({', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade h5feed or reconvert the store"
         )
     try:
         return StoreInfo.from_json(attrs)
     except TypeError as exc:
-        raise StoreError(path, f"store attributes are damaged ({exc})") from exc
+        raise StoreError(where, f"store attributes are damaged ({exc})") from exc
 
 
 def write_info(path: Path, info: StoreInfo, *, durable: bool) -> None:

@@ -1,38 +1,40 @@
 """Reading a finished store: open it (its index checked), and decode a sample's rows, checked, into given memory.
 
 zarr-python describes the store and reads its small index; the hot path finds
-the shard (or chunk) files itself, maps them, checks every inner chunk's crc32c
-and decodes it with numcodecs straight into the caller's buffer.  No byte that
-fails its checksum is ever decoded into a tensor a trainer sees: the read
-raises `CorruptSampleError` naming the sample, its source file and the object.
+the shard (or chunk) objects itself, through an object source (`sources`: mapped
+local files, or bytes fetched from a bucket, directly or through the node cache),
+checks every inner chunk's crc32c and decodes it with numcodecs straight into the
+caller's buffer.  No byte that fails its checksum is ever decoded into a tensor a
+trainer sees: the read raises `CorruptSampleError` naming the sample, its source
+file and the object.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import mmap
 import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import torch
 from numcodecs import blosc
 
 from h5feed.errors import CorruptSampleError, StoreError
+from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CHECKSUMMED,
     CRC_BYTES,
     EMPTY,
     HIDDEN_ARRAYS,
+    TOKEN_ARRAYS,
     check_crc32c,
     crc32c,
     decode_shard_index,
@@ -40,11 +42,18 @@ from h5feed.store.layout import (
     read_info,
     shard_index_nbytes,
 )
+from h5feed.store.sources import (
+    CachedSource,
+    LocalSource,
+    ObjectSource,
+    RemoteSource,
+    fingerprint,
+    object_error,
+    read_ahead,
+    zarr_store,
+)
 
 log = logging.getLogger(__name__)
-
-# Read a mapped file's pages in one go (Linux), rather than one page fault at a time.
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 
 
@@ -87,15 +96,38 @@ class ReadStats:
 class Store:
     """A finished h5feed store, opened for reading (format 2, or format 1 with per-sample checksums).
 
-    Cheap to pickle (only the path travels), so DataLoader workers under fork,
-    spawn or forkserver each open their own files lazily.  `checked=False` skips
+    `location` is a local path or an fsspec URL (s3://, gs://, az://, https://, file://, chained);
+    `storage_options` reach the URL's fsspec backend (credentials, endpoint, ...), and with
+    `cache_dir` a remote store's objects go through the node-local cache there (`cache_limit`
+    bytes, least recently used evicted); local stores are read in place and need neither.
+
+    Cheap to pickle (only the location and options travel), so DataLoader workers under fork,
+    spawn or forkserver each open their own files or clients lazily.  `checked=False` skips
     the checksum checks: only for measuring what they cost, never for training.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, checked: bool = True) -> None:
-        self.path = Path(path)
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        checked: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+    ) -> None:
         self.checked = checked
-        self.info = read_info(self.path)
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir, self.cache_limit = cache_dir, cache_limit
+        self.remote = is_remote(location)
+        self._objects: ObjectStore | None = None
+        if self.remote:
+            self.path: Path | str = os.fspath(location).rstrip("/")
+            self._objects = open_url(self.path, self.storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+            self.info = read_info(self._objects)
+        else:
+            text = os.fspath(location)
+            self.path = Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
+            self.info = read_info(self.path)
         if self.info.status != "complete":
             raise StoreError(
                 self.path,
@@ -104,22 +136,42 @@ class Store:
             )
         self._load_index()
         self._check_index()
+        self._source = self._make_source()
         self._compressed = self.info.codec.get("name") != "none"
         self._scratch = threading.local()
         self._warned_unchecked = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "checked": self.checked}
+        return {"location": self.path, "checked": self.checked, "storage_options": self.storage_options,
+                "cache_dir": self.cache_dir, "cache_limit": self.cache_limit}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], checked=state["checked"])  # type: ignore[misc]
+        self.__init__(state.pop("location"), **state)  # type: ignore[misc]
+
+    @property
+    def io_stats(self) -> IOCounters | None:
+        """Where this process counts the store's network requests, retries and cache hits (None: local)."""
+        return self._objects.stats if self._objects is not None else None
+
+    @io_stats.setter
+    def io_stats(self, counters: IOCounters) -> None:
+        if self._objects is not None:
+            self._objects.stats = counters
 
     # --- the index -----------------------------------------------------------------------------
-    def _load_index(self) -> None:
+    def zarr_group(self) -> Any:
+        """The store as a zarr-python group (read-only): a remote one fetched through h5feed's own clients."""
         import zarr
 
+        if self._objects is None:
+            return zarr.open_group(self.path, mode="r")
+        if "_zarr_store" not in self.__dict__:
+            self._zarr_store = zarr_store(self._objects, {}, ("index/",))
+        return zarr.open_group(self._zarr_store, mode="r", zarr_format=3)
+
+    def _load_index(self) -> None:
         try:
-            group = zarr.open_group(self.path, mode="r")
+            group = self.zarr_group()
             index = group["index"]
             self.sample_starts = np.asarray(index["sample_start"][:], dtype=np.int64)
             self.sample_lengths = np.asarray(index["sample_length"][:], dtype=np.int64)
@@ -128,8 +180,19 @@ class Store:
             self.checksums = np.asarray(index["checksum"][:], dtype=np.uint32)
             self.has_loss_mask = np.asarray(index["has_loss_mask"][:], dtype=bool)
             self.total_rows = int(group["aux_hidden_states"].shape[0])
+        except ObjectError:  # the bucket said no (denied, unreachable): its error names the object
+            raise
         except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
             raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
+
+    def _make_source(self) -> ObjectSource:
+        if self._objects is None:
+            return LocalSource(Path(self.path))
+        per_shard = self.info.chunks_per_shard if self.info.sharded else 0
+        if isinstance(self._objects, CachedStore):
+            self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
+            return CachedSource(self._objects, per_shard)
+        return RemoteSource(self._objects, per_shard, small_arrays=TOKEN_ARRAYS)
 
     def _check_index(self) -> None:
         """Refuse an index that could hand out another sample's rows: starts aligned and increasing,
@@ -248,7 +311,7 @@ class Store:
         stats = stats if stats is not None else ReadStats()
         placed, position = [], 0
         try:
-            for chunk, frame in self._frames(i, array, range(0, -(-stop // self.info.chunk_tokens)), stats):
+            for chunk, frame in self._frames(i, array, range(-(-stop // self.info.chunk_tokens)), stats):
                 end = position + len(frame)
                 if end > out.nbytes:
                     raise _TooSmall(f"out holds {out.nbytes} bytes, the frames need more than {end}")
@@ -262,15 +325,25 @@ class Store:
         return placed
 
     def will_need(self, i: int, max_tokens: int | None = None) -> None:
-        """Ask the kernel to start reading sample i's objects now, without waiting for them.
+        """Start getting sample i's objects now, without waiting for them.
 
-        From a cold cache this lets the disk work on later objects (or on the next
-        sample) while this thread decodes; on cached files it costs microseconds.
+        A local store asks the kernel to read the files ahead: from a cold cache the disk works
+        on later objects (or on the next sample) while this thread decodes; on cached files it
+        costs microseconds.  A remote one starts fetching them, concurrently, in this process.
         """
-        rows = self._tokens_to_read(i, max_tokens)
+        c = self.info.chunk_tokens
+        chunks = range(-(-self._tokens_to_read(i, max_tokens) // c))
         for name in CHECKSUMMED:
-            for block in self._blocks(i, 0, rows):
-                read_ahead(self.path / object_key(self.info, name, block))
+            nbytes = c * self.info.row_nbytes(name)
+            for key, inner, whole in self._objects_of(i, name, chunks):
+                self._source.will_need(key, inner, whole, len(inner) * nbytes)
+
+    def stored_nbytes(self) -> int:
+        """Bytes of the token arrays' objects (shards, or chunks in format 1) as stored."""
+        if self._objects is None:
+            return sum(f.stat().st_size for name in CHECKSUMMED for f in (Path(self.path) / name).rglob("*")
+                       if f.is_file())
+        return sum(size for name in CHECKSUMMED for size in self._objects.list(f"{name}/").values())
 
     # --- internals -----------------------------------------------------------------------------
     def _check_sample(self, i: int) -> None:
@@ -281,11 +354,19 @@ class Store:
         c = self.info.chunk_tokens
         return -(-int(self.sample_lengths[i]) // c) * c
 
-    def _blocks(self, i: int, start: int, stop: int) -> range:
-        """The objects (shards in format 2, chunks in format 1) holding rows [start, stop) of sample i."""
-        size = self.info.object_tokens
-        first = int(self.sample_starts[i]) // size
-        return range(first + start // size, first + max(1, math.ceil(stop / size)))
+    def _objects_of(self, i: int, name: str, chunks: range) -> list[tuple[str, range, bool]]:
+        """(key, inner chunks wanted, all its chunks wanted?) of each object holding `chunks` of sample i's `name`."""
+        info = self.info
+        per_object = info.chunks_per_shard if info.sharded else 1
+        first_object = int(self.sample_starts[i]) // info.object_tokens
+        present = self._padded_length(i) // info.chunk_tokens  # chunks that hold rows of the sample
+        found = []
+        for j in range(chunks.start // per_object, -(-chunks.stop // per_object)):
+            inner = range(max(chunks.start, j * per_object) - j * per_object,
+                          min(chunks.stop, (j + 1) * per_object) - j * per_object)
+            whole = len(inner) == min(per_object, present - j * per_object)
+            found.append((object_key(info, name, first_object + j), inner, whole))
+        return found
 
     def _read_rows(
         self, i: int, name: str, start: int, stop: int, out: torch.Tensor, stats: ReadStats, delivered: int
@@ -325,45 +406,42 @@ class Store:
     def _frames(self, i: int, name: str, chunks: range, stats: ReadStats) -> Iterator[tuple[int, memoryview]]:
         """(chunk of the sample, its encoded bytes without the checksum) for each chunk, checked.
 
-        A frame is a view of a mapped file, valid until the next one is yielded."""
-        info = self.info
-        per_object = info.chunks_per_shard if info.sharded else 1
-        first_object = int(self.sample_starts[i]) // info.object_tokens
-        present = self._padded_length(i) // info.chunk_tokens  # chunks that hold rows of the sample
-        for j in range(chunks.start // per_object, -(-chunks.stop // per_object)):
-            path = self.path / object_key(info, name, first_object + j)
-            wanted = [k for k in chunks if k // per_object == j]
+        A frame is a view of a mapped file or of fetched bytes, valid until the next one is yielded."""
+        if hasattr(stats, "add_request"):  # a loader's counters: the network's figures go there too
+            self.io_stats = stats  # type: ignore[assignment]
+        per_object = self.info.chunks_per_shard if self.info.sharded else 1
+        for j, (key, inner, whole) in enumerate(self._objects_of(i, name, chunks)):
+            where = self._source.where(key)
+            first = (chunks.start // per_object + j) * per_object  # the sample's chunk number of inner chunk 0
             t0 = time.perf_counter()
-            with _mapped(path, populate=len(wanted) == min(per_object, present - j * per_object)) as view:
-                if not info.sharded:
-                    stats.add_read(len(view), time.perf_counter() - t0)
-                    yield wanted[0], view
+            with self._source.open(key, inner, whole) as view:
+                if not self.info.sharded:
+                    stats.add_read(view.size, time.perf_counter() - t0)
+                    with view.span(0, view.size) as frame:
+                        yield first, frame
                     continue
-                index = self._shard_index(view, path)
+                index = self._shard_index(view.tail(shard_index_nbytes(per_object)), view.size, where)
                 stats.add_read(shard_index_nbytes(per_object), time.perf_counter() - t0)
-                for k in wanted:
-                    offset, length = (int(x) for x in index[k % per_object])
+                for k in inner:
+                    offset, length = (int(x) for x in index[k])
                     if offset == EMPTY:
-                        raise _object_error(path, f"inner chunk {k % per_object} is missing from the shard")
+                        raise object_error(where, f"inner chunk {k} is missing from the shard")
                     stats.add_read(length, 0.0)
-                    with view[offset : offset + length] as encoded, encoded[:-CRC_BYTES] as frame:
+                    with view.span(offset, length) as encoded, encoded[:-CRC_BYTES] as frame:
                         if self.checked:
                             t1 = time.perf_counter()
                             try:
-                                check_crc32c(frame, bytes(encoded[-CRC_BYTES:]), f"inner chunk {k % per_object}")
+                                check_crc32c(frame, bytes(encoded[-CRC_BYTES:]), f"inner chunk {k}")
                             except ValueError as exc:
-                                raise _object_error(path, str(exc)) from None
+                                raise object_error(where, str(exc)) from None
                             stats.add_decode(time.perf_counter() - t1)
-                        yield k, frame
+                        yield first + k, frame
 
-    def _shard_index(self, view: memoryview, path: Path) -> np.ndarray:
-        n = self.info.chunks_per_shard
-        size = len(view)
-        tail = bytes(view[max(0, size - shard_index_nbytes(n)) :])  # small: a copy keeps no view of the map
+    def _shard_index(self, tail: bytes, size: int, where: str | Path) -> np.ndarray:
         try:
-            return decode_shard_index(tail, n, size)
+            return decode_shard_index(tail, self.info.chunks_per_shard, size)
         except ValueError as exc:
-            raise _object_error(path, str(exc)) from None
+            raise object_error(where, str(exc)) from None
 
     def _decode(self, frame: memoryview, out: np.ndarray) -> None:
         """Decode one chunk's frame into `out` (its bytes), refusing a frame of another size."""
@@ -391,9 +469,9 @@ class Store:
         got = crc32c(dest[:tokens])
         want = int(self.checksums[i][CHECKSUMMED.index(name)])
         if got != want:
-            raise self._corrupt(i, self.path / name, f"{name} fails its checksum (crc32c {got:#010x}, recorded {want:#010x})")
+            raise self._corrupt(i, self._source.where(name), f"{name} fails its checksum (crc32c {got:#010x}, recorded {want:#010x})")
 
-    def _corrupt(self, i: int, path: Path, problem: str) -> CorruptSampleError:
+    def _corrupt(self, i: int, path: Path | str, problem: str) -> CorruptSampleError:
         return CorruptSampleError(path, f"{problem}; the store is damaged: run `h5feed verify {self.path}`", i,
                                   self.source_paths[i])
 
@@ -404,45 +482,4 @@ class _TooSmall(Exception):
 
 _REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
 
-
-def _object_error(path: Path, problem: str) -> ValueError:
-    exc = ValueError(problem)
-    exc.object_path = path  # type: ignore[attr-defined]
-    return exc
-
-
-@contextlib.contextmanager
-def _mapped(path: Path, populate: bool) -> Iterator[memoryview]:
-    """A read-only view of a whole file, mapped (populated in one go when all of it is wanted)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise _object_error(path, "is missing") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            raise _object_error(path, "is empty")
-        data = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0), prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    try:
-        with memoryview(data) as view:
-            yield view
-    finally:
-        try:
-            data.close()
-        except BufferError:  # a traceback still holds a view of it: the map closes when that is collected
-            pass
-
-
-def read_ahead(path: Path) -> None:
-    """Ask the kernel to start reading `path` into the page cache, without waiting for it.
-    A missing file is left to the read that follows to report."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
+__all__ = ["RawSample", "ReadStats", "Store", "read_ahead"]

@@ -1,0 +1,435 @@
+"""Where the checked reader gets a store's objects from: mapped local files, or bytes fetched from a bucket.
+
+- `LocalSource` (a path, file://): the POSIX fast path, unchanged: objects are files, mapped
+  (populated in one go when all of it is wanted) with kernel read-ahead as the hint that a
+  sample will be needed.
+- `RemoteSource` (s3://, gs://, az://, https://, chained URLs): objects fetched through
+  `h5feed.io` (counted retries, errors naming the object).  A shard whose inner chunks are all
+  wanted is fetched whole, as concurrent 8 MiB ranges; one only partly wanted (a `max_len` read)
+  costs its index (the shard's last bytes) and then the span of the wanted chunks.
+- `CachedSource` (a bucket with `cache_dir`): objects downloaded whole into the node cache by
+  the first process that needs them, then mapped from there like local files.
+
+The two remote sources fetch ahead: `will_need` starts a sample's objects now, concurrently,
+on a per-process pool, within a byte budget (`PREFETCH_BYTES`); the read then takes what was
+fetched, or fetches it itself when nothing was asked ahead.  Nothing here checks bytes: the
+reader checks every inner chunk it decodes, whatever its source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from h5feed.io import Buffer, CachedObject, CachedStore, ObjectNotFound, ObjectStore, part_ranges
+from h5feed.store.layout import EMPTY, decode_shard_index, shard_index_nbytes
+
+PREFETCH_BYTES = 1 << 30  # per process: fetched objects not yet read (an estimate: their decoded size)
+PREFETCH_OBJECTS = 64  # per process: objects fetched ahead and not yet read
+PREFETCH_THREADS = 8  # objects fetched at once per process (each as concurrent ranges, up to the store's concurrency)
+
+# Read a mapped file's pages in one go (Linux), rather than one page fault at a time.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def object_error(where: str | Path, problem: str) -> ValueError:
+    """A damaged object: the reader turns it into a CorruptSampleError naming `where` (a path or URL)."""
+    exc = ValueError(problem)
+    exc.object_path = where  # type: ignore[attr-defined]
+    return exc
+
+
+class ObjectView(Protocol):
+    """The bytes of one object that a read may use (the whole object, or its index and some inner chunks)."""
+
+    size: int  # of the whole object
+
+    def tail(self, n: int) -> bytes:
+        """The object's last `n` bytes (a shard's index)."""
+
+    def span(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of the object: a view, valid until `close`."""
+
+    def close(self) -> None: ...
+
+
+class ObjectSource(ABC):
+    """A store's objects, by key, for the reader: `open` a view, or say early that one `will_need` it.
+
+    `inner` is the range of inner chunks of a shard the read decodes; `whole` says they are all its chunks.
+    """
+
+    @abstractmethod
+    def where(self, key: str) -> str | Path:
+        """How errors name the object: its file or its URL."""
+
+    @abstractmethod
+    def open(self, key: str, inner: range, whole: bool) -> contextlib.AbstractContextManager[ObjectView]: ...
+
+    @abstractmethod
+    def will_need(self, key: str, inner: range, whole: bool, nbytes: int) -> None:
+        """Start getting the object now, without waiting (`nbytes`: about how much memory it takes)."""
+
+
+# --- local files ------------------------------------------------------------------------------------
+
+
+class MappedObject:
+    """A file mapped read-only; spans are views of the map."""
+
+    def __init__(self, fd: int, where: str | Path, populate: bool) -> None:
+        self.size = os.fstat(fd).st_size
+        if self.size == 0:
+            raise object_error(where, "is empty")
+        self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
+                              prot=mmap.PROT_READ)
+        self._view = memoryview(self._map)
+
+    def tail(self, n: int) -> bytes:
+        return bytes(self._view[max(0, self.size - n) :])  # small: a copy keeps no view of the map
+
+    def span(self, offset: int, length: int) -> memoryview:
+        return self._view[offset : offset + length]
+
+    def close(self) -> None:
+        try:
+            self._view.release()
+            self._map.close()
+        except BufferError:  # a traceback still holds a view of it: the map closes when that is collected
+            pass
+
+
+class LocalSource(ObjectSource):
+    """Objects as files under a folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def where(self, key: str) -> Path:
+        return self.root / key
+
+    @contextlib.contextmanager
+    def open(self, key: str, inner: range, whole: bool) -> Iterator[ObjectView]:
+        path = self.root / key
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise object_error(path, "is missing") from None
+        try:
+            view = MappedObject(fd, path, populate=whole)
+        finally:
+            os.close(fd)
+        try:
+            yield view
+        finally:
+            view.close()
+
+    def will_need(self, key: str, inner: range, whole: bool, nbytes: int) -> None:
+        read_ahead(self.root / key)
+
+
+def read_ahead(path: Path) -> None:
+    """Ask the kernel to start reading `path` into the page cache, without waiting for it.
+    A missing file is left to the read that follows to report."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+# --- fetching ahead -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Ahead:
+    inner: range
+    whole: bool
+    nbytes: int
+    future: Future[Any]
+
+    def covers(self, inner: range, whole: bool) -> bool:
+        return self.whole or (not whole and self.inner.start <= inner.start and inner.stop <= self.inner.stop)
+
+    def discard(self) -> None:
+        """Close what was fetched once it is there (eviction never waits)."""
+
+        def close(future: Future[Any]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                future.result().close()
+
+        self.future.add_done_callback(close)
+
+
+class _Prefetcher:
+    """Objects fetched ahead of their reads, at most `max_bytes` and `max_objects` of them not yet read.
+
+    One per process (a forked child makes its own): a read takes its object out, so each
+    fetched object is read once; beyond the budget the oldest finished ones are dropped
+    (their reads fetch again), and asks that still do not fit are ignored (the read fetches).
+    """
+
+    def __init__(self, fetch: Callable[[str, range, bool], Any], max_bytes: int, max_objects: int) -> None:
+        self._fetch = fetch
+        self._max_bytes, self._max_objects = max_bytes, max_objects
+        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="h5feed-prefetch")
+        self._ahead: OrderedDict[str, _Ahead] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def want(self, key: str, inner: range, whole: bool, nbytes: int) -> None:
+        with self._lock:
+            if key in self._ahead and self._ahead[key].covers(inner, whole):
+                return
+            self._drop(self._ahead.pop(key, None))
+            for old in [k for k, a in self._ahead.items() if a.future.done()]:  # oldest first
+                if self._bytes + nbytes <= self._max_bytes and len(self._ahead) < self._max_objects:
+                    break
+                self._drop(self._ahead.pop(old))
+            if self._bytes + nbytes > self._max_bytes or len(self._ahead) >= self._max_objects:
+                return
+            self._ahead[key] = _Ahead(inner, whole, nbytes, self._pool.submit(self._fetch, key, inner, whole))
+            self._bytes += nbytes
+
+    def take(self, key: str, inner: range, whole: bool) -> Any | None:
+        """What was fetched ahead for this read (waiting for it if need be), or None."""
+        with self._lock:
+            ahead = self._ahead.get(key)
+            if ahead is None or not ahead.covers(inner, whole):
+                return None
+            del self._ahead[key]
+            self._bytes -= ahead.nbytes
+        return ahead.future.result()  # the fetch's own error, if it failed
+
+    def _drop(self, ahead: _Ahead | None) -> None:
+        if ahead is not None:
+            self._bytes -= ahead.nbytes
+            ahead.discard()
+
+
+class _FetchingSource(ObjectSource):
+    """What the bucket's two sources share: keys to URLs, and fetching ahead in each process."""
+
+    def __init__(self, objects: ObjectStore, chunks_per_shard: int) -> None:
+        self.objects = objects
+        self.chunks_per_shard = chunks_per_shard  # 0: format 1 (objects are chunks, always read whole)
+
+    def where(self, key: str) -> str:
+        return self.objects.key_url(key)
+
+    @abstractmethod
+    def _fetch(self, key: str, inner: range, whole: bool) -> ObjectView: ...
+
+    def _prefetcher(self) -> _Prefetcher:
+        if self.__dict__.get("_prefetcher_pid") != os.getpid():  # a forked child makes its own pool
+            self._prefetcher_made = _Prefetcher(self._fetch, PREFETCH_BYTES, PREFETCH_OBJECTS)
+            self._prefetcher_pid = os.getpid()
+        return self._prefetcher_made
+
+    def will_need(self, key: str, inner: range, whole: bool, nbytes: int) -> None:
+        self._prefetcher().want(key, inner, whole or not self.chunks_per_shard, nbytes)
+
+    @contextlib.contextmanager
+    def open(self, key: str, inner: range, whole: bool) -> Iterator[ObjectView]:
+        whole = whole or not self.chunks_per_shard
+        view = self._prefetcher().take(key, inner, whole) or self._fetch(key, inner, whole)
+        try:
+            yield view
+        finally:
+            view.close()
+
+
+# --- a bucket, read directly ----------------------------------------------------------------------------
+
+
+class FetchedObject:
+    """Bytes of one object held in memory: all of it, or its tail and one span of it."""
+
+    def __init__(self, size: int, tail: Buffer, start: int = 0, data: Buffer = b"") -> None:
+        self.size, self._tail, self._start, self._data = size, bytes(tail), start, memoryview(data)
+
+    def tail(self, n: int) -> bytes:
+        return self._tail[-n:]
+
+    def span(self, offset: int, length: int) -> memoryview:
+        begin = offset - self._start
+        if begin < 0 or begin + length > len(self._data):
+            raise ValueError(f"bytes [{offset}, {offset + length}) were not fetched")
+        return self._data[begin : begin + length]
+
+    def close(self) -> None:
+        self._data = memoryview(b"")
+
+
+class RemoteSource(_FetchingSource):
+    """Objects fetched into memory: a shard's wanted inner chunks in as few ranges of at most 8 MiB as fit.
+
+    Object sizes come from one listing per array and process (the first read of the array asks for
+    it); an object the listing lacks is asked for alone (`size`), so a deleted one is a clear 404.
+    """
+
+    def __init__(self, objects: ObjectStore, chunks_per_shard: int, small_arrays: tuple[str, ...]) -> None:
+        super().__init__(objects, chunks_per_shard)
+        self.small_arrays = small_arrays  # whose objects are always fetched whole, in one request
+
+    def _fetch(self, key: str, inner: range, whole: bool) -> FetchedObject:
+        if key.split("/", 1)[0] in self.small_arrays:
+            data = self.objects.get(key)
+            return FetchedObject(len(data), data[-shard_index_nbytes(self.chunks_per_shard):], 0, data)
+        size = self._size(key)
+        if whole:
+            data = self._get_span(key, 0, size)
+            return FetchedObject(size, data[-shard_index_nbytes(self.chunks_per_shard):], 0, data)
+        n = shard_index_nbytes(self.chunks_per_shard)
+        if size < n:
+            raise object_error(self.where(key), f"shard of {size} bytes is too short for its index")
+        tail = self._get_span(key, size - n, size)
+        try:
+            index = decode_shard_index(tail, self.chunks_per_shard, size)
+        except ValueError as exc:
+            raise object_error(self.where(key), str(exc)) from None
+        wanted = index[inner.start : inner.stop]
+        wanted = wanted[wanted[:, 0] != EMPTY]
+        if not len(wanted):  # the reader says which chunk is missing
+            return FetchedObject(size, tail)
+        start, stop = int(wanted[:, 0].min()), int((wanted[:, 0] + wanted[:, 1]).max())
+        return FetchedObject(size, tail, start, self._get_span(key, start, stop))
+
+    def _get_span(self, key: str, start: int, stop: int) -> Buffer:
+        parts = self.objects.get_ranges(key, [(start + a, start + b) for a, b in part_ranges(stop - start)])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _size(self, key: str) -> int:
+        array = key.split("/", 1)[0]
+        sizes = self._sizes().get(array)
+        if sizes is None:
+            with self._sizes_lock():
+                sizes = self._sizes().get(array)
+                if sizes is None:
+                    sizes = self._sizes()[array] = self.objects.list(f"{array}/")
+        return sizes[key] if key in sizes else self.objects.size(key)
+
+    def _sizes(self) -> dict[str, dict[str, int]]:
+        return self.__dict__.setdefault("_sizes_listed", {})  # immutable once complete: a fork may keep them
+
+    def _sizes_lock(self) -> threading.Lock:
+        if self.__dict__.get("_sizes_lock_pid") != os.getpid():
+            self._sizes_lock_made, self._sizes_lock_pid = threading.Lock(), os.getpid()
+        return self._sizes_lock_made
+
+
+# --- a bucket, through the node cache --------------------------------------------------------------------
+
+
+class CachedView(MappedObject):
+    """A cached object's local file, mapped, held under the cache's shared lock until closed."""
+
+    def __init__(self, cached: CachedObject, populate: bool) -> None:
+        self._cached = cached
+        try:
+            super().__init__(cached.fileno(), cached.url, populate)
+        except BaseException:
+            cached.close()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self._cached.close()
+
+
+class _Opened:
+    """A cached object opened ahead (downloaded if it had to be, pages asked for); mapped when read."""
+
+    def __init__(self, cached: CachedObject) -> None:
+        self.cached = cached
+        os.posix_fadvise(cached.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        self.cached.close()
+
+
+class CachedSource(_FetchingSource):
+    """Objects read from the node cache (`h5feed.io.NodeCache`); the first process that needs one downloads it whole."""
+
+    objects: CachedStore
+
+    def _fetch(self, key: str, inner: range, whole: bool) -> Any:
+        return _Opened(self.objects.open_cached(key))
+
+    @contextlib.contextmanager
+    def open(self, key: str, inner: range, whole: bool) -> Iterator[ObjectView]:
+        opened = self._prefetcher().take(key, inner, True) or self._fetch(key, inner, True)
+        view = CachedView(opened.cached, populate=whole or not self.chunks_per_shard)
+        try:
+            yield view
+        finally:
+            view.close()
+
+    def will_need(self, key: str, inner: range, whole: bool, nbytes: int) -> None:
+        self._prefetcher().want(key, inner, True, 0)  # files, not memory: only the object count bounds them
+
+
+# --- the metadata and index, for zarr -------------------------------------------------------------------
+
+
+def zarr_store(objects: ObjectStore, known: dict[str, bytes], prefixes: tuple[str, ...]) -> Any:
+    """A read-only zarr store of the objects' metadata and small arrays, fetched through `objects`.
+
+    Every object under `prefixes` is fetched at once (one listing, concurrent gets); any other
+    key zarr asks for is fetched when asked.  zarr decodes and checks them as from any store.
+    """
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import MemoryStore
+
+    def as_buffer(data: bytes) -> Any:
+        return default_buffer_prototype().buffer.from_bytes(data)
+
+    class ObjectsZarrStore(MemoryStore):
+        def __init__(self, store_dict: Any = None, *, read_only: bool = True) -> None:
+            super().__init__(store_dict, read_only=True)
+
+        def with_read_only(self, read_only: bool = False) -> ObjectsZarrStore:
+            return self
+
+        async def _fetch(self, key: str) -> None:
+            if key not in self._store_dict:
+                try:
+                    self._store_dict[key] = as_buffer(await asyncio.to_thread(objects.get, key))
+                except ObjectNotFound:
+                    pass
+
+        async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            await self._fetch(key)
+            return await super().get(key, prototype, byte_range)
+
+        async def exists(self, key: str) -> bool:
+            await self._fetch(key)
+            return key in self._store_dict
+
+    found = dict(known)
+    keys = [key for prefix in prefixes for key in objects.list(prefix) if key not in found]
+    with ThreadPoolExecutor(8, thread_name_prefix="h5feed-index") as pool:
+        found.update(zip(keys, pool.map(objects.get, keys)))
+    return ObjectsZarrStore({key: as_buffer(data) for key, data in found.items()})
+
+
+def fingerprint(store: Any) -> str:
+    """A digest of everything fetched into a `zarr_store` (metadata and index): it changes when the store is rewritten."""
+    digest = hashlib.sha256()
+    for key in sorted(store._store_dict):
+        digest.update(key.encode() + b"\0" + store._store_dict[key].to_bytes())
+    return digest.hexdigest()[:16]
