@@ -58,9 +58,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
-from train_step import Collate, Shape, Trainer, evict, filesystem, make_data, train
+from train_step import Shape, Trainer, evict, filesystem, make_data, step_seconds, train
 
-from h5feed.baseline import Eagle3SampleFileDataset
+import h5feed
+from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.bench import format_table
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store import Store
@@ -68,32 +69,41 @@ from h5feed.verify import describe_store
 
 log = logging.getLogger("train_multi_gpu")
 
-LOADERS = ("h5feed", "baseline")
+LOADERS = ("h5feed-batch", "h5feed-stream", "baseline")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # --- in each rank ---------------------------------------------------------------------------------
 
 
-def build_loader(name: str, store: Store, args: argparse.Namespace, pin: bool) -> tuple[DataLoader, Any, list[int]]:
-    """The loader, its dataset, and this rank's samples in the order the loader delivers them."""
-    stream = HiddenStatesStream(store, flavor="speculators-legacy", max_len=args.max_len,
-                                hidden_states_dtype=torch.bfloat16, seed=args.seed)
-    common: dict[str, Any] = {"num_workers": args.workers, "collate_fn": Collate(args.max_len), "pin_memory": pin}
-    if name == "h5feed":
-        return StreamLoader(stream, batch_size=1, **common), stream, stream.rank_sequence()
-    sequence = stream.rank_sequence()  # the same samples in the same order, as a DistributedSampler would give
+def build_loader(name: str, store: Store, args: argparse.Namespace, pin: bool) -> tuple[Any, Any, list[int]]:
+    """The loader, its dataset, and this rank's samples in the order the loader delivers them.
+
+    `h5feed-batch`: `BatchLoader` (worker processes decode straight into page-locked batch slots);
+    `h5feed-stream`: the drop-in stream in a DataLoader with speculators 0.4's collate; `baseline`:
+    speculators 0.4's `.pt` dataset in the same DataLoader, with the same collate and pin_memory."""
+    stream_args: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": args.max_len,
+                                   "hidden_states_dtype": torch.bfloat16, "seed": args.seed}
+    stream = HiddenStatesStream(store, **stream_args)
+    sequence = stream.rank_sequence()  # the same samples in the same order for every loader
+    if name == "h5feed-batch":
+        loader = h5feed.BatchLoader(store, **stream_args, num_workers=args.workers)
+        return loader, loader.dataset, sequence
+    common: dict[str, Any] = {"num_workers": args.workers, "collate_fn": create_collate_fn(args.max_len),
+                              "pin_memory": pin}
+    if name == "h5feed-stream":
+        return StreamLoader(stream, batch_size=1, **common), stream, sequence
     root = Path(store.info.source_root)
     dataset = Eagle3SampleFileDataset(max_len=args.max_len, file_list=[root / p for p in store.source_paths],
                                       hidden_states_dtype=torch.bfloat16)
     return DataLoader(dataset, batch_size=1, sampler=sequence, **common), dataset, sequence
 
 
-def warm_up(trainer: Trainer, store: Store, max_len: int) -> None:
-    """Kernels, allocator, optimizer state and the first all-reduces, on a real sample, before anything is timed."""
-    batch = Collate(max_len)([HiddenStatesDataset(store, max_len=max_len, hidden_states_dtype=torch.bfloat16)[0]])
-    for _ in range(2):
-        trainer.step(batch).item()
+def warm_up(trainer: Trainer, store: Store, max_len: int) -> float:
+    """Kernels, allocator, optimizer state and the first all-reduces, on a real sample, before anything is
+    timed; returns the training thread's CPU seconds per step."""
+    item = HiddenStatesDataset(store, max_len=max_len, hidden_states_dtype=torch.bfloat16)[0]
+    return step_seconds(trainer, create_collate_fn(max_len)([item]), steps=3)[1]
 
 
 def store_disk(path: Path) -> str | None:
@@ -157,7 +167,7 @@ def rank_main(args: argparse.Namespace) -> None:
     store = Store(args.data)
     trainer = Trainer(Shape.for_hidden(store.hidden_size, store.num_aux_layers), device)
     trainer.model = DistributedDataParallel(trainer.model, device_ids=[local_rank] if cuda else None)
-    warm_up(trainer, store, args.max_len)
+    train_cpu_per_step = warm_up(trainer, store, args.max_len)
     loader, dataset, sequence = build_loader(args.rank_run, store, args, pin=cuda)
     out = args.out / args.rank_run
     out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +182,7 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.barrier()
     children0, self0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    result = train(args.rank_run, loader, trainer, args, cache)
+    result = train(args.rank_run, loader, trainer, args, cache, args.workers, train_cpu_per_step)
     del loader
     gc.collect()  # the DataLoader's workers are joined (reaped) here at the latest
     if cuda:
@@ -303,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers of each rank (default %(default)s)")
     p.add_argument("--steps", type=int, help="stop each rank after this many steps (default: one epoch)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each loader (root; else fadvise)")
-    p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated, run in this order (default %(default)s)")
+    p.add_argument("--loaders", default="h5feed-batch,baseline", help="comma-separated, run in this order (default %(default)s)")
     p.add_argument("--every", type=float, default=5.0, help="seconds between monitor lines")
     p.add_argument("--stall-after", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)

@@ -1,28 +1,41 @@
-"""An EAGLE-3 drafter training step fed by the `.pt` baseline and by h5feed: how long the trainer waits for data.
+"""An EAGLE-3 drafter training step fed by the `.pt` baseline and by every h5feed path: how long it waits for data.
 
-The whole GPU run (one H200, 16 cores; about 3 minutes), from the repository root,
-with the wheels h5feed needs beside torch in .whl/ (see the device notes):
+The whole GPU run (one H200, 16 cores), from the repository root, with the wheels h5feed
+needs beside torch in .whl/ (see the device notes):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/train_step.py --make-data 48 \
-        --hidden-size 7168 --workers 8 --convert-workers 16 --cold --out $OUT 2>&1 | tee $OUT/train_step.log
+        --hidden-size 7168 --workers 1,2,4 --step-ms 65 --convert-workers 16 --cold --out $OUT
 
 A CPU smoke run (seconds):
 
-    python bench/train_step.py --make-data 4 --hidden-size 32 --tokens 40:60 --max-len 64 --workers 2 --out /tmp/ts
+    python bench/train_step.py --make-data 4 --hidden-size 32 --tokens 40:60 --max-len 64 --workers 1 --out /tmp/ts
 
 Why: one H200 trains a Kimi-shaped EAGLE-3 drafter at ~15 samples/s, i.e. as
 much hidden-state data as its disk can give (DESIGN.md), so the loader, not the
-GPU, decides the speed.  This measures it end to end: the same model, the same
-samples in the same order, the same collate and DataLoader settings, first fed by
-speculators 0.4's `.pt` loader (`h5feed.baseline`), then by h5feed
-(`HiddenStatesStream` + `StreamLoader`), each from a cold page cache with
-`--cold`, each wrapped in `h5feed.monitor`, which gives data-wait % and GPU idle %.
+GPU, decides the speed.  This measures it end to end, the way trainers run it:
+the same model, the same samples in the same order, speculators 0.4's own collate
+(`create_collate_fn(max_len)`: cat, then pad) and `pin_memory=True` for the
+loaders that hand items to a collate, each from a cold page cache with `--cold`,
+each wrapped in `h5feed.monitor` (data-wait %, GPU idle %):
+
+- `baseline`: speculators 0.4's `.pt` dataset (`h5feed.baseline`) in a DataLoader;
+- `h5feed-stream`: the drop-in `HiddenStatesStream` in the same DataLoader (same collate);
+- `h5feed-batch`: `BatchLoader`, DataLoader worker processes decoding straight into
+  page-locked batch slots (no item, no collate copy, no pin copy);
+- `h5feed-batch-threads`: `BatchLoader` with reader threads in the trainer's process;
+- `h5feed-gpu`: `CudaBatchLoader`, reader threads only read and check compressed frames,
+  the GPU decodes them (nvCOMP).
+
+Each at every `--workers` count (processes, or threads).  CPU cores used by loading =
+(CPU seconds of the process and its reaped workers - the training thread's own CPU per
+step x steps) / wall seconds.  `--step-ms` picks the draft vocabulary whose step is
+closest to it (a Kimi-shaped step on one H200 is 65-80 ms).
 
 The step: fc from K*H to H over the aux hidden states, one Llama-style decoder
 layer on cat[embedding(input_ids), hidden] (2H -> H, as EAGLE-3 does: RMSNorm,
 rotary attention through `scaled_dot_product_attention`, SwiGLU MLP), lm_head to
-a 32k draft vocabulary, 3 training-time-test steps (the layer's output is the
+the draft vocabulary, 3 training-time-test steps (the layer's output is the
 next step's hidden input, one token further ahead, with a loss on each) against
 the soft targets of a frozen verifier head, AdamW; bf16 autocast on the GPU.
 """
@@ -37,7 +50,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +63,14 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 
 import h5feed
+from h5feed.baseline import create_collate_fn
 from h5feed.datasets import HiddenStatesStream, StreamLoader
-from h5feed.store import Store, shared_allocator
+from h5feed.store import Store
 
 log = logging.getLogger("train_step")
 
 DRAFT_VOCAB = 32000
+EMBED_VOCAB = 32768  # the verifier's embedding: covers h5feed.synthetic's token ids (the draft vocabulary may be smaller)
 TTT_STEPS = 3
 Batch = dict[str, torch.Tensor]
 
@@ -140,7 +155,7 @@ class Drafter(nn.Module):
     def __init__(self, s: Shape) -> None:
         super().__init__()
         self.s = s
-        self.embed = nn.Embedding(s.vocab, s.hidden).requires_grad_(False)  # the verifier's, frozen
+        self.embed = nn.Embedding(EMBED_VOCAB, s.hidden).requires_grad_(False)  # the verifier's, frozen
         self.fc = nn.Linear(s.aux_layers * s.hidden, s.hidden, bias=False)
         self.layer = DecoderLayer(s)
         self.norm = RMSNorm(s.hidden, eps=1e-6)
@@ -188,39 +203,43 @@ class Trainer:
         return loss.detach()
 
 
+def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) -> tuple[Trainer, Shape, float]:
+    """The trainer whose step is closest to `step_ms` on this device, by the draft vocabulary's size (the
+    rest of the model keeps Kimi's shape): a Kimi-shaped step is 65-80 ms on one H200 (DESIGN.md)."""
+    best: tuple[Trainer, Shape, float] | None = None
+    for vocab in (32000, 24000, 16000, 12000, 8000, 4000):
+        candidate = replace(shape, vocab=vocab)
+        trainer = Trainer(candidate, device)
+        ms = step_seconds(trainer, batch)[0] * 1e3
+        log.info("draft vocabulary %d: %.1f ms per step", vocab, ms)
+        if best is None or abs(ms - step_ms) < abs(best[2] - step_ms):
+            best = (trainer, candidate, ms)
+        if ms <= step_ms:
+            break
+    assert best is not None
+    return best
+
+
+def step_seconds(trainer: Trainer, batch: Batch, steps: int = 5) -> tuple[float, float]:
+    """Wall and CPU seconds of one training step on a batch already at hand (page-locked, as the loaders
+    deliver it on a GPU box), after two warm-up steps."""
+    if trainer.cuda:
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    for _ in range(2):  # kernels, allocator and optimizer state before anything is timed
+        trainer.step(batch).item()
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    for _ in range(steps):
+        trainer.step(batch).item()
+    return (time.perf_counter() - wall) / steps, (cpu_seconds() - cpu) / steps
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (DataLoader workers are reaped per epoch)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 # --- data -----------------------------------------------------------------------------------------
-
-
-class Collate:
-    """speculators 0.4's `create_collate_fn(max_len)` (cat, cut or zero-pad to max_len, batch dim, lengths cut).
-
-    Buffers come from `h5feed.store.shared_allocator`: shared memory inside a worker, so the
-    batch reaches the trainer without another copy.  Both loaders use it.
-    """
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-
-    def __call__(self, items: list[Batch]) -> Batch:
-        out: Batch = {}
-        for key in items[0]:
-            if key == "lengths":
-                continue
-            cat = torch.cat([item[key] for item in items]) if len(items) > 1 else items[0][key]
-            n = min(len(cat), self.max_len)
-            buf = shared_allocator((self.max_len, *cat.shape[1:]), cat.dtype)
-            buf[:n].copy_(cat[:n])
-            buf[n:].zero_()
-            out[key] = buf.unsqueeze(0)
-        lengths, total = [], 0
-        for length in torch.cat([item["lengths"] for item in items]).tolist():
-            if length + total >= self.max_len:
-                lengths.append(self.max_len - total)
-                break
-            lengths.append(length)
-            total += length
-        out["lengths"] = torch.tensor(lengths, dtype=torch.long)
-        return out
 
 
 def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, convert_workers: int) -> Store:
@@ -256,13 +275,16 @@ def filesystem(path: Path) -> str:
     return best.fstype if best is not None else "unknown"
 
 
-def loaders(store: Store, args: argparse.Namespace, pin: bool) -> dict[str, Callable[[], DataLoader]]:
-    """Builders of the two loaders, over the same samples in the same order, with the same settings."""
-    collate = Collate(args.max_len)
-    stream = HiddenStatesStream(store, flavor="speculators-legacy", max_len=args.max_len,
-                                hidden_states_dtype=torch.bfloat16, seed=args.seed)
-    order = stream.epoch_order()
-    common: dict[str, Any] = {"num_workers": args.workers, "collate_fn": collate, "pin_memory": pin}
+LOADERS = ("baseline", "h5feed-stream", "h5feed-batch", "h5feed-batch-threads", "h5feed-gpu")
+
+
+def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> dict[str, Callable[[], Any]]:
+    """Builders of every loader, over the same samples in the same order, delivering the same batches."""
+    collate = create_collate_fn(args.max_len)  # speculators 0.4's, as released
+    stream_args: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": args.max_len,
+                                   "hidden_states_dtype": torch.bfloat16, "seed": args.seed}
+    order = HiddenStatesStream(store, **stream_args).epoch_order()
+    common: dict[str, Any] = {"batch_size": 1, "num_workers": workers, "collate_fn": collate, "pin_memory": pin}
 
     def baseline() -> DataLoader:
         from h5feed.baseline import Eagle3SampleFileDataset  # speculators 0.4's loader, re-stated
@@ -270,34 +292,42 @@ def loaders(store: Store, args: argparse.Namespace, pin: bool) -> dict[str, Call
         root = Path(store.info.source_root)
         dataset = Eagle3SampleFileDataset(max_len=args.max_len, file_list=[root / p for p in store.source_paths],
                                           hidden_states_dtype=torch.bfloat16)
-        return DataLoader(dataset, batch_size=1, sampler=order, **common)
+        return DataLoader(dataset, sampler=order, **common)
 
-    def h5feed_stream() -> DataLoader:
-        return StreamLoader(stream, batch_size=1, **common)
+    return {
+        "baseline": baseline,
+        "h5feed-stream": lambda: StreamLoader(HiddenStatesStream(store, **stream_args), **common),
+        "h5feed-batch": lambda: h5feed.BatchLoader(store, **stream_args, num_workers=workers),
+        "h5feed-batch-threads": lambda: h5feed.BatchLoader(store, **stream_args, threads=workers),
+        "h5feed-gpu": lambda: _cuda_batch_loader(store, stream_args, workers),
+    }
 
-    def h5feed_threads() -> DataLoader:
-        """The same stream read by --workers threads in the trainer's process: no worker processes."""
-        threaded = HiddenStatesStream(store, flavor="speculators-legacy", max_len=args.max_len,
-                                      hidden_states_dtype=torch.bfloat16, seed=args.seed,
-                                      threads=args.workers, prefetch=2 * args.workers)
-        return StreamLoader(threaded, batch_size=1, **{**common, "num_workers": 0})
 
-    return {"baseline": baseline, "h5feed": h5feed_stream, "h5feed-threads": h5feed_threads}
+def _cuda_batch_loader(store: Store, stream_args: dict[str, Any], threads: int) -> Any:
+    from h5feed.gpu_loader import CudaBatchLoader
+
+    return CudaBatchLoader(store, **stream_args, threads=threads)
 
 
 # --- the run --------------------------------------------------------------------------------------
 
 
-def train(name: str, loader: DataLoader, trainer: Trainer, args: argparse.Namespace, cache: str) -> dict[str, Any]:
-    monitored = h5feed.monitor(loader, every=args.every, log_dir=args.out, stall_after=args.stall_after, name=name)
+def train(name: str, loader: Any, trainer: Trainer, args: argparse.Namespace, cache: str, workers: int,
+          train_cpu_per_step: float) -> dict[str, Any]:
+    monitored = h5feed.monitor(loader, every=args.every, log_dir=args.out, stall_after=args.stall_after,
+                               name=f"{name}-w{workers}")
     losses = []
+    wall, cpu = time.perf_counter(), cpu_seconds()
     for step, batch in enumerate(monitored, 1):
         losses.append(trainer.step(batch).item())  # trainers log the loss every step: one sync per step
         if args.steps and step >= args.steps:
             break
+    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu  # the epoch's workers are reaped by now
     s = monitored.summary()
+    loading_cpu = max(0.0, cpu - train_cpu_per_step * len(losses))
     return {
         "loader": name,
+        "workers": workers,
         "cache": cache,
         "batches": s["batches"],
         "steps": s["steps"],  # from the second batch on: the first one includes worker start-up
@@ -307,6 +337,9 @@ def train(name: str, loader: DataLoader, trainer: Trainer, args: argparse.Namesp
         "gpu_idle_pct": s["gpu_idle(%)"],
         "samples_per_s": s["throughput(samples/s)"],
         "first_batch_s": s["first_batch(s)"],
+        "loading_cpu_cores": loading_cpu / wall,
+        "loading_cpu_s_per_sample": loading_cpu / max(len(losses), 1),
+        "gpu_decode_ms_per_sample": getattr(loader, "gpu_decode_ms", 0.0) / max(len(losses), 1),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
     }
@@ -317,12 +350,16 @@ def _num(value: float | None, spec: str) -> str:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    rows = [["loader", "cache", "steps", "step time", "data-wait %", "GPU idle %", "samples/s", "first batch"]]
-    rows += [[r["loader"], r["cache"], str(r["steps"]), _num(r["step_time_s"], ".3f") + " s",
+    rows = [["loader", "workers", "cache", "steps", "step time", "data-wait %", "GPU idle %", "samples/s",
+             "loading cores", "CPU s/sample", "GPU decode ms/sample"]]
+    rows += [[r["loader"], str(r["workers"]), "FAILED", r["error"][:60]] + [""] * 7 for r in runs if "error" in r]
+    runs = [r for r in runs if "error" not in r]
+    rows += [[r["loader"], str(r["workers"]), r["cache"], str(r["steps"]), _num(r["step_time_s"], ".3f") + " s",
               _num(r["data_loading_pct"], ".1f"), _num(r["gpu_idle_pct"], ".1f"), _num(r["samples_per_s"], ".2f"),
-              _num(r["first_batch_s"], ".2f") + " s"] for r in runs]
+              _num(r["loading_cpu_cores"], ".2f"), _num(r["loading_cpu_s_per_sample"], ".3f"),
+              _num(r["gpu_decode_ms_per_sample"], ".1f")] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)
 
 
@@ -337,11 +374,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", default="1500:1900", help="--make-data tokens per sample, LO:HI (default %(default)s)")
     p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--workers", type=int, default=4, help="DataLoader workers of each loader (default %(default)s)")
+    p.add_argument("--workers", default="4",
+                   help="comma-separated worker (or thread) counts, each loader at each (default %(default)s)")
+    p.add_argument("--step-ms", type=float, help="pick the draft vocabulary whose step is closest to this (GPU)")
     p.add_argument("--steps", type=int, help="stop each run after this many steps (default: one epoch)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run (root; else fadvise)")
-    p.add_argument("--loaders", default="baseline,h5feed,h5feed-threads",
-                   help="comma-separated, run in this order (default %(default)s)")
+    p.add_argument("--loaders", default=",".join(LOADERS),
+                   help="comma-separated, run in this order at each worker count (default: all; h5feed-gpu needs "
+                   "CUDA and nvCOMP)")
     p.add_argument("--every", type=float, default=5.0, help="seconds between monitor lines")
     p.add_argument("--stall-after", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
@@ -367,29 +407,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold and fs in ("tmpfs", "ramfs"):
         log.warning("%s is on %s: a cold page cache means nothing there", store.path, fs)
 
-    trainer = Trainer(shape, device)
-    warm = Collate(args.max_len)([{
-        "input_ids": torch.randint(0, shape.vocab, (args.max_len,)),
+    warm = create_collate_fn(args.max_len)([{
+        "input_ids": torch.randint(0, EMBED_VOCAB, (args.max_len,)),
         "hidden_states": torch.randn(args.max_len, shape.aux_layers * shape.hidden, dtype=torch.bfloat16),
         "verifier_last_hidden_states": torch.randn(args.max_len, shape.hidden, dtype=torch.bfloat16),
         "loss_mask": torch.ones(args.max_len, dtype=torch.long),
         "lengths": torch.tensor([args.max_len]),
         "position_ids": torch.arange(args.max_len),
     }])
-    for _ in range(2):  # kernels, allocator and optimizer state before anything is timed
-        trainer.step(warm).item()
+    if args.step_ms:
+        trainer, shape, _ = calibrate(shape, device, warm, args.step_ms)
+    else:
+        trainer = Trainer(shape, device)
+    step_s, train_cpu_per_step = step_seconds(trainer, warm)
+    log.info("step %.1f ms with the batch at hand, %.1f ms of CPU on the training thread", step_s * 1e3,
+             train_cpu_per_step * 1e3)
 
-    builders = loaders(store, args, pin=device.type == "cuda")
     runs = []
-    for name in args.loaders.split(","):
-        loader = builders[name]()  # built first: the baseline reads its first file's folder here
-        cache = evict(store) if args.cold else "as found"
-        log.info("%s: %s samples, cache %s", name, len(loader), cache)
-        runs.append(train(name, loader, trainer, args, cache))
+    for workers in (int(w) for w in args.workers.split(",")):
+        builders = loaders(store, args, workers, pin=device.type == "cuda")
+        for name in args.loaders.split(","):
+            try:
+                loader = builders[name]()  # built first: the baseline reads its first file's folder here
+                cache = evict(store) if args.cold else "as found"
+                log.info("%s, %d workers: %s batches, cache %s", name, workers, len(loader), cache)
+                runs.append(train(name, loader, trainer, args, cache, workers, train_cpu_per_step))
+                del loader
+            except Exception as exc:  # one loader's failure is a finding, not the end of the other runs
+                log.exception("%s with %d workers failed", name, workers)
+                runs.append({"loader": name, "workers": workers, "error": repr(exc)})
 
     result = {
         "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "shape": asdict(shape),
-                   "ttt_steps": TTT_STEPS, "store": str(store.path), "samples": len(store), "filesystem": fs},
+                   "ttt_steps": TTT_STEPS, "store": str(store.path), "samples": len(store), "filesystem": fs,
+                   "step_ms_batch_at_hand": step_s * 1e3, "train_cpu_ms_per_step": train_cpu_per_step * 1e3},
         "machine": {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                     "cpus": os.cpu_count(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")},
         "runs": runs,

@@ -1,5 +1,7 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
+from h5feed.batching import BatchLoader
+from h5feed.collate import TrainerCollate, trainer_collate
 from h5feed.convert import ConvertReport, convert
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.errors import H5feedError, SourceError, StoreError
@@ -12,6 +14,7 @@ from h5feed.verify import describe_store, verify_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchLoader",
     "ConvertReport",
     "H5feedError",
     "HiddenStatesDataset",
@@ -24,11 +27,13 @@ __all__ = [
     "Store",
     "StoreError",
     "StreamLoader",
+    "TrainerCollate",
     "convert",
     "describe_store",
     "monitor",
     "pipeline_collate",
     "select_samples",
     "split_samples",
+    "trainer_collate",
     "verify_store",
 ]

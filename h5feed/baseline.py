@@ -6,7 +6,7 @@ A re-statement, line for line, of `speculators/train/data.py` in the speculators
 `standardize_data_v1` (cat of the aux layers), the cast of every key whose name
 contains "hidden_states", `lengths` and `position_ids`, the optional transform,
 then `shift_batch`.  `max_len` is stored and not used by the item, as in 0.4
-(its collate cuts the batch to `max_len`).
+(its collate, `create_collate_fn`, restated here too, cuts the batch to `max_len`).
 
 It is the baseline of `h5feed bench`: it must stay exactly as fast, or as slow,
 as the real one.  Do not optimise it.
@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 BatchType = dict[str, Any]
 StandardizeFnSig = Callable[[dict[str, Any]], dict[str, Any]]
 
-__all__ = ["Eagle3SampleFileDataset", "list_files", "shift_batch", "standardize_data_v1"]
+__all__ = ["Eagle3SampleFileDataset", "create_collate_fn", "list_files", "shift_batch", "standardize_data_v1"]
 
 
 def list_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -132,3 +133,27 @@ class Eagle3SampleFileDataset(Dataset[BatchType]):
         if self.transform:
             data = self.transform(data)
         return shift_batch(data)
+
+
+def create_collate_fn(max_len: int) -> Callable[[list[BatchType]], BatchType]:
+    """speculators 0.4 `create_collate_fn(max_len)` as released: `torch.cat`, slice and `F.pad` to max_len
+    (each into fresh memory), a batch dim, `lengths` cut where max_len is reached.  The baseline's collate."""
+
+    def collate(batch: list[BatchType]) -> BatchType:
+        out = {}
+        for key in batch[0]:
+            out[key] = torch.cat([b[key] for b in batch], dim=0)
+            if key != "lengths":
+                sliced = out[key][:max_len]
+                out[key] = F.pad(sliced, [0, 0] * (sliced.dim() - 1) + [0, max_len - sliced.shape[0]]).unsqueeze(0)
+        lengths, total = [], 0
+        for length in out["lengths"]:
+            if length + total >= max_len:
+                lengths.append(max_len - total)
+                break
+            lengths.append(length)
+            total += length
+        out["lengths"] = torch.tensor(lengths, dtype=torch.long)
+        return out
+
+    return collate

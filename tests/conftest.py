@@ -218,3 +218,30 @@ def flip_byte() -> Callable[..., Path]:
         return path
 
     return flip
+
+
+# --- exact comparison of trainer batches, shared by test_collate.py, test_batching.py and test_examples.py ----
+
+
+def _assert_same_value(got: Any, want: Any, what: str) -> None:
+    if not isinstance(want, torch.Tensor):
+        assert type(got) is type(want) and got == want, (what, got, want)
+        return
+    assert isinstance(got, torch.Tensor), what
+    assert got.dtype == want.dtype, (what, got.dtype, want.dtype)
+    assert got.shape == want.shape, (what, tuple(got.shape), tuple(want.shape))
+    if got.dtype.is_floating_point:  # compare bits: exact, NaN-safe, -0 != +0
+        got, want = bits(got), bits(want)
+    assert torch.equal(got, want), f"{what} differs"
+
+
+@pytest.fixture
+def assert_same_batch() -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """Two batches hold the same keys in the same order, every tensor equal bit for bit, same dtype and shape."""
+
+    def check(got: dict[str, Any], want: dict[str, Any]) -> None:
+        assert list(got) == list(want), "keys or key order differ"
+        for key, value in want.items():
+            _assert_same_value(got[key], value, key)
+
+    return check

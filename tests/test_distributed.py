@@ -274,7 +274,7 @@ def test_multi_gpu_bench_smoke(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((out / "train_multi_gpu.json").read_text())
-    assert result["config"]["backend"] == "gloo" and [r["loader"] for r in result["runs"]] == ["h5feed", "baseline"]
+    assert result["config"]["backend"] == "gloo" and [r["loader"] for r in result["runs"]] == ["h5feed-batch", "baseline"]
     store = h5feed.Store(result["config"]["store"])
     decoded = {}
     for run in result["runs"]:
@@ -286,12 +286,13 @@ def test_multi_gpu_bench_smoke(tmp_path):
         assert run["total"]["samples_per_s"] == pytest.approx(sum(r["samples_per_s"] for r in run["ranks"]))
         assert [m["filesystem"] for m in run["machines"]] == [result["runs"][0]["machines"][0]["filesystem"]]
         assert sorted(p.name for p in (out / run["loader"]).glob("*.jsonl")) == [
-            f"h5feed-monitor-{run['loader']}-rank0.jsonl", f"h5feed-monitor-{run['loader']}-rank1.jsonl"]
-    # every token is read (max_len 32 > 30): both loaders decode each rank's samples in full
-    assert decoded["h5feed"] == decoded["baseline"]
-    assert sum(decoded["h5feed"]) == int(store.sample_lengths.sum()) * store.token_nbytes
+            f"h5feed-monitor-{run['loader']}-w1-rank0.jsonl", f"h5feed-monitor-{run['loader']}-w1-rank1.jsonl"]
+    # max_len 32 > 30: the baseline decodes each rank's files in full; BatchLoader decodes only the rows the
+    # trainer's batch holds: the shift leaves one token of each array out of every sample
+    assert sum(decoded["baseline"]) == int(store.sample_lengths.sum()) * store.token_nbytes
+    assert [b - h for b, h in zip(decoded["baseline"], decoded["h5feed-batch"])] == [2 * store.token_nbytes] * 2
     assert [line.split()[:2] for line in done.stdout.splitlines()[2:8]] == [
-        [loader, rank] for loader in ("h5feed", "baseline") for rank in ("0", "1", "all")]
+        [loader, rank] for loader in ("h5feed-batch", "baseline") for rank in ("0", "1", "all")]
 
 
 if __name__ == "__main__":  # a rank under torchrun

@@ -423,6 +423,14 @@ def test_nemo_items_and_batches(made: Any, name: str) -> None:
         HiddenStatesDataset(dst, "nemo-eagle3", max_len=16)
 
 
+@pytest.mark.parametrize("flavor", ["modelopt", "angelslim", "nemo-eagle3"])
+def test_trainer_collate_points_to_the_pipeline_collates(flavor: str) -> None:
+    with pytest.raises(ValueError) as info:
+        h5feed.trainer_collate(flavor, 16)
+    assert str(info.value) == (f"flavor {flavor!r}: its trainer's collate is h5feed.pipeline_collate({flavor!r}, "
+                               "max_len); BatchLoader's decoding straight into the batch does not serve it yet")
+
+
 def test_a_stream_in_spawned_workers_serves_the_same_items(made: Any) -> None:
     """Flavors travel to spawned DataLoader workers by name (Model-Optimizer's builders are closures)."""
     src, dst = made("modelopt-trtllm", "modelopt-pt", "trtllm")

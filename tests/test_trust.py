@@ -315,3 +315,40 @@ def test_verify_fails_a_store_whose_array_metadata_is_damaged(tmp_path, cli, arr
     r = cli("verify", dst)
 
     assert r.status == 1 and message in r.output
+
+
+def test_the_monitor_reports_skipped_damage(damaged, tmp_path, caplog):
+    import logging
+
+    import h5feed
+
+    dst, _, _ = damaged
+    stream = HiddenStatesStream(dst, shuffle=False, on_corrupt="skip")
+    loader = StreamLoader(stream, num_workers=2, collate_fn=list)
+    caplog.set_level(logging.INFO, logger="h5feed")
+    for _ in h5feed.monitor(loader, every=0.05, log_dir=tmp_path, name="damaged"):
+        time.sleep(0.05)
+    records = [json.loads(line) for line in (tmp_path / "h5feed-monitor-damaged.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "end" and records[-1]["loader"]["corrupt"] == 1
+    assert any("1 DAMAGED sample(s) skipped (on_corrupt='skip'; run `h5feed verify`)" in m for m in caplog.messages)
+
+
+def test_copied_frames_are_checked_and_decode_to_the_sample(tmp_path, flip_byte):
+    import numpy as np
+    from numcodecs import blosc
+
+    _, dst = make_store(tmp_path)
+    store = Store(dst)
+    out = np.zeros(1 << 20, dtype=np.uint8)
+    placed = store.copy_frames_into(1, "aux_hidden_states", 35, out)  # 35 tokens: chunks 0, 1, 2
+    assert [chunk for chunk, _, _ in placed] == [0, 1, 2]
+    assert [offset for _, offset, _ in placed] == [0, placed[0][2], placed[0][2] + placed[1][2]]
+    decoded = np.concatenate([np.frombuffer(blosc.decompress(out[o : o + n].tobytes()), np.uint16) for _, o, n in placed])
+    want = store.read_sample(1).aux_hidden_states.view(torch.uint16).numpy().reshape(-1)
+    assert np.array_equal(decoded[: want.size], want)
+    with pytest.raises(ValueError, match="out holds 100 bytes"):
+        store.copy_frames_into(1, "aux_hidden_states", 35, np.zeros(100, dtype=np.uint8))
+
+    flip_byte(dst, 1, "aux_hidden_states", chunk=2, at=40)
+    with pytest.raises(CorruptSampleError, match="sample 1 .*inner chunk 2 fails its checksum"):
+        Store(dst).copy_frames_into(1, "aux_hidden_states", 35, out)

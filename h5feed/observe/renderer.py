@@ -46,6 +46,7 @@ def worker_rows(
             "read_MBps": (w.bytes_read - (o.bytes_read if o else 0)) / dt / 1e6 if dt > 0 else None,
             "decoded_MBps": (w.bytes_delivered - (o.bytes_delivered if o else 0)) / dt / 1e6 if dt > 0 else None,
             "queue_depth": w.queue_depth,
+            "corrupt": w.corrupt,
             "sample": w.current_sample,
             "path": path_of(w.current_sample) if w.current_sample is not None else None,
             "sample_s": w.current_seconds if w.current_sample is not None else None,
@@ -66,6 +67,7 @@ def loader_figures(rows: list[Record]) -> Record:
         "read_GBps": read / 1e3 if read is not None else None,
         "decoded_GBps": decoded / 1e3 if decoded is not None else None,
         "queue_depth": sum(r["queue_depth"] for r in rows),
+        "corrupt": sum(r["corrupt"] for r in rows),
         "workers": len(rows),
         "reading": sum(r["sample"] is not None for r in rows),
     }
@@ -105,6 +107,8 @@ def format_line(rec: Record) -> str:
             f" | loader {num(loader['samples_per_s'], '.1f')} samples/s, {num(loader['read_GBps'], '.2f')} GB/s read, "
             f"{num(loader['decoded_GBps'], '.2f')} GB/s decoded, queue {loader['queue_depth']}"
         )
+        if loader.get("corrupt"):
+            line += f" | {loader['corrupt']} DAMAGED sample(s) skipped (on_corrupt='skip'; run `h5feed verify`)"
     elif rec["steps"]:
         line += f" | batches {num(rec['batches(GB/s)'], '.2f')} GB/s (no loader counters)"
     if waiting is not None and waiting >= 1.0:

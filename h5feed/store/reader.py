@@ -240,7 +240,39 @@ class Store:
             raise ValueError(f"unknown array {array!r}: one of {', '.join(self.info.array_names)}")
         if not 0 <= start <= stop <= int(self.sample_lengths[i]):
             raise IndexError(f"rows [{start}, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
+        dtype = self.info.storage_dtype(array)
+        shape = (stop - start, self.info.width(array)) if self.info.is_matrix(array) else (stop - start,)
+        if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, not {out.dtype} {tuple(out.shape)}")
         self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
+
+    def copy_frames_into(
+        self, i: int, array: str, stop: int, out: np.ndarray, stats: ReadStats | None = None
+    ) -> list[tuple[int, int, int]]:
+        """Copy the still-compressed frames of the chunks holding rows [0, stop) of sample i's `array`,
+        each checked against its crc32c, back to back into the byte buffer `out`, for decoding
+        elsewhere (on the GPU: `h5feed.gpu_decode`).  Returns (chunk, offset in `out`, length) of each.
+
+        Raises `CorruptSampleError` like the reads that decode, and ValueError when `out` is too small.
+        """
+        self._check_sample(i)
+        if not 0 < stop <= int(self.sample_lengths[i]):
+            raise IndexError(f"rows [0, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
+        stats = stats if stats is not None else ReadStats()
+        placed, position = [], 0
+        try:
+            for chunk, frame in self._frames(i, array, range(0, -(-stop // self.info.chunk_tokens)), stats):
+                end = position + len(frame)
+                if end > out.nbytes:
+                    raise _TooSmall(f"out holds {out.nbytes} bytes, the frames need more than {end}")
+                out[position:end] = np.frombuffer(frame, dtype=np.uint8)
+                placed.append((chunk, position, len(frame)))
+                position = end
+        except _TooSmall as exc:
+            raise ValueError(str(exc)) from None
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+        return placed
 
     def will_need(self, i: int, max_tokens: int | None = None, *, extras: Collection[str] | None = None) -> None:
         """Ask the kernel to start reading sample i's objects now, without waiting for them.
@@ -275,7 +307,9 @@ class Store:
         row_nbytes = self.info.row_nbytes(name)
         if not out.is_contiguous() or out.numel() * out.element_size() != (stop - start) * row_nbytes:
             raise ValueError(f"out must be a contiguous buffer of {stop - start} rows of {name}")
-        dest = out.view(torch.uint8).numpy().reshape(stop - start, row_nbytes) if stop > start else None
+        if stop == start:
+            return
+        dest = out.view(torch.uint8).numpy().reshape(stop - start, row_nbytes)
         c = self.info.chunk_tokens
         whole = start == 0 and delivered == int(self.sample_lengths[i])
         try:
@@ -376,6 +410,10 @@ class Store:
     def _corrupt(self, i: int, path: Path, problem: str) -> CorruptSampleError:
         return CorruptSampleError(path, f"{problem}; the store is damaged: run `h5feed verify {self.path}`", i,
                                   self.source_paths[i])
+
+
+class _TooSmall(Exception):
+    """The caller's buffer, not the store, is at fault."""
 
 
 _REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"

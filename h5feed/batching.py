@@ -1,0 +1,543 @@
+"""Decode once, straight into the batch: the trainer's batches, built where the GPU copy reads them.
+
+When h5feed knows the trainer's collate (`h5feed.collate`), each sample's stored rows
+are decoded directly into their place in the final, padded batch: no item tensors, no
+cat, no pad, no hand-off copy into shared memory, no pin_memory copy.  Only pad
+positions that an earlier batch left non-zero are zeroed.
+
+Batches live in a bounded ring of slots: one shared-memory file (memfd) that the
+trainer's process makes and, when CUDA is available, page-locks once.
+
+- Reader threads in the trainer's process (num_workers=0), or DataLoader worker
+  processes (each with slots of its own, each mapping the file itself: fork, spawn and
+  forkserver alike), claim a free slot, decode a batch into it and pass on only the slot
+  number and the batch's shapes.
+- The trainer's process wraps the slot as the batch's tensors.  The slot goes back to
+  the ring when nothing refers to them any more and, if CUDA is in use, once a CUDA
+  event recorded at that moment has completed (the copy to the GPU is done).
+- A trainer that keeps more batches than the ring holds gets the rest in fresh memory
+  (with a warning), never a slot still in use.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
+from h5feed.datasets import HiddenStatesStream
+from h5feed.store import (
+    HIDDEN_ARRAYS,
+    BufferPool,
+    ReadStats,
+    Store,
+    shared_allocator,
+    storage_dtype,
+)
+
+FREE, FILLING, FILLED, DRAINING = 0, 1, 2, 3  # a slot's states; FREE->FILLED by its writer, then back by the trainer
+_ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
+READ_AHEAD_BATCHES = 3  # a worker's batches the disk is asked for ahead of the one it decodes (a cold cache
+# needs several requests in flight to reach the disk's rate: one sample ahead per worker left 2 workers at ~60% of it)
+_POLL_SECONDS = 0.0005  # how often a writer looks again for a slot whose copy to the GPU is finishing
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class SlotLayout:
+    """Where each key of a batch lives in a slot: byte offsets fixed by the largest batch the loader makes."""
+
+    def __init__(self, largest: dict[str, TensorSpec]) -> None:
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for key, (shape, dtype) in largest.items():
+            self.offsets[key] = offset
+            offset += _round_up(math.prod(shape) * dtype.itemsize, _ALIGN)
+        self.nbytes = max(offset, _ALIGN)
+
+    def views(self, memory: torch.Tensor, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+        """The batch's tensors in `memory` (a slot's bytes), each contiguous at the start of its key's region."""
+        out = {}
+        for key, (shape, dtype) in specs.items():
+            start = self.offsets[key]
+            out[key] = memory[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        return out
+
+
+class SlotRing:
+    """`count` slots of `slot_bytes` in one memfd, after a table of each slot's state and dirty marks.
+
+    Picklable into DataLoader workers (the file descriptor travels, as torch's own shared
+    tensors do).  Every process maps what it uses itself: the trainer's process the whole
+    file (it wraps any slot and page-locks them all once), a worker the table and its own
+    slots, pre-faulted in one go, so a forked worker never relies on its parent's (possibly
+    page-locked) mapping.  The memory goes away with the last process that maps it: a crash
+    leaves nothing behind.
+    """
+
+    def __init__(self, count: int, slot_bytes: int, dirty_fields: int) -> None:
+        self.count, self.slot_bytes, self.dirty_fields = count, slot_bytes, dirty_fields
+        self.fd = os.memfd_create("h5feed-batch-slots")
+        os.ftruncate(self.fd, self._slot_offset(count))
+        self.page_locked_at: int | None = None
+        self._pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fd": reduction.DupFd(self.fd), "count": self.count, "slot_bytes": self.slot_bytes,
+                "dirty_fields": self.dirty_fields, "page_locked_at": None, "_pid": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fd = state.pop("fd")
+        self.__dict__.update(state)
+        self.fd = fd if isinstance(fd, int) else fd.detach()
+
+    def _table_bytes(self) -> int:
+        return _round_up(self.count * (1 + self.dirty_fields) * 8, mmap.PAGESIZE)
+
+    def _slot_offset(self, slot: int) -> int:
+        return self._table_bytes() + slot * _round_up(self.slot_bytes, mmap.PAGESIZE)
+
+    def _attach(self) -> None:
+        """Map the table in this process (first use in each process: a forked child maps anew)."""
+        if self._pid == os.getpid():
+            return
+        table = mmap.mmap(self.fd, self._table_bytes())
+        fields = np.frombuffer(table, np.int64, self.count * (1 + self.dirty_fields)).reshape(self.count, -1)
+        self.states, self.dirty = fields[:, 0], fields[:, 1:]
+        self.lock = threading.Lock()  # a forked child's copy of the parent's may be held
+        self._whole: mmap.mmap | None = None
+        self._writable: dict[int, torch.Tensor] = {}
+        self._pid = os.getpid()
+
+    def whole(self) -> mmap.mmap:
+        """The whole file, mapped once in this process (the trainer's)."""
+        self._attach()
+        if self._whole is None:
+            self._whole = mmap.mmap(self.fd, self._slot_offset(self.count))
+        return self._whole
+
+    def memory(self, slot: int) -> torch.Tensor:
+        """A slot's bytes, for its writer: from the whole map where this process has it, else mapped alone."""
+        self._attach()
+        if slot not in self._writable:
+            if self._whole is not None:
+                self._writable[slot] = torch.frombuffer(self._whole, dtype=torch.uint8, count=self.slot_bytes,
+                                                        offset=self._slot_offset(slot))
+            else:
+                own = mmap.mmap(self.fd, _round_up(self.slot_bytes, mmap.PAGESIZE), offset=self._slot_offset(slot),
+                                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                self._writable[slot] = torch.frombuffer(own, dtype=torch.uint8, count=self.slot_bytes)
+        return self._writable[slot]
+
+    def batch_memory(self, slot: int, on_release: Any) -> torch.Tensor:
+        """A slot's bytes as a tensor of their own: `on_release(slot)` runs when nothing refers to them any more
+        (every view of it keeps the numpy array below alive, and with it the finalizer unfired)."""
+        array = np.frombuffer(self.whole(), np.uint8, self.slot_bytes, self._slot_offset(slot))
+        weakref.finalize(array, on_release, slot).atexit = False
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+    def claim(self, slots: range) -> int | None:
+        """A free slot of `slots`, now FILLING; waits while one is only finishing its copy to the GPU.
+        None when every slot is taken: the trainer holds more batches than the ring keeps."""
+        self._attach()
+        while True:
+            with self.lock:
+                for slot in slots:
+                    if self.states[slot] == FREE:
+                        self.states[slot] = FILLING
+                        return slot
+                draining = any(self.states[slot] == DRAINING for slot in slots)
+            if not draining:
+                return None
+            time.sleep(_POLL_SECONDS)
+
+    def page_lock(self) -> None:
+        """Page-lock the slots once (cudaHostRegister), so copies to the GPU from them are asynchronous DMA."""
+        start = np.frombuffer(self.whole(), np.uint8).ctypes.data
+        error = int(torch.cuda.cudart().cudaHostRegister(start, self._slot_offset(self.count), 1))  # 1: portable
+        if error:
+            warnings.warn(f"h5feed: cudaHostRegister failed (cudaError {error}); batches stay in pageable memory",
+                          stacklevel=3)
+            return
+        self.page_locked_at = start
+
+    def unlock(self) -> None:
+        if self.page_locked_at is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.page_locked_at)
+            self.page_locked_at = None
+
+
+@dataclass
+class FilledBatch:
+    """What a writer passes on: the slot it filled and the shapes in it, or (no slot free) the batch itself."""
+
+    slot: int | None
+    specs: dict[str, TensorSpec]
+    extras: dict[str, Any]  # the batch's non-tensor values (error_records)
+    samples: int
+    batch: Batch | None = None
+
+
+@dataclass
+class BatchWriter:
+    """Decodes the samples of one batch straight into their places in a slot (or fresh memory when none is free)."""
+
+    stream: HiddenStatesStream
+    collate: TrainerCollate
+    ring: SlotRing
+    layout: SlotLayout
+    trailing: dict[str, TensorSpec]  # each row key's per-position shape and dtype
+    _pool: BufferPool = field(init=False, repr=False)  # buffers for rows decoded before a cast (per process)
+
+    def __post_init__(self) -> None:
+        self._pool = BufferPool(capacity=8)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key != "_pool"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def will_need(self, indices: Sequence[int]) -> None:
+        """Start the disk on these samples' chunks now (returns at once)."""
+        for i in indices:
+            self.stream.store.will_need(i, self.stream._tokens_to_read(i))
+
+    def write(self, indices: Sequence[int], slot: int | None) -> FilledBatch:
+        store, collate = self.stream.store, self.collate
+        counters = self.stream.counters.worker()
+        tokens = [int(store.sample_lengths[i]) for i in indices]
+        plan = collate.plan([collate.item_rows(t) for t in tokens])
+        specs = collate.specs(plan, self.trailing)
+        if slot is None:
+            batch: Batch = {key: shared_allocator(*spec) for key, spec in specs.items()}
+        else:
+            batch = self.layout.views(self.ring.memory(slot), specs)
+        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
+        for i, t, place in zip(indices, tokens, plan.placements):
+            counters.begin_sample(i)
+            window = self.stream._tokens_to_read(i)
+            for rk in collate.row_keys:
+                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
+                if rk.array is not None and rows:
+                    dest = batch[rk.key][place.row, place.offset : place.offset + rows]
+                    self._decode(i, rk.array, rk.shift, dest, counters)
+                written[rk.key][place.row] = place.offset + rows
+            counters.end_sample(i, place.count)
+        for n, rk in enumerate(collate.row_keys):
+            dirty = None if slot is None else int(self.ring.dirty[slot, n])
+            mark = zero_pads(batch[rk.key], written[rk.key], dirty)
+            if slot is not None:
+                self.ring.dirty[slot, n] = mark
+        collate.derive_rows(batch, plan)
+        collate.write_summary(batch, plan)
+        if slot is None:
+            return FilledBatch(None, specs, {}, len(indices), batch)
+        self.ring.states[slot] = FILLED
+        extras = {key: value for key, value in batch.items() if key not in specs}
+        return FilledBatch(slot, specs, extras, len(indices))
+
+    def _decode(self, i: int, array: str, start: int, dest: torch.Tensor, stats: ReadStats) -> None:
+        """Stored rows [start, start + len(dest)) into `dest`: in place when it has the stored dtype
+        (bf16 viewed as its uint16 bits), else through a reused buffer and one cast."""
+        logical = self.stream.store.info.torch_dtype if array in HIDDEN_ARRAYS else torch.int64
+        stored = storage_dtype(logical) if array in HIDDEN_ARRAYS else torch.int64
+        if dest.dtype == logical:
+            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(stored), stats)
+            return
+        scratch = self._pool(tuple(dest.shape), stored)
+        self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], scratch, stats)
+        dest.copy_(scratch.view(logical))
+
+
+def _in_batches(sequence: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    """A worker's samples in its batches: only the rank's last batch can be short."""
+    batches = [sequence[j : j + batch_size] for j in range(0, len(sequence), batch_size)]
+    return batches[:-1] if drop_last and batches and len(batches[-1]) < batch_size else batches
+
+
+def _as_is(message: Any) -> Any:
+    """The DataLoader's collate for slot messages: they are already what the trainer's process needs."""
+    return message
+
+
+class _SlotFeed(IterableDataset[FilledBatch]):
+    """What each DataLoader worker runs: its batches of the stream's order, each decoded into one of its own slots."""
+
+    def __init__(self, writer: BatchWriter, batch_size: int, drop_last: bool, slots_per_worker: int) -> None:
+        self.writer, self.batch_size, self.drop_last = writer, batch_size, drop_last
+        self.slots_per_worker = slots_per_worker
+
+    def __iter__(self) -> Iterator[FilledBatch]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        own = range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker)
+        batches = _in_batches(self.writer.stream._worker_sequence(), self.batch_size, self.drop_last)
+        self.writer.stream.counters.worker().start()
+        for indices in batches[:READ_AHEAD_BATCHES]:
+            self.writer.will_need(indices)
+        for j, indices in enumerate(batches):
+            if j + READ_AHEAD_BATCHES < len(batches):  # the disk works on later batches while this one decodes
+                self.writer.will_need(batches[j + READ_AHEAD_BATCHES])
+            yield self.writer.write(indices, self.writer.ring.claim(own))
+
+
+class BatchLoader:
+    """The trainer's batches, decoded straight into a recycled ring of (page-locked) batch buffers.
+
+    Yields exactly what `DataLoader(HiddenStatesStream(...), batch_size=..., collate_fn=
+    trainer_collate(flavor, max_len), pin_memory=True)` yields, in the same order, with
+    the same sharding and resume (`state_dict`, `set_epoch` as the stream's).
+
+    Args:
+        data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out
+            the stream's own arguments).
+        flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`.
+        batch_size: items per batch (speculators packs them into one max_len row).
+        drop_last: leave out the last batch when it is short (SpecForge's loader does).
+        num_workers: DataLoader worker processes; 0: `threads` reader threads in this process.
+        threads: reader threads with num_workers=0 (default: the cores this process may use, at most 4).
+        prefetch: batches in flight per worker (the DataLoader's prefetch_factor), or in all
+            with threads.
+        device: when given (e.g. "cuda"), batches arrive on it (copied without blocking from
+            the page-locked slot); otherwise they are CPU tensors in the slot, page-locked
+            when CUDA is available.
+        slots_per_worker: slots each worker (or the threads) may fill; the default,
+            prefetch + 2, covers a trainer that holds the batch it is given.
+        multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
+        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
+    """
+
+    def __init__(
+        self,
+        data: HiddenStatesStream | Store | str | os.PathLike[str],
+        *,
+        flavor: str | None = None,
+        max_len: int | None = None,
+        hidden_states_dtype: torch.dtype | None = None,
+        batch_size: int = 1,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        threads: int | None = None,
+        prefetch: int = 2,
+        device: torch.device | str | None = None,
+        slots_per_worker: int | None = None,
+        multiprocessing_context: Any = None,
+        worker_init_fn: Any = None,
+        timeout: float = 0,
+        **stream_kwargs: Any,
+    ) -> None:
+        if isinstance(data, HiddenStatesStream):
+            given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
+            extra = [name for name, value in given.items() if value is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
+            stream = data
+        else:
+            stream = HiddenStatesStream(data, flavor or "speculators-legacy", max_len,
+                                        hidden_states_dtype=hidden_states_dtype, **stream_kwargs)
+        if stream.transform is not None:
+            raise ValueError("BatchLoader decodes stored rows straight into the batch, so it cannot run a per-item "
+                             "transform; apply noise to the batch instead (see examples/), or use a DataLoader over "
+                             "the stream with trainer_collate")
+        if batch_size < 1 or num_workers < 0 or prefetch < 1:
+            raise ValueError("batch_size and prefetch must be >= 1 and num_workers >= 0")
+        store = stream.store
+        stream.batch_size = batch_size
+        stream._counted_by_loader = True
+        self.dataset = stream  # what h5feed.monitor reads its counters from
+        self.batch_size, self.drop_last, self.num_workers, self.prefetch = batch_size, drop_last, num_workers, prefetch
+        self.threads = threads or min(4, len(os.sched_getaffinity(0)))
+        if isinstance(multiprocessing_context, str):  # as DataLoader keeps it (h5feed.monitor reads it)
+            multiprocessing_context = multiprocessing.get_context(multiprocessing_context)
+        self.multiprocessing_context, self.worker_init_fn, self.timeout = multiprocessing_context, worker_init_fn, timeout
+        self.device = torch.device(device) if device is not None and torch.device(device).type != "cpu" else None
+        self.collate = trainer_collate(stream.flavor.name, stream.max_len,
+                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
+        widths = {"aux_hidden_states": store.num_aux_layers * store.hidden_size,
+                  "last_hidden_states": store.hidden_size}
+        trailing = {rk.key: (((widths[rk.array],), self.collate.hidden_states_dtype) if rk.array in widths
+                             else ((), torch.long)) for rk in self.collate.row_keys}
+        longest = max((self.collate.item_rows(int(store.sample_lengths[i])) for i in stream.indices), default=1)
+        layout = SlotLayout(self.collate.specs(self.collate.largest_plan(batch_size, max(longest, 1)), trailing))
+        in_flight = prefetch if num_workers else max(prefetch, self.threads)
+        self.slots_per_worker = slots_per_worker or in_flight + 2
+        ring = SlotRing(self.slots_per_worker * max(num_workers, 1), layout.nbytes, len(self.collate.row_keys))
+        if torch.cuda.is_available():
+            ring.page_lock()
+        self._writer = BatchWriter(stream, self.collate, ring, layout, trailing)
+        self._handed_out: set[int] = set()  # slots whose batch the trainer may still hold
+        self._lock = threading.RLock()  # _release runs from finalizers, which may fire while it is held
+        self._pid = os.getpid()
+        self._drain_queue: queue.SimpleQueue[tuple[int, Any]] | None = None
+        self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # weak: a dropped pass ends at once
+        self._warned = False
+
+    # --- what DataLoader users call ----------------------------------------------------------
+    def __len__(self) -> int:
+        samples = len(self.dataset)
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    @property
+    def batch_sampler(self) -> BatchLoader:
+        """speculators' Trainers call `train_loader.batch_sampler.set_epoch(epoch)` each epoch: this loader takes it."""
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One pass over this rank's batches; starting another ends the one before."""
+        self.close()
+        batches = self._batches()
+        self._active = weakref.ref(batches)
+        return batches
+
+    def close(self) -> None:
+        """End the current pass (its workers or threads stop); slots it had filled go back to the ring."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._active = None
+        ring = self._writer.ring
+        ring.whole()
+        with self._lock:
+            for slot in range(ring.count):
+                if ring.states[slot] in (FILLING, FILLED) and slot not in self._handed_out:
+                    ring.states[slot] = FREE
+
+    # --- one pass ----------------------------------------------------------------------------
+    def _batches(self) -> Generator[Batch, None, None]:
+        stream = self.dataset
+        stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
+        feed = self._from_workers() if self.num_workers else self._from_threads()
+        try:
+            for filled in feed:
+                batch = self._deliver(filled)
+                stream.note_consumed(filled.samples)
+                yield batch
+        finally:
+            feed.close()
+
+    def _from_workers(self) -> Generator[FilledBatch, None, None]:
+        loader = DataLoader(
+            _SlotFeed(self._writer, self.batch_size, self.drop_last, self.slots_per_worker), batch_size=None,
+            num_workers=self.num_workers, collate_fn=_as_is, prefetch_factor=self.prefetch,
+            multiprocessing_context=self.multiprocessing_context, worker_init_fn=self.worker_init_fn,
+            timeout=self.timeout,
+        )
+        iterator = iter(loader)
+        try:
+            yield from iterator
+        finally:
+            iterator._shutdown_workers()  # type: ignore[attr-defined]
+
+    def _from_threads(self) -> Generator[FilledBatch, None, None]:
+        writer, ring = self._writer, self._writer.ring
+        counters = self.dataset.counters.worker()
+        counters.start()
+        upcoming = iter(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
+        in_flight: deque[Future[FilledBatch]] = deque()
+
+        def write(indices: list[int]) -> FilledBatch:
+            return writer.write(indices, ring.claim(range(ring.count)))
+
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-batch") as pool:
+
+            def submit_next() -> None:
+                indices = next(upcoming, None)
+                if indices is not None:
+                    writer.will_need(indices)
+                    in_flight.append(pool.submit(write, indices))
+
+            try:
+                for _ in range(max(self.prefetch, self.threads)):
+                    submit_next()
+                while in_flight:
+                    t0 = time.perf_counter()
+                    filled = in_flight.popleft().result()
+                    counters.add_wait(time.perf_counter() - t0)
+                    submit_next()
+                    yield filled
+            finally:
+                for future in in_flight:
+                    future.cancel()
+
+    def _deliver(self, filled: FilledBatch) -> Batch:
+        """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory)."""
+        if filled.slot is None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots per "
+                              "worker keep; the rest are built in fresh memory (slower); pass a larger "
+                              "slots_per_worker if that is intended", stacklevel=3)
+            batch = filled.batch
+            assert batch is not None
+        else:
+            with self._lock:
+                self._handed_out.add(filled.slot)
+            memory = self._writer.ring.batch_memory(filled.slot, self._release)
+            batch = {**self._writer.layout.views(memory, filled.specs), **filled.extras}
+            del memory
+        if self.device is not None:
+            batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
+        return batch
+
+    def _release(self, slot: int) -> None:
+        """Nothing refers to the slot's batch any more.  If CUDA is in use, a copy to the GPU queued on the
+        current stream may still read it: the slot is free once an event recorded now has completed."""
+        if os.getpid() != self._pid:  # a forked child's copy of this loader must not touch the ring
+            return
+        ring = self._writer.ring
+        with self._lock:
+            self._handed_out.discard(slot)
+            if not torch.cuda.is_initialized():
+                ring.states[slot] = FREE
+                return
+            ring.states[slot] = DRAINING
+            if self._drain_queue is None:
+                self._drain_queue = queue.SimpleQueue()
+                threading.Thread(target=_drain, args=(self._drain_queue, ring.states), daemon=True,
+                                 name="h5feed-slot-release").start()
+        event = torch.cuda.Event()
+        event.record()
+        self._drain_queue.put((slot, event))
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) == os.getpid() and not getattr(self, "_handed_out", True):
+            self._writer.ring.unlock()
+
+
+def _drain(pending: queue.SimpleQueue[tuple[int, Any]], states: np.ndarray) -> None:
+    """Free each slot once the GPU has passed the event recorded when its batch was released."""
+    while True:
+        slot, event = pending.get()
+        event.synchronize()
+        states[slot] = FREE

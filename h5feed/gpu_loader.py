@@ -1,0 +1,233 @@
+"""decode="cuda": the trainer's batches decoded on the GPU, so that the CPU only reads and checks files.
+
+Reader threads, one batch each, copy its samples' still-compressed chunk frames,
+every one checked against its crc32c (`Store.copy_frames_into`), into the batch's
+region of one page-locked staging memory; the trainer's thread sends the frames of
+up to `decode_group` consecutive staged batches to the GPU in one copy, decodes them
+there in one nvCOMP batch (`h5feed.gpu_decode`: the GPU decodes several times faster
+per byte in large batches) on a stream of its own, and places the rows where the
+trainer's collate puts them (device-to-device copies, pads zeroed).  The batches
+equal, tensor for tensor, what `DataLoader(HiddenStatesStream(...),
+collate_fn=trainer_collate(flavor, max_len), pin_memory=True)` yields, already on
+the GPU.  A region is reused once the event recorded after its copy to the GPU has completed.  Without CUDA or nvCOMP, use `BatchLoader` (a clear error says so).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from h5feed.batching import _in_batches
+from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
+from h5feed.datasets import HiddenStatesStream
+from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
+from h5feed.store import HIDDEN_ARRAYS, Store
+
+_FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
+
+
+@dataclass
+class _Staged:
+    """One batch's compressed frames in its region of the pinned staging memory, and where each decodes to."""
+
+    indices: list[int]
+    windows: list[int]  # rows read of each sample (the flavor's window)
+    region: int  # which region of the staging memory
+    spans: list[tuple[int, int]]  # (offset in the staging memory, length) of each frame
+    targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
+
+
+class CudaBatchLoader:
+    """The trainer's batches, decoded on the GPU from compressed frames that reader threads read and check.
+
+    Args:
+        data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out its own arguments).
+        flavor, max_len, hidden_states_dtype, batch_size, drop_last: as `BatchLoader`.
+        threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
+        prefetch: batches staged ahead (read by the threads in parallel).
+        decode_group: consecutive staged batches decoded in one GPU call.
+        device: the CUDA device the batches arrive on.
+        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
+
+    `gpu_decode_ms` adds up the GPU time spent decoding (copy in, zstd, unshuffle): what decoding
+    takes from training on that GPU.
+    """
+
+    def __init__(
+        self,
+        data: HiddenStatesStream | Store | str | os.PathLike[str],
+        *,
+        flavor: str | None = None,
+        max_len: int | None = None,
+        hidden_states_dtype: torch.dtype | None = None,
+        batch_size: int = 1,
+        drop_last: bool = False,
+        threads: int = 2,
+        prefetch: int = 8,
+        decode_group: int = 4,
+        device: torch.device | str = "cuda",
+        **stream_kwargs: Any,
+    ) -> None:
+        reason = why_unavailable()
+        if reason is not None:
+            raise RuntimeError(f"decode on the GPU is not available ({reason}); use h5feed.BatchLoader, which "
+                               "decodes on the CPU")
+        if isinstance(data, HiddenStatesStream):
+            stream = data
+        else:
+            stream = HiddenStatesStream(data, flavor or "speculators-legacy", max_len,
+                                        hidden_states_dtype=hidden_states_dtype, **stream_kwargs)
+        store = stream.store
+        codec = store.info.codec
+        if not (codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded):
+            raise ValueError(f"{store.path}: decode on the GPU needs a format-2 store with the zstd codec "
+                             f"(this one: format {store.info.format_version}, {codec}); use h5feed.BatchLoader")
+        stream.batch_size, stream._counted_by_loader = batch_size, True
+        self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
+        self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
+        self.device = torch.device(device)
+        self.collate = trainer_collate(stream.flavor.name, stream.max_len,
+                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
+        info = store.info
+        self._trailing: dict[str, TensorSpec] = {
+            rk.key: (((info.width(rk.array),), self.collate.hidden_states_dtype) if rk.array in HIDDEN_ARRAYS
+                     else ((), torch.long)) for rk in self.collate.row_keys}
+        self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None})
+        longest = max((stream._tokens_to_read(i) for i in stream.indices), default=1)
+        chunks = -(-longest // info.chunk_tokens)
+        per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
+        self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
+        self._region_bytes = batch_size * per_sample
+        self._staging = torch.empty(self._regions * self._region_bytes, dtype=torch.uint8, pin_memory=True)
+        self._copied: list[torch.cuda.Event | None] = [None] * self._regions
+        self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
+        self.gpu_decode_ms = 0.0
+        self._pending_timings: deque[Any] = deque()
+
+    def __len__(self) -> int:
+        return len(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Batch]:
+        stream = self.dataset
+        stream._consumed = 0
+        stream.counters.worker().start()
+        batches = iter(enumerate(_in_batches(stream._worker_sequence(), self.batch_size, self.drop_last)))
+        in_flight: deque[Future[_Staged]] = deque()
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-gpu-read") as pool:
+
+            def submit_next() -> None:
+                j, indices = next(batches, (None, None))
+                if indices is not None:
+                    for i in indices:
+                        stream.store.will_need(i, stream._tokens_to_read(i))
+                    region = j % self._regions  # its last batch is decoded by now: its copy is queued or done
+                    in_flight.append(pool.submit(self._stage, indices, region, self._copied[region]))
+
+            try:
+                for _ in range(self.prefetch):
+                    submit_next()
+                while in_flight:
+                    group = [in_flight.popleft().result()]
+                    while (len(group) < self.decode_group and in_flight and in_flight[0].done()
+                           and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
+                        group.append(in_flight.popleft().result())
+                    decoded = self._decode(group)
+                    for _ in group:
+                        submit_next()
+                    for staged, batch in zip(group, decoded):
+                        stream.note_consumed(len(staged.indices))
+                        yield batch
+            finally:
+                for future in in_flight:
+                    future.cancel()
+                self._collect_timings(wait=True)
+
+    # --- reader threads: compressed, checked frames into pinned memory ----------------------------
+    def _stage(self, indices: list[int], region: int, copied: torch.cuda.Event | None) -> _Staged:
+        stream, store = self.dataset, self.dataset.store
+        counters = stream.counters.worker()
+        if copied is not None:
+            copied.synchronize()  # the GPU has the bytes this region held before
+        start = region * self._region_bytes
+        host = self._staging[start : start + self._region_bytes].numpy()
+        staged = _Staged(indices, [], region, [], [])
+        position = 0
+        for n, i in enumerate(indices):
+            counters.begin_sample(i)
+            window = stream._tokens_to_read(i)
+            staged.windows.append(window)
+            for array in self._arrays:
+                for chunk, offset, length in store.copy_frames_into(i, array, window, host[position:], counters):
+                    staged.spans.append((start + position + offset, length))
+                    staged.targets.append((n, array, chunk))
+                position = staged.spans[-1][0] + staged.spans[-1][1] - start
+            counters.end_sample(i, window)
+        return staged
+
+    # --- the trainer's thread: one GPU decode per group, then the collate's placement -------------
+    def _decode(self, group: list[_Staged]) -> list[Batch]:
+        info = self.dataset.store.info
+        c, side = info.chunk_tokens, self._decoder.stream
+        with torch.cuda.stream(side):
+            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if array in HIDDEN_ARRAYS
+                                                else (-(-w // c) * c,), dtype=info.storage_dtype(array),
+                                                device=self.device)
+                        for n, w in enumerate(staged.windows) for array in self._arrays} for staged in group]
+            spans = [span for staged in group for span in staged.spans]
+            outs = [decoded[g][(n, array)][chunk * c : (chunk + 1) * c]
+                    for g, staged in enumerate(group) for n, array, chunk in staged.targets]
+            timing = self._decoder.decode_from_pinned(self._staging, spans, outs)
+            for staged in group:
+                self._copied[staged.region] = timing.copy_done
+            self._pending_timings.append(timing)
+            batches = [self._place(staged.indices, staged.windows, rows) for staged, rows in zip(group, decoded)]
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_stream(side)  # the trainer's kernels start once the group is decoded and placed
+        for batch in batches:
+            for value in batch.values():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    value.record_stream(consumer)  # made on the side stream, used on the trainer's
+        self._collect_timings(wait=False)
+        return batches
+
+    def _place(self, indices: list[int], windows: list[int], decoded: dict[tuple[int, str], torch.Tensor]) -> Batch:
+        """One batch of the trainer's collate, from its samples' decoded rows (on the current stream)."""
+        store, collate = self.dataset.store, self.collate
+        plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in indices])
+        batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
+                 for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
+        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
+        for n, (window, place) in enumerate(zip(windows, plan.placements)):
+            for rk in collate.row_keys:
+                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
+                if rk.array is not None and rows:
+                    source = decoded[(n, rk.array)][rk.shift : rk.shift + rows]
+                    if rk.array in HIDDEN_ARRAYS:
+                        source = source.view(store.info.torch_dtype)
+                    batch[rk.key][place.row, place.offset : place.offset + rows].copy_(source)
+                written[rk.key][place.row] = place.offset + rows
+        for rk in collate.row_keys:
+            zero_pads(batch[rk.key], written[rk.key])
+        collate.derive_rows(batch, plan)
+        collate.write_summary(batch, plan)
+        return batch
+
+    def _collect_timings(self, wait: bool) -> None:
+        """Add up the GPU time of decodes that have finished (or of all, waiting for them)."""
+        while self._pending_timings and (wait or self._pending_timings[0].events[-1].query()):
+            self.gpu_decode_ms += self._pending_timings.popleft().gpu_times().total_ms

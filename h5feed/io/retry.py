@@ -1,0 +1,170 @@
+"""Which failures of a request are worth another try, and how long to wait before it.
+
+Transient failures (a reset or dropped connection, a timeout, a partial body, HTTP 408/429/5xx,
+S3's SlowDown) are retried with exponential backoff and full jitter, a bounded number of times,
+and counted.  Permanent ones (403, 404, a missing object or bucket) raise at once an ObjectError
+that names the object and what to do.  The libraries' own silent retries are switched off where
+they can be (see `fsspec_store`), so that every retry is counted here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import itertools
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from h5feed.io.objects import AccessDenied, IOCounters, ObjectError, ObjectNotFound, ObjectUnavailable
+
+T = TypeVar("T")
+Kind = Literal["transient", "missing", "denied"]
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_CODES: dict[str, Kind] = {
+    "SlowDown": "transient", "Throttling": "transient", "ThrottlingException": "transient",
+    "RequestLimitExceeded": "transient", "RequestTimeout": "transient", "InternalError": "transient",
+    "ServiceUnavailable": "transient",
+    "NoSuchKey": "missing", "NoSuchBucket": "missing", "NotFound": "missing",
+    "AccessDenied": "denied", "InvalidAccessKeyId": "denied", "SignatureDoesNotMatch": "denied",
+    "ExpiredToken": "denied", "AllAccessDisabled": "denied",
+}
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Connection-level failures of the stdlib and of whichever HTTP stacks are installed."""
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError, http.client.IncompleteRead,
+                                        asyncio.TimeoutError, asyncio.IncompleteReadError]
+    try:
+        import aiohttp
+
+        found += [aiohttp.ClientPayloadError, aiohttp.ClientConnectionError]
+    except ImportError:
+        pass
+    try:
+        import botocore.exceptions as b
+
+        found += [b.HTTPClientError, b.IncompleteReadError, b.ResponseStreamingError]
+    except ImportError:
+        pass
+    try:
+        import urllib3.exceptions as u
+
+        found += [u.ProtocolError, u.TimeoutError]
+    except ImportError:
+        pass
+    try:
+        from fsspec.exceptions import FSTimeoutError
+
+        found.append(FSTimeoutError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+_TRANSIENT_TYPES = _transient_types()
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception and the ones it was raised from (fsspec backends translate their own errors)."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return seen
+
+
+_OBSTORE_STATUS = re.compile(r"status code: (\d{3})")
+
+
+def _status_and_code(exc: BaseException) -> tuple[int | None, str]:
+    response = getattr(exc, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode"), response.get("Error", {}).get("Code", "")
+    if type(exc).__module__.startswith("obstore"):  # its errors carry the status in the message only
+        found = _OBSTORE_STATUS.search(str(exc))
+        return (int(found.group(1)), "") if found else (None, "")
+    for name in ("status", "status_code", "code"):  # aiohttp, requests-style and gcsfs errors
+        value = getattr(exc, name, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value, ""
+    return None, ""
+
+
+def _is_obstore_connection_error(exc: BaseException) -> bool:
+    """obstore's GenericError for a failed connection, a timeout or a body cut short (no HTTP status)."""
+    return type(exc).__name__ == "GenericError" and "HTTP error" in str(exc)
+
+
+def classify(exc: BaseException) -> Kind | None:
+    """"transient", "missing", "denied", or None for a failure that is none of these (not retried)."""
+    for e in _chain(exc):
+        status, code = _status_and_code(e)
+        if code in _CODES:
+            return _CODES[code]
+        if status in _TRANSIENT_STATUS:
+            return "transient"
+        if status == 404 or isinstance(e, FileNotFoundError):
+            return "missing"
+        if status in (401, 403) or isinstance(e, PermissionError):
+            return "denied"
+        if isinstance(e, _TRANSIENT_TYPES) or _is_obstore_connection_error(e):
+            return "transient"
+    return None
+
+
+def object_error(url: str, exc: BaseException, kind: Kind | None, attempts: int) -> ObjectError:
+    """The error to raise for a failure that will not be retried (again)."""
+    if kind == "missing":
+        return ObjectNotFound(url, "no such object or bucket; check the URL (a store missing one of its own "
+                                   "objects is damaged: run `h5feed verify`)")
+    if kind == "denied":
+        return AccessDenied(url, "access denied; check the credentials (environment, the backend's config files, "
+                                 "`storage_options=` or `--storage-option KEY=VALUE`) and the bucket's permissions")
+    if kind == "transient":
+        return ObjectUnavailable(url, f"still failing after {attempts} attempts ({type(exc).__name__}: {exc}); "
+                                      "the service is unreachable or throttling: retry later or lower the concurrency")
+    return ObjectError(url, f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Up to `attempts` tries; before try n+1 a random wait in [0, min(cap, base * 2**n)] seconds
+    ("full jitter": clients that failed together do not retry together)."""
+
+    attempts: int = 10
+    base: float = 0.05
+    cap: float = 5.0
+
+    def wait_after(self, exc: BaseException, attempt: int, url: str, stats: IOCounters) -> float:
+        """Seconds to wait before retrying after failed try `attempt` (0-based), or raise the ObjectError."""
+        if isinstance(exc, ObjectError):
+            raise exc
+        kind = classify(exc)
+        if kind != "transient" or attempt + 1 >= self.attempts:
+            raise object_error(url, exc, kind, attempt + 1) from exc
+        stats.add_retry()
+        return random.uniform(0, min(self.cap, self.base * 2**attempt))
+
+    def call(self, fn: Callable[[], T], url: str, stats: IOCounters) -> T:
+        for attempt in itertools.count():
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 (wait_after re-raises what is not worth a retry)
+                time.sleep(self.wait_after(exc, attempt, url, stats))
+        raise AssertionError("unreachable")
+
+    async def call_async(self, fn: Callable[[], Awaitable[T]], url: str, stats: IOCounters) -> T:
+        for attempt in itertools.count():
+            try:
+                return await fn()
+            except Exception as exc:  # noqa: BLE001 (wait_after re-raises what is not worth a retry)
+                await asyncio.sleep(self.wait_after(exc, attempt, url, stats))
+        raise AssertionError("unreachable")
+
+
+DEFAULT_RETRY = RetryPolicy()

@@ -1,0 +1,70 @@
+"""The training scripts in examples/ run at tiny shapes on the CPU, and their swap changes nothing but speed:
+the tiny drafter sees the same batches, so BatchLoader and the DataLoader path give the same losses, bit for bit.
+
+The trainers' own training loops cannot run here: speculators' `Trainer` (0.4 and 0.9) moves
+model and batches to `local_rank`, a CUDA device, and its wheels pin other torch builds
+(0.4: torch <= 2.10; 0.9: torchvision/torchaudio); SpecForge needs sglang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+H = 32
+LENGTHS = [9, 40, 3, 25, 60, 17, 1]  # 7 samples: the last batch of each epoch is short
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def pre_norm_store(synthetic_store):
+    return synthetic_store("ex_legacy", "speculators-legacy-pt", len(LENGTHS), H, LENGTHS, chunk_tokens=16, seed=3).path
+
+
+@pytest.fixture(scope="module")
+def post_norm_store(synthetic_store):
+    return synthetic_store("ex_specforge", "specforge-ckpt", len(LENGTHS), H, LENGTHS, chunk_tokens=16, seed=4).path
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("speculators_04", {"max_len": 48, "batch_size": 2, "noise_std": 0.0}),
+    ("speculators_09", {"max_len": 48, "batch_size": 3}),
+    ("specforge", {"max_len": 32, "batch_size": 2}),
+    ("specforge", {"max_len": 32, "batch_size": 2, "flavor": "specforge-shifted"}),
+])
+def test_the_swap_gives_the_same_training(pre_norm_store, post_norm_store, name, kwargs):
+    store = str(post_norm_store if name == "specforge" else pre_norm_store)
+    train = example(name).train
+    fast = train(store, loader="batch", steps=9, device="cpu", **kwargs)  # 9 steps: two epochs and a bit
+    slow = train(store, loader="dataloader", steps=9, device="cpu", **kwargs)
+    assert len(fast) == 9 and all(math.isfinite(loss) for loss in fast)
+    assert fast == slow
+
+
+def test_speculators_04_noise_goes_onto_the_batch(pre_norm_store):
+    quiet = example("speculators_04").train(str(pre_norm_store), max_len=48, steps=3, noise_std=0.0, device="cpu")
+    noisy = example("speculators_04").train(str(pre_norm_store), max_len=48, steps=3, noise_std=0.05, device="cpu")
+    assert all(math.isfinite(loss) for loss in noisy) and noisy != quiet
+
+
+def test_a_script_runs_as_users_run_it(pre_norm_store):
+    """`python examples/speculators_04.py STORE --workers 2`: DataLoader worker processes, the script's own CLI."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "examples/speculators_04.py", str(pre_norm_store), "--max-len", "48",
+                          "--workers", "2", "--steps", "4"], check=False, cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[:2] for line in out.stdout.splitlines()] == [["step", str(i)] for i in range(4)]
