@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = 7
 SAMPLES = 12  # divisible by 2 and 3: every rank of either world size gets the same share
 SLOW_RANK, SLOW_S = 1, 0.2  # that rank's loader sleeps this long per sample
-LAUNCH_TIMEOUT_S = 120  # far above a launch's few seconds: only a hang gets there
+LAUNCH_TIMEOUT_S = 300  # a bound against hangs; a loaded 2-core machine takes 30-120 s
 
 
 # --- the trainer, run by torchrun -----------------------------------------------------------------
