@@ -7,6 +7,7 @@ from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoade
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
+from h5feed.pipeline_collates import pipeline_collate
 from h5feed.store import RawSample, Store
 from h5feed.verify import describe_store, verify_store
 
@@ -30,6 +31,7 @@ __all__ = [
     "convert",
     "describe_store",
     "monitor",
+    "pipeline_collate",
     "select_samples",
     "split_samples",
     "trainer_collate",

@@ -12,6 +12,7 @@ from typing import Any
 
 from h5feed.bench import add_bench_parser
 from h5feed.errors import H5feedError
+from h5feed.formats import FORMATS
 from h5feed.observe.watch import add_watch_parser
 
 log = logging.getLogger("h5feed")
@@ -32,6 +33,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         durable=not args.no_fsync,
+        last_state_norm=args.last_state_norm,
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -112,11 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert per-sample .pt/.ckpt/.safetensors files into one Zarr store")
+    p = sub.add_parser("convert", help="convert per-sample .pt/.ckpt/.safetensors files (or a NeMo cache) into one Zarr store")
     p.add_argument("src", help="folder of sample files (searched recursively)")
     p.add_argument("dst", help="the store to write (a folder); an unfinished one is resumed")
-    p.add_argument("--format", choices=["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt",
-                                        "speculators-safetensors"], help="input format (default: detected)")
+    p.add_argument("--format", choices=list(FORMATS), help="input format (default: detected)")
+    p.add_argument("--last-state-norm", choices=["pre", "post"], default=None,
+                   help="whether the files' last hidden state is taken before (pre) or after (post) the verifier's "
+                   "final norm; required for files that do not say it (Model-Optimizer's vLLM and HF dumps, "
+                   "AngelSlim's vLLM backend), refused where it contradicts them")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="worker processes; 0 converts in this process (default: the %(default)s cores)")
     p.add_argument("--codec", choices=["zstd", "lz4", "none"], default="zstd",

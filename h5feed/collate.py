@@ -325,5 +325,8 @@ def trainer_collate(
             keep their items' dtype; for them this is the dtype `BatchLoader` decodes into.
     """
     f = get_flavor(flavor)
+    if f.name not in _COLLATES:  # Model-Optimizer, AngelSlim, NeMo Automodel: plain collates, no batch layout yet
+        raise ValueError(f"flavor {f.name!r}: its trainer's collate is h5feed.pipeline_collate({f.name!r}, max_len); "
+                         "BatchLoader's decoding straight into the batch does not serve it yet")
     dtype = hidden_states_dtype or f.default_hidden_states_dtype
     return _COLLATES[f.name](f, max_len, dtype)

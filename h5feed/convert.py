@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import json
 import logging
@@ -42,12 +43,15 @@ import torch
 from tqdm.auto import tqdm
 
 from h5feed.errors import H5feedError, SourceError, StoreError
-from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format
+from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
 from h5feed.lock import LOCK_FILE, WriterLock
 from h5feed.store import Store, read_ahead
 from h5feed.store.layout import (
+    COMPANIONS_DIR,
     DEFAULT_CHUNK_TOKENS,
     MAX_DEFAULT_SHARD_TOKENS,
+    OPTIONAL_ARRAYS_FORMAT_VERSION,
+    LastStateNorm,
     StoreInfo,
     chunk_codec,
     chunk_encoder,
@@ -104,11 +108,15 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     durable: bool = True,
+    last_state_norm: LastStateNorm | None = None,
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst` (see the module docstring).
 
     Args:
         workers: worker processes (default: the machine's cores); 0 converts in this process.
+        last_state_norm: "pre" or "post": whether the files' last hidden state is taken before or after the
+            verifier's final norm, for formats whose files may not say it (Model-Optimizer, AngelSlim's vLLM
+            backend); required there, refused where it contradicts the files or the format.
         shard_tokens: rows per shard, a multiple of `chunk_tokens` (default: the longest sample,
             rounded up, at most 8192), so that a sample is one object per array.
         durable: fsync each shard before its journal line, and the index before the status flip,
@@ -121,6 +129,8 @@ def convert(
     if shard_tokens is not None and (shard_tokens < chunk_tokens or shard_tokens % chunk_tokens):
         raise ValueError(f"shard_tokens must be a multiple of chunk_tokens ({chunk_tokens}), not {shard_tokens}")
     chunk_codec(codec)  # validates the name before anything is written
+    if last_state_norm not in (None, "pre", "post"):
+        raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
     format = format or (None if overwrite else _planned_format(dst_path))  # a resume reads what the plan read
     fmt = FORMATS[format] if format else detect_format(src_path, skip_bad)  # type: ignore[index]
     found = fmt.scan(src_path, skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
@@ -128,6 +138,8 @@ def convert(
         log.warning("skipping %s: %s", entry.path, entry.problem)
     sources = found.files
     options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}
+    if last_state_norm is not None:  # stated by the user: a resume must state the same
+        options["last_state_norm"] = last_state_norm
     if dst_path.exists() and not overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
@@ -259,6 +271,7 @@ def _make_plan(
                 raise result
             reference = reference or result
             _check_same_shape(source, result, reference)
+            _check_same_layout(source, result, reference)
             shapes.append((source, result))
         except SourceError as exc:
             if not skip_bad:
@@ -279,18 +292,56 @@ def _make_plan(
         hidden_size=reference.hidden_size,
         num_aux_layers=reference.num_aux_layers,
         dtype=str(reference.dtype).removeprefix("torch."),
-        last_state_norm=fmt.last_state_norm,
+        last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.get("last_state_norm")),  # type: ignore[arg-type]
         codec=chunk_codec(options["codec"]),
         chunk_tokens=chunk_tokens,
         shard_tokens=shard_tokens,
         source_root=str(src_root),
+        has_last_state=fmt.has_last_state,
+        ids_shifted=fmt.ids_shifted,
+        extra_arrays={extra.name: extra.record() for extra in reference.extras},
+        source_info={**fmt.source_info(src_root), **({"layout": reference.layout} if reference.layout else {})},
     )
+    info = dataclasses.replace(info, companions=_keep_companions(fmt, src_root, dst, durable))
+    if info.needs_format_3:
+        info = dataclasses.replace(info, format_version=OPTIONAL_ARRAYS_FORMAT_VERSION)
     create_arrays(dst, info, total_rows=row)
     if durable:
         _fsync_tree(dst)
     plan = {"options": options, "samples": planned, "skipped": skipped, "total_rows": row}
     write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
     return plan
+
+
+def _keep_companions(fmt: SourceFormat, src_root: Path, dst: Path, durable: bool) -> dict[str, dict[str, Any]]:
+    """Copy the small files the trainer needs beside the samples into `companions/`, byte for byte, and record
+    each one's size and crc32c (a large one, like NeMo's target embeddings, is recorded only)."""
+    kept: dict[str, dict[str, Any]] = {}
+    for companion in fmt.companions(src_root):
+        data = b""
+        try:
+            if companion.copy:
+                data = companion.path.read_bytes()
+                crc, size = crc32c(data), len(data)
+            else:
+                crc, size = _file_crc32c(companion.path)
+        except OSError as exc:
+            raise SourceError(companion.path, f"cannot be read ({exc.strerror or exc})") from exc
+        kept[companion.relpath] = {"source": companion.relpath, "bytes": size, "crc32c": crc}
+        if companion.copy:
+            (dst / COMPANIONS_DIR).mkdir(exist_ok=True)
+            write_atomically(dst / COMPANIONS_DIR / companion.relpath, data, durable=durable)
+            kept[companion.relpath]["copy"] = f"{COMPANIONS_DIR}/{companion.relpath}"
+    return kept
+
+
+def _file_crc32c(path: Path) -> tuple[int, int]:
+    """(crc32c, size) of a file, read 16 MiB at a time."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            crc, size = crc32c(block, crc), size + len(block)
+    return crc, size
 
 
 def _default_shard_tokens(shapes: list[SampleShape], chunk_tokens: int) -> int:
@@ -310,6 +361,18 @@ def _check_same_shape(source: SourceFile, shape: SampleShape, reference: SampleS
             raise SourceError(source.path, f"{what} {got} differs from {want} of the first sample")
 
 
+def _check_same_layout(source: SourceFile, shape: SampleShape, reference: SampleShape) -> None:
+    """One store holds one set of optional arrays and one item layout: every sample must agree with the first."""
+    if shape.extras != reference.extras:
+        def names(s: SampleShape) -> str:
+            return ", ".join(f"{e.name} ({e.dtype}, width {e.width})" for e in s.extras) or "none"
+        raise SourceError(source.path, f"holds the optional arrays {names(shape)}, but the first sample holds "
+                          f"{names(reference)}: convert each set into its own store")
+    if shape.layout != reference.layout:
+        raise SourceError(source.path, f"is laid out as {shape.layout}, the first sample as {reference.layout}: "
+                          "convert each set into its own store")
+
+
 def _probe_one(format_name: str, source: SourceFile) -> SampleShape | SourceError:
     try:
         return FORMATS[format_name].probe(source)  # type: ignore[index]
@@ -321,6 +384,8 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any])
     """A rerun on a complete store asking for another codec, chunk size or format must not pass as done."""
     have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens,
             "shard_tokens": info.shard_tokens}
+    if "last_state_norm" in options:
+        have["last_state_norm"] = info.last_state_norm
     asked = {**options, "codec": chunk_codec(options["codec"]), "shard_tokens": options["shard_tokens"] or info.shard_tokens}
     if have != asked:
         raise StoreError(
@@ -477,26 +542,36 @@ def _convert_one(
     durable: bool,
 ) -> dict[str, Any]:
     """Load one source file, check it against the plan (it may have changed since), write its shards; in a worker."""
-    sample = FORMATS[format_name].load(source)  # type: ignore[index]
+    fmt = FORMATS[format_name]  # type: ignore[index]
+    sample = fmt.load(source)
     num_tokens = expected.num_tokens
     if sample.shape.num_tokens != num_tokens:
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
     _check_same_shape(source, sample.shape, expected)
+    if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
+        raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
+                          f"{list(info.extra_arrays)} when conversion started")
     loss_mask = sample.stored_loss_mask()
-    bits = storage_dtype(sample.last_hidden_state.dtype)
+    bits = storage_dtype(sample.aux_parts[0].dtype)
     c = info.chunk_tokens
     rows = range(0, num_tokens, c)
-    blocks: dict[str, Iterable[torch.Tensor]] = {  # one chunk's rows at a time: no copy of a whole sample
+
+    def chunks(tensor: torch.Tensor, name: str) -> Iterable[torch.Tensor]:  # one chunk's rows at a time
+        return (tensor[r : r + c].view(info.storage_dtype(name)) for r in rows)
+
+    blocks: dict[str, Iterable[torch.Tensor]] = {  # no copy of a whole sample
         "aux_hidden_states": (sample.aux_rows(r, r + c).view(bits) for r in rows),
-        "last_hidden_states": (sample.last_hidden_state[r : r + c].view(bits) for r in rows),
-        "input_ids": (sample.input_ids[r : r + c] for r in rows),
-        "loss_mask": (loss_mask[r : r + c] for r in rows),
+        "input_ids": chunks(sample.input_ids, "input_ids"),
+        "loss_mask": chunks(loss_mask, "loss_mask"),
+        **{name: chunks(extra, name) for name, extra in sample.extras.items()},
     }
-    written = {name: _write_shards(Path(dst), info, name, chunks, start, durable) for name, chunks in blocks.items()}
+    if sample.last_hidden_state is not None:
+        blocks["last_hidden_states"] = chunks(sample.last_hidden_state, "last_hidden_states")
+    written = {name: _write_shards(Path(dst), info, name, blocks[name], start, durable) for name in info.array_names}
     return {
         "checksum": [crc for _, crc in written.values()],
         "has_loss_mask": sample.loss_mask is not None,
-        "bytes_in": source.path.stat().st_size,
+        "bytes_in": fmt.source_nbytes(source),
         "bytes_out": sum(nbytes for nbytes, _ in written.values()),
     }
 
@@ -570,6 +645,7 @@ def _finalize(
     from zarr.codecs import Crc32cCodec
 
     kept = [i for i in range(len(samples)) if "checksum" in done.get(i, {})]
+    info = read_info(dst)
     group = zarr.open_group(dst, mode="r+")
     index = group.require_group("index")
     n = len(kept)
@@ -577,7 +653,7 @@ def _finalize(
         "sample_start": np.array([samples[i].start for i in kept], dtype=np.int64),
         "sample_length": np.array([samples[i].num_tokens for i in kept], dtype=np.int64),
         "source_index": np.array([samples[i].sample_index for i in kept], dtype=np.int64),
-        "checksum": np.array([done[i]["checksum"] for i in kept], dtype=np.uint32).reshape(n, 4),
+        "checksum": np.array([done[i]["checksum"] for i in kept], dtype=np.uint32).reshape(n, len(info.array_names)),
         "has_loss_mask": np.array([done[i]["has_loss_mask"] for i in kept], dtype=bool),
         "source_path": np.array([samples[i].relpath for i in kept], dtype=str),
     }
@@ -591,7 +667,6 @@ def _finalize(
     write_atomically(dst / JOURNAL_FILE, journal.encode(), durable=durable)  # the same bytes however the run went
     if durable:
         _fsync_tree(dst / "index")
-    info = read_info(dst)
     complete = {**info.to_json(), "status": "complete", "num_samples": n,
                 "num_tokens": int(columns["sample_length"].sum()), "skipped": skipped}
     write_info(dst, StoreInfo.from_json(complete), durable=durable)

@@ -123,22 +123,14 @@ class _FlavoredReader:
         self.transform = transform
         self.hidden_states_dtype = hidden_states_dtype or self.flavor.default_hidden_states_dtype
         self.indices = select_samples(self.store, samples)
-        self._check_norm()
+        self.flavor.check_store(self.store.path, self.store.info, max_len)  # norm, last state, what it reads
+        self._extras = self.flavor.extras(self.store.info)  # the optional arrays its items use
         self._check_loss_masks(missing_loss_mask)
         self.counters = LoaderCounters()
 
-    def _check_norm(self) -> None:
-        held, wanted = self.store.info.last_state_norm, self.flavor.last_state_norm
-        if held != wanted:
-            what = {"pre": "before the final norm (pre-norm)", "post": "after the final norm (post-norm)"}
-            raise StoreError(
-                self.store.path,
-                f"flavor {self.flavor.name!r} needs the verifier's last hidden state {what[wanted]}, but this store "
-                f"holds it {what[held]} (converted from {self.store.info.source_format}); the two cannot be "
-                "converted into each other without the verifier's final-norm weight",
-            )
-
     def _check_loss_masks(self, policy: str) -> None:
+        if not self.flavor.reads_loss_mask:
+            return
         missing = [i for i in self.indices if not self.store.has_loss_mask[i]]
         if missing and policy == "error":
             names = ", ".join(self.store.source_paths[i] for i in missing[:3])
@@ -186,14 +178,15 @@ class _FlavoredReader:
         tokens = self._tokens_to_read(store_index)
         allocate = self._allocator()
         try:
-            raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead)
+            raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead,
+                                         extras=self._extras)
         except CorruptSampleError as exc:
             if self.on_corrupt == "raise":
                 raise
             counters.skip_corrupt(store_index)
             log.error("skipping a damaged sample (on_corrupt='skip'): %s", exc)
             return None
-        item = self.flavor.build(raw, self.hidden_states_dtype, self.transform, allocate)
+        item = self.flavor.build(raw, self.store.info, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
         return item
 
@@ -204,7 +197,9 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
     Args:
         store: an h5feed store: a local path, an fsspec URL (s3://, gs://, az://, https://, ...), or an open `Store`.
         flavor: whose items to yield: ``speculators-legacy`` (0.4, shifted), ``speculators`` (0.5+),
-            ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22).
+            ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22), ``modelopt``,
+            ``modelopt-answer-only``, ``modelopt-0.45`` (Model-Optimizer), ``angelslim``, ``nemo-eagle3``
+            (NeMo Automodel's cache); README "Other pipelines".
         max_len: the trainer's max_len: only the tokens its collate can use are read.
         transform: called with the item dict where the trainer calls it (speculators noise transforms).
             With a random transform and max_len, the noise is drawn on the rows read only.
@@ -419,7 +414,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             def submit_next() -> None:
                 index = next(upcoming, None)
                 if index is not None:
-                    self.store.will_need(index, self._tokens_to_read(index))  # the disk starts now
+                    self.store.will_need(index, self._tokens_to_read(index), extras=self._extras)  # the disk starts now
                     in_flight.append(pool.submit(self._read_item, index, read_ahead=False))
 
             try:

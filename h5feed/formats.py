@@ -3,9 +3,16 @@
 Each trainer wrote its hidden states its own way (see FORMATS.md): a list of
 per-layer tensors in a ``.pt`` (speculators legacy), pre-concatenated tensors
 (speculators v0), tensors with a leading batch dim in a possibly gzipped
-``.ckpt`` (SpecForge), or ``[T, K+1, H]`` safetensors beside an Arrow dataset
-(speculators 0.5+).  The converter should not care: every format here finds its
-sample files (``scan``, ``discover``), tells their shape cheaply (``probe``) and
+``.ckpt`` (SpecForge), ``[T, K+1, H]`` safetensors beside an Arrow dataset
+(speculators 0.5+), ``<conversation_id>.pt`` dumps (NVIDIA Model-Optimizer),
+``rank_*/rows_*/data_{i}.ckpt`` with optional per-token extras (Tencent
+AngelSlim), or fixed-length safetensors shards of padded, pre-shifted samples
+with the draft-vocab target distribution and no last state (NVIDIA NeMo
+Automodel's EAGLE-3 cache).  The key ``hidden_states`` means a list, the last
+state or the aux concat depending on the pipeline: formats are told apart by
+their companion keys and shapes, not by that key alone.
+
+The converter should not care: every format here finds its sample files (``scan``, ``discover``), tells their shape cheaply (``probe``) and
 reads them into one standard :class:`SourceSample` (``load``), with errors that
 name the file and say what is wrong with it.
 
@@ -35,17 +42,20 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from h5feed.errors import SourceError
+from h5feed.store.layout import LastStateNorm, dtype_name
 
 __all__ = [
     "FORMATS",
+    "Companion",
     "Discovery",
+    "ExtraArray",
     "FormatName",
     "SampleShape",
     "SkippedEntry",
@@ -53,9 +63,13 @@ __all__ = [
     "SourceFormat",
     "SourceSample",
     "detect_format",
+    "last_state_norm_of",
 ]
 
-FormatName = Literal["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors"]
+FormatName = Literal[
+    "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
+    "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache",
+]
 
 
 @dataclass(frozen=True)
@@ -68,13 +82,33 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class ExtraArray:
+    """An optional per-token array a format keeps beside the four every store has."""
+
+    name: str
+    dtype: str  # torch dtype name
+    width: int  # values per token: stored [rows, width], or [rows] when 1
+
+    def record(self) -> dict[str, Any]:
+        """As a store's `extra_arrays` attribute keeps it."""
+        return {"dtype": self.dtype, "width": self.width}
+
+
+@dataclass(frozen=True)
 class SampleShape:
-    """What a store must allocate for one sample, known before reading its data."""
+    """What a store must allocate for one sample, known before reading its data.
+
+    Beyond the sizes: the optional arrays, a format-specific `layout` every sample of
+    a store must share (how to rebuild the trainer's item: key order, source shapes),
+    and what the file itself says about its last state's norm (None: nothing)."""
 
     num_tokens: int
     hidden_size: int
     num_aux_layers: int
     dtype: torch.dtype
+    extras: tuple[ExtraArray, ...] = ()
+    layout: str = ""
+    last_state_norm: LastStateNorm | None = None
 
 
 @dataclass
@@ -84,7 +118,11 @@ class SourceSample:
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor | None  # int64 [T], None when the file had none
     aux_parts: list[torch.Tensor]  # [T, h_i] each, in layer order: concatenated along -1 they are [T, K*H]
-    last_hidden_state: torch.Tensor  # [T, H] (pre-norm: legacy/safetensors; post-norm: v0/specforge)
+    last_hidden_state: torch.Tensor | None  # [T, H] (pre- or post-norm: see the format); None: not stored (NeMo)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [T, width] or [T], in `ExtraArray` order
+    hidden_size: int = 0  # H, when there is no last state to tell it
+    layout: str = ""
+    last_state_norm: LastStateNorm | None = None
 
     def stored_loss_mask(self) -> torch.Tensor:
         """The loss mask as a store keeps it: ones where the file had none (the index records which)."""
@@ -93,7 +131,7 @@ class SourceSample:
     @property
     def aux_hidden_states(self) -> torch.Tensor:
         """The aux layers concatenated, [T, K*H] (a copy when they are stored as separate layers)."""
-        return self.aux_rows(0, len(self.last_hidden_state))
+        return self.aux_rows(0, len(self.input_ids))
 
     def aux_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of the aux states, contiguous: the converter builds one chunk at a time
@@ -104,13 +142,29 @@ class SourceSample:
     @property
     def shape(self) -> SampleShape:
         """The sample's shape, as ``probe`` would report it."""
-        t, h = self.last_hidden_state.shape
+        h = int(self.last_hidden_state.shape[1]) if self.last_hidden_state is not None else self.hidden_size
         return SampleShape(
-            num_tokens=int(t),
-            hidden_size=int(h),
-            num_aux_layers=sum(int(part.shape[1]) for part in self.aux_parts) // int(h),
+            num_tokens=len(self.input_ids),
+            hidden_size=h,
+            num_aux_layers=sum(int(part.shape[1]) for part in self.aux_parts) // h,
             dtype=self.aux_parts[0].dtype,
+            extras=tuple(ExtraArray(k, dtype_name(v.dtype), int(v.shape[1]) if v.dim() == 2 else 1)
+                         for k, v in self.extras.items()),
+            layout=self.layout,
+            last_state_norm=self.last_state_norm,
         )
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A file beside the samples that the trainer needs too (a vocab mapping, a cache manifest).
+
+    `copy`: kept in the store, byte for byte (small, and gone with the source);
+    otherwise only its size and crc32c are recorded (large, and rebuilt from the model)."""
+
+    path: Path
+    relpath: str
+    copy: bool
 
 
 # --------------------------------------------------------------------------- helpers
@@ -232,12 +286,15 @@ def _walk(root: Path, top: Path, extensions: tuple[str, ...]) -> tuple[list[_Can
     return candidates, skipped
 
 
-def _find_samples(root: Path, top: Path, extensions: tuple[str, ...], pattern: re.Pattern[str], what: str) -> Discovery:
+def _find_samples(
+    root: Path, top: Path, extensions: tuple[str, ...], pattern: re.Pattern[str], what: str, numbered: bool = True
+) -> Discovery:
     """The sample files under ``top`` (names matching ``pattern``, group 1 = index), and every entry skipped.
 
     A file with a sample file's extension whose name does not match is skipped, not
     ignored: ``data_x.pt`` or ``notes.pt`` beside ``data_3.pt`` is most likely a sample
     under a wrong name.  A link to a file that is already a sample is skipped too.
+    Names that carry no number (``numbered=False``) get their rank in relpath order.
     """
     root = Path(os.path.abspath(root))
     top = Path(os.path.abspath(top))
@@ -256,8 +313,10 @@ def _find_samples(root: Path, top: Path, extensions: tuple[str, ...], pattern: r
             skipped.append(SkippedEntry(c.path, rel, f"is a symbolic link to {owner[c.real]}, already a sample file"))
         else:
             owner[c.real] = rel
-            files.append(SourceFile(c.path, int(m.group(1)), rel))
+            files.append(SourceFile(c.path, int(m.group(1)) if numbered else 0, rel))
     files.sort(key=lambda s: (s.sample_index, s.relpath))
+    if not numbered:
+        files = [SourceFile(f.path, i, f.relpath) for i, f in enumerate(files)]
     skipped.sort(key=lambda s: s.relpath)
     return Discovery(files, skipped)
 
@@ -550,6 +609,7 @@ class _Checked:
     aux: list[torch.Tensor] | torch.Tensor  # list: concatenate along -1
     last: torch.Tensor
     shape: SampleShape
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [T, width] or [T], as the shape lists them
 
     def materialize(self, path: Path) -> SourceSample:
         return SourceSample(
@@ -557,6 +617,9 @@ class _Checked:
             loss_mask=_mask_to_int64(self.loss_mask),
             aux_parts=list(self.aux) if isinstance(self.aux, list) else [self.aux],
             last_hidden_state=self.last.contiguous(),
+            extras={name: tensor.contiguous() for name, tensor in self.extras.items()},
+            layout=self.shape.layout,
+            last_state_norm=self.shape.last_state_norm,
         )
 
 
@@ -567,11 +630,14 @@ class SourceFormat(ABC):
     """One input format: finds, probes and reads its sample files."""
 
     name: FormatName
-    last_state_norm: Literal["pre", "post"]
+    last_state_norm: LastStateNorm | None  # None: the files (or the user) say it; see `last_state_norm_of`
+    has_last_state = True  # False: the format stores no last hidden state (NeMo's cache)
+    ids_shifted = False  # True: input_ids and loss_mask are stored shifted left by one (NeMo's cache)
     _pattern: re.Pattern[str]  # a sample file's name; group 1 is its index
     _what: str  # that name, for messages
     _extensions: tuple[str, ...]  # a file named *{extension} that does not match _pattern is skipped, not ignored
     _folder: str = ""  # where the sample files live under the root ("" = anywhere)
+    _numbered = True  # the names carry the sample's index (else: its rank in relpath order)
 
     def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
         """Every sample file under root and, with skip_bad, every entry that cannot be read as one.
@@ -593,10 +659,23 @@ class SourceFormat(ABC):
 
     def _search(self, root: Path) -> Discovery:
         absroot = Path(os.path.abspath(root))
-        return _find_samples(absroot, absroot / self._folder, self._extensions, self._pattern, self._what)
+        return _find_samples(absroot, absroot / self._folder, self._extensions, self._pattern, self._what,
+                             self._numbered)
 
     def _none_found(self, root: Path) -> SourceError:
         return SourceError(root, f"no {self._what} files found (searched all sub-folders)")
+
+    def companions(self, root: Path) -> list[Companion]:
+        """Files beside the samples that the store must keep or record (checked here: never unpickled unsafely)."""
+        return []
+
+    def source_info(self, root: Path) -> dict[str, Any]:
+        """What the source says beyond its samples that a trainer's flavor needs (kept in the store)."""
+        return {}
+
+    def source_nbytes(self, source: SourceFile) -> int:
+        """Bytes of the source that hold this sample (for the converter's rates)."""
+        return source.path.stat().st_size
 
     @abstractmethod
     def probe(self, source: SourceFile) -> SampleShape:
@@ -636,7 +715,7 @@ class SpeculatorsLegacyPt(_TorchDictFormat):
     """A: ``data_{i}.pt`` with ``hidden_states`` = list of K+1 [T, H] tensors (last one pre-norm)."""
 
     name: FormatName = "speculators-legacy-pt"
-    last_state_norm: Literal["pre", "post"] = "pre"
+    last_state_norm: LastStateNorm | None = "pre"
     _pattern = re.compile(r"data_(\d+)\.pt")
     _what = "data_{i}.pt"
     _extensions = (".pt",)
@@ -683,7 +762,7 @@ class SpeculatorsV0Pt(_TorchDictFormat):
     """B: ``data_{i}.pt`` with ``hidden_state`` [T, K*H] and ``target`` [T, H] (post-norm)."""
 
     name: FormatName = "speculators-v0-pt"
-    last_state_norm: Literal["pre", "post"] = "post"
+    last_state_norm: LastStateNorm | None = "post"
     _pattern = re.compile(r"data_(\d+)\.pt")
     _what = "data_{i}.pt"
     _extensions = (".pt",)
@@ -699,7 +778,7 @@ class SpecForgeCkpt(_TorchDictFormat):
     """C: SpecForge ``data_{i}.ckpt[.gz]``: ``aux_hidden_state`` [1, T, K*H], ``hidden_state`` [1, T, H] (post-norm)."""
 
     name: FormatName = "specforge-ckpt"
-    last_state_norm: Literal["pre", "post"] = "post"
+    last_state_norm: LastStateNorm | None = "post"
     _pattern = re.compile(r"data_(\d+)\.ckpt(?:\.gz)?")
     _what = "data_{i}.ckpt or data_{i}.ckpt.gz"
     _extensions = (".ckpt", ".ckpt.gz")
@@ -847,7 +926,7 @@ class SpeculatorsSafetensors(SourceFormat):
     """D: speculators 0.5+ ``hidden_states/hs_{i}.safetensors`` ([T, K+1, H], last pre-norm) + Arrow dataset."""
 
     name: FormatName = "speculators-safetensors"
-    last_state_norm: Literal["pre", "post"] = "pre"
+    last_state_norm: LastStateNorm | None = "pre"
     _pattern = re.compile(r"hs_(\d+)\.safetensors")
     _what = "hs_{i}.safetensors"
     _extensions = (".safetensors",)
@@ -935,10 +1014,475 @@ class SpeculatorsSafetensors(SourceFormat):
         return SourceSample(input_ids, _mask_to_int64(mask), [aux], last)
 
 
+# --------------------------------------------------------------------------- E: Model-Optimizer
+
+
+class ModelOptPt(_TorchDictFormat):
+    """E: Model-Optimizer ``<conversation_id>.pt``: ``hidden_states`` [T, H] is the LAST state (not a list), the aux
+    concat [T, K*H] is ``aux_hidden_states`` (HF and vLLM dumpers, newer TRT-LLM) or ``hidden_state_features``
+    (the TRT-LLM dumper), with ``loss_mask`` [T] (not in the first release) and ``conversation_id``.
+
+    The last state's norm is what a file says (the optional ``hidden_states_prenorm`` flag Model-Optimizer's
+    dataset reads; ``hidden_state_features`` marks TRT-LLM, whose capture of the last layer is post-norm) or
+    what the user states: the HF dumper writes the post-norm state and the vLLM dumper the pre-norm one, and
+    neither says which (see `last_state_norm_of`).
+    """
+
+    name: FormatName = "modelopt-pt"
+    last_state_norm: LastStateNorm | None = None
+    _pattern = re.compile(r"(.+)\.pt")
+    _what = "<conversation_id>.pt"
+    _extensions = (".pt",)
+    _numbered = False
+    _aux_keys = ("aux_hidden_states", "hidden_state_features")
+    _known_keys = ("input_ids", "hidden_states", *_aux_keys, "loss_mask", "conversation_id", "hidden_states_prenorm")
+
+    def _check(self, path: Path, d: dict) -> _Checked:
+        _require_keys(path, d, ("input_ids", "hidden_states"), self.name)
+        aux_key = next((k for k in self._aux_keys if k in d), None)
+        if aux_key is None:
+            raise SourceError(path, f"has neither 'aux_hidden_states' nor 'hidden_state_features' (the aux layers) for "
+                              f"format {self.name} (found keys: {', '.join(map(repr, d))})")
+        _refuse_unknown_keys(path, d, self._known_keys, self.name)
+        if isinstance(d["hidden_states"], (list, tuple)):
+            raise SourceError(path, "'hidden_states' is a list, as in a speculators legacy file; in a Model-Optimizer "
+                              "dump it is the last hidden state [T, H]")
+        ids = _token_vector(path, d["input_ids"], "input_ids", allow_batch_dim=True)
+        aux, last, shape = _aux_and_last(path, d, aux_key, "hidden_states", ids.shape[0], batched=False)
+        mask = _mask_vector(path, d.get("loss_mask"), "loss_mask", shape.num_tokens)
+        _check_conversation_id(path, d.get("conversation_id"))
+        return _Checked(ids, mask, aux, last, replace(shape, last_state_norm=_stated_norm(path, d, aux_key)))
+
+
+def _refuse_unknown_keys(path: Path, d: dict, known: tuple[str, ...], fmt: str) -> None:
+    """A key h5feed does not know would be lost in the store: refuse rather than drop it."""
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise SourceError(path, f"has key(s) {', '.join(map(repr, unknown))} that format {fmt} does not have; "
+                          "h5feed keeps every key the trainer reads and will not drop others in silence")
+
+
+def _check_conversation_id(path: Path, conversation_id: Any) -> None:
+    """Model-Optimizer names each dump `<conversation_id>.pt`: the store keeps the id as that name
+    (`index/source_path`), so a renamed file would record a wrong id."""
+    if conversation_id is None:
+        return
+    if isinstance(conversation_id, bool) or not isinstance(conversation_id, (str, int)):
+        raise SourceError(path, f"'conversation_id' is a {type(conversation_id).__name__}, expected a string or an int")
+    if f"{conversation_id}.pt" != path.name:
+        raise SourceError(path, f"'conversation_id' is {conversation_id!r} but the file is named {path.name}: "
+                          "Model-Optimizer names each dump <conversation_id>.pt and the store keeps the id as the "
+                          "file name, so the two must agree")
+
+
+def _stated_norm(path: Path, d: dict, aux_key: str) -> LastStateNorm | None:
+    flag = d.get("hidden_states_prenorm")
+    if isinstance(flag, torch.Tensor) and flag.numel() == 1:
+        flag = flag.item()
+    if flag is not None:
+        if not isinstance(flag, (bool, int)):
+            raise SourceError(path, f"'hidden_states_prenorm' is a {type(flag).__name__}, expected a bool")
+        return "pre" if flag else "post"
+    return "post" if aux_key == "hidden_state_features" else None
+
+
+# --------------------------------------------------------------------------- F: AngelSlim
+
+
+# How AngelSlim's backends shape `position_ids`, and how to take it to [T, width] (token-major) and back.
+_POSITION_LAYOUTS: dict[tuple[int, ...], str] = {(-1,): "[T]", (1, -1): "[1, T]", (3, -1): "[3, T]",
+                                                  (3, 1, -1): "[3, 1, T]"}
+
+
+def position_ids_to_rows(p: torch.Tensor) -> torch.Tensor:
+    """AngelSlim's `position_ids` ([T], [1, T], [3, T] or [3, 1, T]) as token-major rows: [T] or [T, 3]."""
+    return p.reshape(-1, p.shape[-1]).t().squeeze(-1) if p.dim() > 1 else p
+
+
+def position_ids_from_rows(rows: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of `position_ids_to_rows` for the shape `layout` recorded at conversion."""
+    t = rows.shape[0]
+    planes = rows.reshape(t, -1).t()  # [1 or 3, T]
+    return {"[T]": planes[0], "[1, T]": planes, "[3, T]": planes, "[3, 1, T]": planes[:, None, :]}[layout]
+
+
+class AngelSlimCkpt(_TorchDictFormat):
+    """F: AngelSlim ``rank_<r>/rows_<s>-<s+5000>/data_<i>.ckpt``: ``hidden_states`` [1, T, K*H] is the AUX concat,
+    ``target_hiddens`` [1, T, H] the last state, ``input_ids`` and ``loss_mask`` [1, T]; the vLLM backend adds
+    ``inputs_embeds`` [1, T, H] and ``position_ids`` (possibly None), kept as optional arrays.
+    ``vocab_mapping.pt`` beside the rank folders is kept in the store.
+
+    The HF backend's ``target_hiddens`` is post-norm; the vLLM backend's is post-norm unless its norm hook did
+    not fire, when it falls back to the pre-norm state and says so only in its log: such files need the
+    user's ``--last-state-norm``.
+    """
+
+    name: FormatName = "angelslim-ckpt"
+    last_state_norm: LastStateNorm | None = None
+    _pattern = re.compile(r"data_(\d+)\.ckpt")
+    _what = "data_{i}.ckpt"
+    _extensions = (".ckpt",)
+    _required = ("input_ids", "loss_mask", "hidden_states", "target_hiddens")
+    _optional = ("inputs_embeds", "position_ids")  # written by the vLLM backends
+
+    def _check(self, path: Path, d: dict) -> _Checked:
+        _require_keys(path, d, self._required, self.name)
+        _refuse_unknown_keys(path, d, self._required + self._optional, self.name)
+        for key in ("input_ids", "loss_mask"):
+            if _tensor(path, d, key).dim() != 2:
+                raise SourceError(path, f"{key!r} must be [1, T] as AngelSlim writes it, got shape {_fmt_shape(d[key])}")
+        ids = _token_vector(path, d["input_ids"], "input_ids", allow_batch_dim=True)
+        aux, last, shape = _aux_and_last(path, d, "hidden_states", "target_hiddens", ids.shape[0], batched=True)
+        t = shape.num_tokens
+        mask = _mask_vector(path, d["loss_mask"], "loss_mask", t, allow_batch_dim=True)
+        layout: dict[str, Any] = {"keys": list(d), "none": [k for k in self._optional if k in d and d[k] is None]}
+        extras: dict[str, torch.Tensor] = {}
+        embeds = d.get("inputs_embeds")
+        if embeds is not None:
+            extras["inputs_embeds"] = self._embeddings(path, embeds, d["target_hiddens"])
+        positions = d.get("position_ids")
+        if positions is not None:
+            layout["position_ids"] = self._position_layout(path, positions, t)
+            extras["position_ids"] = position_ids_to_rows(positions)
+        norm: LastStateNorm | None = "post" if not any(k in d for k in self._optional) else None
+        specs = tuple(ExtraArray(k, dtype_name(v.dtype), int(v.shape[1]) if v.dim() == 2 else 1) for k, v in extras.items())
+        shape = replace(shape, extras=specs, layout=json.dumps(layout), last_state_norm=norm)
+        return _Checked(ids, mask, aux, last, shape, extras)
+
+    @staticmethod
+    def _embeddings(path: Path, embeds: Any, last: torch.Tensor) -> torch.Tensor:
+        """`inputs_embeds` [1, T, H], in the last state's shape and dtype, as [T, H]."""
+        if not isinstance(embeds, torch.Tensor):
+            raise SourceError(path, f"'inputs_embeds' is {_describe(embeds)}, expected a tensor [1, T, H] or None")
+        if embeds.dim() == 3 and embeds.shape[1] != last.shape[1]:
+            raise SourceError(path, f"'inputs_embeds' has {embeds.shape[1]} tokens but 'input_ids' has {last.shape[1]}")
+        if embeds.shape != last.shape or embeds.dtype != last.dtype:
+            raise SourceError(path, f"'inputs_embeds' is {_fmt_shape(embeds)} {embeds.dtype}; expected "
+                              f"{_fmt_shape(last)} {last.dtype}, as 'target_hiddens'")
+        return embeds[0]
+
+    @staticmethod
+    def _position_layout(path: Path, p: Any, t: int) -> str:
+        if not isinstance(p, torch.Tensor) or not _is_integer_dtype(p.dtype) or p.dtype not in (torch.int64, torch.int32):
+            raise SourceError(path, f"'position_ids' is {_describe(p)}, expected an int64 or int32 tensor")
+        layout = _POSITION_LAYOUTS.get((*p.shape[:-1], -1)) if p.dim() else None
+        if layout is None or p.shape[-1] != t:
+            raise SourceError(path, f"'position_ids' has shape {_fmt_shape(p)}; expected [T], [1, T], [3, T] or "
+                              f"[3, 1, T] with T = {t}")
+        return layout
+
+    def companions(self, root: Path) -> list[Companion]:
+        path = Path(os.path.abspath(root)) / "vocab_mapping.pt"
+        if not path.is_file():
+            return []
+        mapping = _require_dict(path, _torch_load_path(path))  # a pickle that needs code is refused here
+        for key in ("d2t", "t2d"):
+            if not isinstance(mapping.get(key), torch.Tensor):
+                raise SourceError(path, f"is not AngelSlim's vocab mapping: no tensor {key!r} "
+                                  f"(found keys: {', '.join(map(repr, mapping)) or 'none'})")
+        return [Companion(path, "vocab_mapping.pt", copy=True)]
+
+
+def _describe(v: Any) -> str:
+    return f"a {v.dtype} tensor" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+
+
+# --------------------------------------------------------------------------- G: NeMo Automodel EAGLE-3 cache
+
+
+@dataclass(frozen=True)
+class _NemoManifest:
+    seq_length: int
+    draft_vocab_size: int
+    num_samples: int
+    shard_size: int
+    topk: int  # 0: target_probs stored in full
+    hidden_size: int
+    num_aux_layers: int
+    dtype: torch.dtype
+    format_version: int
+
+    @property
+    def prob_keys(self) -> tuple[str, ...]:
+        return ("target_probs_values", "target_probs_indices") if self.topk else ("target_probs",)
+
+
+class NemoEagle3Cache(SourceFormat):
+    """G: NeMo Automodel's EAGLE-3 cache: ``manifest.json`` and ``shard-NNNNNN.safetensors``, each holding
+    ``shard_size`` samples padded to ``seq_length`` S: ``input_ids``, ``loss_mask`` (both shifted left by one
+    with a zero fill: token 0 is gone), ``attention_mask``, ``aux_hidden_states`` [S, K*H], ``position_mask``
+    [S, 1] and the draft-vocab target distribution, full (``target_probs`` [S, Vd]) or top-k
+    (``target_probs_values``, ``target_probs_indices`` [S, k]).  No last hidden state.
+
+    A sample is ``shard-NNNNNN.safetensors#o`` (row o of that shard); its index is its place in the cache.
+    Only its real tokens are kept (the right padding NeMo's dataloader added, whose rows the trainer masks
+    out): the padding must be exactly what the precompute writes, or the sample is refused.
+    """
+
+    name: FormatName = "nemo-eagle3-cache"
+    last_state_norm: LastStateNorm | None = None
+    has_last_state = False
+    ids_shifted = True
+    _pattern = re.compile(r"shard-(\d{6})\.safetensors")
+    _what = "shard-NNNNNN.safetensors"
+    _extensions = (".safetensors",)
+    _common_keys = ("input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "position_mask")
+
+    def __init__(self) -> None:
+        self._manifests: dict[tuple[str, int], tuple[_NemoManifest, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    # --- the cache ------------------------------------------------------------------------------
+    def _manifest(self, root: Path) -> tuple[_NemoManifest, dict[str, Any]]:
+        path = Path(os.path.abspath(root)) / "manifest.json"
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError as exc:
+            raise SourceError(path, "missing: a NeMo Automodel EAGLE-3 cache has a manifest.json beside its shards") from exc
+        with self._lock:
+            cached = self._manifests.get((str(path), stamp))
+        if cached is None:
+            cached = (self._parse_manifest(path), json.loads(path.read_text()))
+            with self._lock:
+                self._manifests[(str(path), stamp)] = cached
+        return cached
+
+    def _parse_manifest(self, path: Path) -> _NemoManifest:
+        try:
+            m = json.loads(path.read_text())
+            version = m.get("format_version")
+            if version not in (1, 2):
+                raise SourceError(path, f"format_version {version!r} is not a NeMo EAGLE-3 cache version h5feed reads (1, 2)")
+            aux_layers = len(m["aux_layer_ids"])
+            aux_dim = int(m["aux_hidden_dim"])
+            if aux_layers < 1 or aux_dim % aux_layers:
+                raise SourceError(path, f"aux_hidden_dim {aux_dim} is not a multiple of the {aux_layers} aux_layer_ids")
+            draft_vocab = int(m["draft_vocab_size"])
+            topk = int(m.get("target_probs_topk") or 0)
+            manifest = _NemoManifest(
+                seq_length=int(m["seq_length"]), draft_vocab_size=draft_vocab, num_samples=int(m["num_samples"]),
+                shard_size=int(m["shard_size"]), topk=topk if 0 < topk < draft_vocab else 0,
+                hidden_size=aux_dim // aux_layers, num_aux_layers=aux_layers, dtype=_NEMO_DTYPES[m["dtype"]],
+                format_version=version,
+            )
+        except SourceError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SourceError(path, f"not a readable NeMo EAGLE-3 cache manifest ({type(exc).__name__}: {exc})") from exc
+        if min(manifest.seq_length, manifest.shard_size, manifest.num_samples, manifest.draft_vocab_size) < 1:
+            raise SourceError(path, "seq_length, shard_size, num_samples and draft_vocab_size must all be positive")
+        return manifest
+
+    def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
+        root = Path(os.path.abspath(_check_root(root)))
+        manifest, _ = self._manifest(root)
+        shards: dict[int, str] = {}
+        skipped: list[SkippedEntry] = []
+        for entry in sorted(os.scandir(root), key=lambda e: e.name):
+            m = self._pattern.fullmatch(entry.name)
+            if m:
+                shards[int(m.group(1))] = entry.name
+            elif entry.name.endswith(".safetensors") and entry.name != _NEMO_EMBEDDINGS:
+                skipped.append(SkippedEntry(Path(entry.path), entry.name,
+                                            f"has a sample file's extension but its name does not match {self._what}"))
+        if skipped and not skip_bad:
+            raise skipped[0].error()
+        count = -(-manifest.num_samples // manifest.shard_size)
+        if sorted(shards) != list(range(count)):
+            missing = [f"shard-{s:06d}.safetensors" for s in range(count) if s not in shards]
+            extra = [shards[s] for s in sorted(shards) if s >= count]
+            raise SourceError(root, f"manifest.json declares {manifest.num_samples} samples in {count} shard(s) of "
+                              f"{manifest.shard_size}, but " + (f"{', '.join(missing[:3])} is missing" if missing else
+                              f"{', '.join(extra[:3])} is past them") + ": the cache is incomplete or mixed "
+                              "(NeMo's reader refuses it too)")
+        files = []
+        for sample in range(manifest.num_samples):
+            member = f"{shards[sample // manifest.shard_size]}#{sample % manifest.shard_size}"
+            files.append(SourceFile(root / member, sample, member))
+        return Discovery(files, skipped)
+
+    def _search(self, root: Path) -> Discovery:
+        absroot = Path(os.path.abspath(root))
+        if not (absroot / "manifest.json").is_file():
+            return Discovery([], [])
+        return self.scan(absroot, skip_bad=True)
+
+    @staticmethod
+    def _member(source: SourceFile) -> tuple[Path, int]:
+        """(the shard file, the sample's row in it) of ``shard-NNNNNN.safetensors#o``."""
+        name, _, row = source.path.name.partition("#")
+        if not row.isdigit():
+            raise SourceError(source.path, "not a sample of a NeMo cache (expected shard-NNNNNN.safetensors#ROW)")
+        return source.path.with_name(name), int(row)
+
+    def _root(self, source: SourceFile) -> Path:
+        return source.path.parent
+
+    # --- one sample ------------------------------------------------------------------------------
+    def _rows(self, f: Any, path: Path, manifest: _NemoManifest, shard_rows: int) -> None:
+        """Checks the shard's keys, dtypes and shapes against the manifest, from its header alone."""
+        keys = self._common_keys + manifest.prob_keys
+        _require_keys(path, list(f.keys()), keys, self.name)
+        s, k = manifest.seq_length, manifest.topk
+        want = {"input_ids": ((s,), (torch.int64,)), "attention_mask": ((s,), (torch.int64,)),
+                "loss_mask": ((s,), (torch.int64,)),
+                "aux_hidden_states": ((s, manifest.hidden_size * manifest.num_aux_layers), (manifest.dtype,)),
+                "position_mask": ((s, 1), (torch.bool,)), "target_probs": ((s, manifest.draft_vocab_size), (manifest.dtype,)),
+                "target_probs_values": ((s, k), (manifest.dtype,)), "target_probs_indices": ((s, k), (torch.int32,))}
+        for key in keys:
+            meta = _st_meta(f, key)
+            shape, dtypes = want[key]
+            if tuple(meta.shape) != (shard_rows, *shape) or meta.dtype not in dtypes:
+                raise SourceError(path, f"{key!r} is {_fmt_shape(meta)} {meta.dtype}; the manifest says "
+                                  f"[{shard_rows}, {', '.join(map(str, shape))}] {dtypes[0]}")
+
+    def _open(self, source: SourceFile) -> tuple[_NemoManifest, Path, int, int]:
+        manifest, _ = self._manifest(self._root(source))
+        shard, row = self._member(source)
+        rows = min(manifest.shard_size, manifest.num_samples - source.sample_index // manifest.shard_size * manifest.shard_size)
+        if not 0 <= row < rows or row != source.sample_index % manifest.shard_size:
+            raise SourceError(shard, f"has no sample {row} for sample {source.sample_index} of the cache "
+                              f"(it holds {rows} of {manifest.shard_size} per shard)")
+        return manifest, shard, row, rows
+
+    def probe(self, source: SourceFile) -> SampleShape:
+        manifest, shard, row, rows = self._open(source)
+        with _open_safetensors(shard) as f:
+            self._rows(f, shard, manifest, rows)
+            t = self._real_length(shard, row, f.get_slice("attention_mask")[row])
+        return self._shape(manifest, t)
+
+    def load(self, source: SourceFile) -> SourceSample:
+        manifest, shard, row, rows = self._open(source)
+        with _open_safetensors(shard) as f:
+            self._rows(f, shard, manifest, rows)
+            d = {key: f.get_slice(key)[row] for key in self._common_keys + manifest.prob_keys}
+        t = self._real_length(shard, row, d["attention_mask"])
+        self._check_padding(shard, row, d, t, manifest.seq_length)
+        extras = {"position_mask": d["position_mask"][:t, 0].contiguous()}
+        extras.update({key: d[key][:t].contiguous() for key in manifest.prob_keys})
+        return SourceSample(
+            input_ids=d["input_ids"][:t].contiguous(), loss_mask=d["loss_mask"][:t].contiguous(),
+            aux_parts=[d["aux_hidden_states"][:t].contiguous()], last_hidden_state=None, extras=extras,
+            hidden_size=manifest.hidden_size,
+        )
+
+    def _shape(self, manifest: _NemoManifest, t: int) -> SampleShape:
+        probs = ((ExtraArray("target_probs_values", dtype_name(manifest.dtype), manifest.topk),
+                  ExtraArray("target_probs_indices", "int32", manifest.topk)) if manifest.topk else
+                 (ExtraArray("target_probs", dtype_name(manifest.dtype), manifest.draft_vocab_size),))
+        return SampleShape(t, manifest.hidden_size, manifest.num_aux_layers, manifest.dtype,
+                           (ExtraArray("position_mask", "bool", 1), *probs))
+
+    @staticmethod
+    def _real_length(shard: Path, row: int, attention_mask: torch.Tensor) -> int:
+        """T: the sample's real tokens, from its attention mask (ones, then the right padding's zeros)."""
+        t = int(attention_mask.sum())
+        if t == 0:
+            raise SourceError(shard, f"sample {row} is empty: its attention_mask has no token")
+        expected = torch.zeros_like(attention_mask)
+        expected[:t] = 1
+        if not torch.equal(attention_mask, expected):
+            raise SourceError(shard, f"sample {row}'s attention_mask is not {t} ones then zeros (the right padding "
+                              "NeMo's precompute writes): h5feed keeps the real tokens only and cannot tell them here")
+        return t
+
+    @staticmethod
+    def _check_padding(shard: Path, row: int, d: dict[str, torch.Tensor], t: int, s: int) -> None:
+        """The dropped rows must be padding the trainer never sees: no loss, no supervised position, and ids
+        that the flavor rebuilds exactly (the pad id shifted left by one, then the shift's zero fill)."""
+        problems = []
+        if bool(d["loss_mask"][t:].any()):
+            problems.append("loss_mask is not 0 there")
+        if bool(d["position_mask"][t:].any()):
+            problems.append("position_mask is not False there")
+        ids = d["input_ids"]
+        if t < s and (int(ids[s - 1]) != 0 or not bool((ids[t : s - 1] == ids[t - 1]).all())):
+            problems.append("input_ids are not the pad id shifted left by one (then 0)")
+        if problems:
+            raise SourceError(shard, f"sample {row}'s padding (rows {t} to {s}) is not what NeMo's precompute writes: "
+                              f"{'; '.join(problems)}; h5feed drops padding only when nothing in it is lost")
+
+    def source_info(self, root: Path) -> dict[str, Any]:
+        manifest, raw = self._manifest(root)
+        return {"seq_length": manifest.seq_length, "draft_vocab_size": manifest.draft_vocab_size,
+                "target_probs_topk": manifest.topk, "manifest_format_version": manifest.format_version,
+                "aux_layer_ids": list(raw["aux_layer_ids"])}
+
+    def companions(self, root: Path) -> list[Companion]:
+        root = Path(os.path.abspath(root))
+        kept = [Companion(root / "manifest.json", "manifest.json", copy=True)]
+        if (root / _NEMO_EMBEDDINGS).is_file():  # the target's embedding table, [V, H] fp32: recorded, not copied
+            kept.append(Companion(root / _NEMO_EMBEDDINGS, _NEMO_EMBEDDINGS, copy=False))
+        return kept
+
+    def source_nbytes(self, source: SourceFile) -> int:
+        _, shard, _, rows = self._open(source)
+        return shard.stat().st_size // rows
+
+
+_NEMO_EMBEDDINGS = "target_embeddings.safetensors"
+_NEMO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------- the last state's norm
+
+
+def last_state_norm_of(
+    fmt: SourceFormat, root: Path, shapes: list[tuple[SourceFile, SampleShape]], given: LastStateNorm | None
+) -> LastStateNorm | None:
+    """The norm of the store's last state: the format's, else what the files say, else what the user
+    states (`given`); never a guess.  A file that says otherwise than the user, or than another file,
+    is refused, naming it; so is a file that says nothing when the user said nothing."""
+    if given not in (None, "pre", "post"):
+        raise ValueError(f"last_state_norm must be 'pre' or 'post', not {given!r}")
+    if not fmt.has_last_state:
+        if given is not None:
+            raise SourceError(root, f"--last-state-norm {given} was given, but {fmt.name} stores no last hidden state")
+        return None
+    if fmt.last_state_norm is not None:
+        if given is not None and given != fmt.last_state_norm:
+            raise SourceError(root, f"{fmt.name} files hold the {fmt.last_state_norm}-norm last hidden state; "
+                              f"--last-state-norm {given} contradicts them")
+        return fmt.last_state_norm
+    stated: tuple[SourceFile, LastStateNorm] | None = None
+    unstated: SourceFile | None = None
+    for source, shape in shapes:
+        norm = shape.last_state_norm
+        if norm is None:
+            unstated = unstated or source
+        elif given is not None and norm != given:
+            raise SourceError(source.path, f"says its last hidden state is {norm}-norm, but --last-state-norm "
+                              f"{given} was given")
+        elif stated is not None and norm != stated[1]:
+            raise SourceError(source.path, f"says its last hidden state is {norm}-norm, but {stated[0].relpath} says "
+                              f"{stated[1]}-norm: convert each set into its own store")
+        else:
+            stated = stated or (source, norm)
+    if given is not None:
+        return given
+    if unstated is not None:
+        raise SourceError(unstated.path, "does not say whether its last hidden state is taken before or after the "
+                          f"verifier's final norm ({_NORM_HINTS[fmt.name]}): state it with --last-state-norm pre|post "
+                          "(Python: last_state_norm='pre' or 'post')")
+    assert stated is not None
+    return stated[1]
+
+
+_NORM_HINTS = {
+    "modelopt-pt": "Model-Optimizer's HF and TRT-LLM dumpers write the post-norm state and its vLLM dumper the "
+                   "pre-norm one; only the optional 'hidden_states_prenorm' flag says which",
+    "angelslim-ckpt": "AngelSlim's vLLM backend writes the post-norm state unless its norm hook did not fire, and "
+                      "then the pre-norm one, saying so only in its log",
+}
+
+
 # --------------------------------------------------------------------------- registry and detection
 
 FORMATS: dict[FormatName, SourceFormat] = {
-    f.name: f for f in (SpeculatorsLegacyPt(), SpeculatorsV0Pt(), SpecForgeCkpt(), SpeculatorsSafetensors())
+    f.name: f
+    for f in (SpeculatorsLegacyPt(), SpeculatorsV0Pt(), SpecForgeCkpt(), SpeculatorsSafetensors(), ModelOptPt(),
+              AngelSlimCkpt(), NemoEagle3Cache())
 }
 
 
@@ -946,45 +1490,72 @@ def _format_by_name(name: FormatName) -> SourceFormat:
     return FORMATS[name]
 
 
-def _detect_pt_format(root: Path, pts: Discovery, skip_bad: bool) -> SourceFormat:
-    """Legacy vs v0 by the keys of the first file that loads.
+def _format_of_keys(d: dict, extension: str) -> FormatName | None:
+    """The format a sample file's keys say (None: no known one).  ``hidden_states`` is a list in speculators
+    legacy, the last state in Model-Optimizer and the aux concat in AngelSlim: the companions decide."""
+    if extension == ".pt":
+        if isinstance(d.get("hidden_states"), (list, tuple)):
+            return "speculators-legacy-pt"
+        if "hidden_state" in d and "target" in d:
+            return "speculators-v0-pt"
+        if "hidden_states" in d and any(k in d for k in ModelOptPt._aux_keys):
+            return "modelopt-pt"
+        return None
+    if "aux_hidden_state" in d:
+        return "specforge-ckpt"
+    if "target_hiddens" in d:
+        return "angelslim-ckpt"
+    return None
+
+
+_KEYS_EXPECTED = {
+    ".pt": "speculators legacy ('hidden_states' list), speculators v0 ('hidden_state' + 'target') nor "
+           "Model-Optimizer ('hidden_states' + 'aux_hidden_states' or 'hidden_state_features')",
+    ".ckpt": "SpecForge ('aux_hidden_state' + 'hidden_state') nor AngelSlim ('hidden_states' + 'target_hiddens')",
+}
+
+
+def _detect_by_keys(root: Path, found: Discovery, extension: str, skip_bad: bool) -> SourceFormat:
+    """The format of sample files by the keys of the first one that loads.
 
     A bad file is passed over (probing reports it, or skips it with skip_bad); when
     none of the first 8 loads, the first one's error is raised.  With skip_bad every
     file is tried, and when none loads the error lists what was wrong.
     """
     failed: list[SkippedEntry] = []
-    for source in pts.files if skip_bad else pts.files[:8]:
+    for source in found.files if skip_bad else found.files[:8]:
+        path = source.path
         try:
-            d = _require_dict(source.path, _torch_load_path(source.path))
+            head = _gz_head_dict(path) if path.name.endswith(".gz") else None
+            d = head if head is not None else _require_dict(path, (_torch_load_gz if path.name.endswith(".gz")
+                                                                   else _torch_load_path)(path))
         except SourceError as exc:
-            failed.append(SkippedEntry(source.path, source.relpath, exc.problem))
+            failed.append(SkippedEntry(path, source.relpath, exc.problem))
             continue
-        if "hidden_states" in d:
-            return FORMATS["speculators-legacy-pt"]
-        if "hidden_state" in d and "target" in d:
-            return FORMATS["speculators-v0-pt"]
-        found = ", ".join(repr(k) for k in d) or "none"
-        problem = (
-            f"keys ({found}) match neither speculators legacy ('hidden_states' list) nor "
-            "speculators v0 ('hidden_state' + 'target')"
-        )
+        name = _format_of_keys(d, extension)
+        if name is not None:
+            return FORMATS[name]
+        problem = f"keys ({', '.join(repr(k) for k in d) or 'none'}) match neither {_KEYS_EXPECTED[extension]}"
         if not skip_bad:
-            raise SourceError(source.path, problem)
-        failed.append(SkippedEntry(source.path, source.relpath, problem))
+            raise SourceError(path, problem)
+        failed.append(SkippedEntry(path, source.relpath, problem))
     if not skip_bad:
         raise failed[0].error()
-    raise _nothing_readable(root, sorted(pts.skipped + failed, key=lambda s: s.relpath))
+    raise _nothing_readable(root, sorted(found.skipped + failed, key=lambda s: s.relpath))
 
 
 def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
-    """The format of the sample files under root; legacy vs v0 ``.pt`` by the keys of the first file that loads.
+    """The format of the sample files under root, by their names, then by the keys of the first file that loads.
 
     Entries that cannot be sample files are the chosen format's ``scan``'s business; here
     they count only when no sample file is found at all (then the first is an error, or
-    with skip_bad the error lists them).
+    with skip_bad the error lists them).  ``.pt`` files not named ``data_{i}.pt`` are
+    Model-Optimizer's ``<conversation_id>.pt`` when nothing else is amiss.
     """
     root = _check_root(Path(root))
+    if (root / "manifest.json").is_file() and any(FORMATS["nemo-eagle3-cache"]._pattern.fullmatch(p.name)
+                                                   for p in root.iterdir()):
+        return FORMATS["nemo-eagle3-cache"]
     names: tuple[FormatName, ...] = ("speculators-safetensors", "specforge-ckpt", "speculators-legacy-pt")
     searched = [FORMATS[name]._search(root) for name in names]
     safetensors, ckpts, pts = searched
@@ -997,14 +1568,19 @@ def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
             "convert each set from its own folder",
         )
     if ckpts.files:
-        return FORMATS["specforge-ckpt"]
+        return _detect_by_keys(root, ckpts, ".ckpt", skip_bad)
     if pts.files:
-        return _detect_pt_format(root, pts, skip_bad)
+        return _detect_by_keys(root, pts, ".pt", skip_bad)
     skipped = sorted({s.relpath: s for found in searched for s in found.skipped}.values(), key=lambda s: s.relpath)
+    dumps = FORMATS["modelopt-pt"]._search(root)
+    dump_names = {f.relpath for f in dumps.files}
+    if dumps.files and all(s.relpath in dump_names for s in skipped):  # only .pt files that are not data_{i}.pt
+        return _detect_by_keys(root, dumps, ".pt", skip_bad)
     if skipped:
         raise _nothing_readable(root, skipped) if skip_bad else skipped[0].error()
     raise SourceError(
         root,
-        "no sample files of any known format found: expected data_{i}.pt, data_{i}.ckpt[.gz] "
-        "or hidden_states/hs_{i}.safetensors",
+        "no sample files of any known format found: expected data_{i}.pt, data_{i}.ckpt[.gz] or "
+        "hidden_states/hs_{i}.safetensors (or Model-Optimizer's <conversation_id>.pt, or a NeMo cache: "
+        "manifest.json + shard-NNNNNN.safetensors)",
     )

@@ -11,6 +11,12 @@ Everything is deterministic in ``seed``: the per-column scales and each
 sample's values depend only on (seed, sample index), so the same seed gives the
 same activations in every format.
 
+NeMo Automodel caches also hold the draft-vocab target distribution: a bf16
+softmax of logits drawn as ``N(0, 2^2) - log(rank)`` (a Zipf prior over the
+draft vocabulary, which is sorted by token frequency) with one token per
+position lifted by U(4, 14) (a peaked next-token distribution: top-1 ~0.4 on
+average).
+
     python -m h5feed.synthetic DST --format speculators-legacy-pt \\
         --num-samples 100 --hidden-size 7168 --tokens 1500:1900
 """
@@ -21,7 +27,6 @@ import argparse
 import gzip
 import io
 import json
-import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -34,12 +39,17 @@ import torch
 if TYPE_CHECKING:
     from h5feed.formats import FormatName
 
-FORMAT_NAMES = ("speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors")
+FORMAT_NAMES = ("speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
+                "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache")
+VARIANTS = {"modelopt-pt": ("hf", "vllm", "trtllm"), "angelslim-ckpt": ("hf", "vllm"),
+            "nemo-eagle3-cache": ("full", "topk")}
 VOCAB_SIZE = 32000
+PAD_ID = VOCAB_SIZE - 1  # the pad id of the synthetic NeMo cache
 LOG_SCALE_SIGMA = 0.7
 ARROW_BATCH_ROWS = 1000  # datasets' ArrowWriter writes record batches of 1000 rows
 
-__all__ = ["FORMAT_NAMES", "column_scales", "main", "make_sample", "sample_lengths", "write_synthetic"]
+__all__ = ["FORMAT_NAMES", "VARIANTS", "column_scales", "draft_probs", "main", "make_sample", "sample_lengths",
+           "write_synthetic"]
 
 
 def _seed(*parts: int) -> int:
@@ -196,6 +206,13 @@ def write_synthetic(
     loss_mask: bool = True,
     *,
     arrow_shards: int = 1,
+    variant: str | None = None,
+    ranks: int = 2,
+    prenorm_flag: bool | None = None,
+    seq_length: int | None = None,
+    draft_vocab_size: int = 64,
+    topk: int = 8,
+    shard_size: int = 4,
 ) -> list[Path]:
     """Write ``num_samples`` samples under root in format ``fmt``; returns the sample files in index order.
 
@@ -205,20 +222,44 @@ def write_synthetic(
     ``compress`` (SpecForge only) writes ``.ckpt.gz``.  ``loss_mask=False``
     leaves the mask out (no key; no Arrow column for safetensors).
     ``arrow_shards`` splits the safetensors format's Arrow dataset in shards.
+
+    The other pipelines (FORMATS.md E-G) take a ``variant`` (see ``VARIANTS``, the first is the default):
+    ``modelopt-pt`` writes ``conv_{i:06d}.pt`` as Model-Optimizer's HF, vLLM or TRT-LLM dumper does
+    (``prenorm_flag`` adds the ``hidden_states_prenorm`` flag); ``angelslim-ckpt`` writes
+    ``rank_<r>/rows_0-5000/data_<i>.ckpt`` for ``ranks`` generator ranks (i counts within a rank) and
+    ``vocab_mapping.pt``, from its HF backend or its vLLM backend (``inputs_embeds``, ``position_ids``);
+    ``nemo-eagle3-cache`` writes NeMo Automodel's cache: samples padded to ``seq_length`` (default: the
+    longest), shifted, ``shard_size`` per shard, with the ``draft_vocab_size``-wide target distribution in
+    full or as its top ``topk``.  For those, the returned paths are the samples' source files as
+    ``FORMATS[fmt].discover`` lists them (``shard-NNNNNN.safetensors#row`` for NeMo).
     """
     if fmt not in FORMAT_NAMES:
         raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMAT_NAMES)}")
+    if variant is not None and variant not in VARIANTS.get(fmt, ()):
+        raise ValueError(f"{fmt} has no variant {variant!r} (variants: {', '.join(VARIANTS.get(fmt, ())) or 'none'})")
     if layout not in ("flat", "rows"):
         raise ValueError(f"layout must be 'flat' or 'rows', got {layout!r}")
     if compress and fmt != "specforge-ckpt":
         raise ValueError("compress=True exists only for specforge-ckpt (.ckpt.gz)")
     if layout == "rows" and fmt == "speculators-safetensors":
         raise ValueError("speculators-safetensors has a fixed hidden_states/ layout; use layout='flat'")
+    if fmt in VARIANTS and (layout != "flat" or rows_per_folder != 2000):
+        raise ValueError(f"{fmt} has its own folder layout; leave layout and rows_per_folder as they are")
     if num_aux_layers < 1 or hidden_size < 1 or num_samples < 0:
         raise ValueError("need num_aux_layers >= 1, hidden_size >= 1, num_samples >= 0")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     lens = sample_lengths(num_samples, lengths, seed)
+    if fmt in VARIANTS:
+        variant = variant or VARIANTS[fmt][0]
+        if fmt == "modelopt-pt":
+            return _write_modelopt(root, lens, hidden_size, num_aux_layers, seed, dtype, loss_mask, variant,
+                                   prenorm_flag)
+        if fmt == "angelslim-ckpt":
+            return _write_angelslim(root, lens, hidden_size, num_aux_layers, seed, dtype, variant, ranks,
+                                    draft_vocab_size)
+        return _write_nemo_cache(root, lens, hidden_size, num_aux_layers, seed, dtype, variant,
+                                 seq_length or max(lens, default=1), draft_vocab_size, topk, shard_size)
     scales = column_scales(hidden_size, num_aux_layers + 1, seed)
     written: list[Path] = []
     all_ids: list[torch.Tensor] = []
@@ -275,6 +316,136 @@ def write_synthetic(
     return written
 
 
+def _write_modelopt(root: Path, lens: list[int], hidden: int, k: int, seed: int, dtype: torch.dtype,
+                    with_loss_mask: bool, dumper: str, prenorm_flag: bool | None) -> list[Path]:
+    """Model-Optimizer's ``collect_hidden_states`` dumps: one ``<conversation_id>.pt`` per conversation.
+
+    hf / vllm: ``input_ids``, ``hidden_states`` (the last state), ``aux_hidden_states``, ``loss_mask``,
+    ``conversation_id`` (the vLLM dump's last state is pre-norm, the HF one's post-norm: the files look
+    alike); trtllm: TensorRT-LLM's ``hidden_state_features`` for the aux states and no loss mask."""
+    scales = column_scales(hidden, k + 1, seed)
+    written = []
+    for i, t in enumerate(lens):
+        ids, mask, layers = make_sample(i, t, scales, seed, dtype, with_loss_mask and dumper != "trtllm")
+        conversation_id = f"conv_{i:06d}"
+        d: dict = {"input_ids": ids, "hidden_states": layers[-1]}
+        d["hidden_state_features" if dumper == "trtllm" else "aux_hidden_states"] = torch.cat(layers[:-1], dim=-1)
+        if mask is not None:
+            d["loss_mask"] = mask
+        d["conversation_id"] = conversation_id
+        if prenorm_flag is not None:
+            d["hidden_states_prenorm"] = prenorm_flag
+        path = root / f"{conversation_id}.pt"
+        torch.save(d, path)
+        written.append(path)
+    return written
+
+
+def _write_angelslim(root: Path, lens: list[int], hidden: int, k: int, seed: int, dtype: torch.dtype,
+                     backend: str, ranks: int, draft_vocab_size: int) -> list[Path]:
+    """AngelSlim's ``generate_hidden_for_draft_model.py``: the dataset split into ``ranks`` contiguous blocks,
+    rank r writing ``rank_r/rows_0-5000/data_<i>.ckpt`` with i counting its own samples, then
+    ``vocab_mapping.pt`` (``d2t`` [Vd] int64, ``t2d`` [V] bool) at the top."""
+    scales = column_scales(hidden, k + 2, seed)  # one more "layer": the vLLM backend's inputs_embeds
+    written = []
+    bounds = [len(lens) * r // max(ranks, 1) for r in range(max(ranks, 1) + 1)]
+    counts: dict[int, int] = {}
+    for r in range(max(ranks, 1)):
+        for i, g in enumerate(range(bounds[r], bounds[r + 1])):
+            ids, mask, layers = make_sample(g, lens[g], scales, seed, dtype)
+            assert mask is not None
+            d: dict = {"input_ids": ids[None], "loss_mask": mask[None],
+                       "hidden_states": torch.cat(layers[:k], dim=-1)[None], "target_hiddens": layers[k][None]}
+            if backend == "vllm":
+                d["inputs_embeds"] = layers[k + 1][None]
+                d["position_ids"] = torch.arange(lens[g], dtype=torch.int64)  # vLLM's flattened positions
+            folder = root / f"rank_{r}" / f"rows_{i // 5000 * 5000}-{i // 5000 * 5000 + 5000}"
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(d, folder / f"data_{i}.ckpt")
+            written.append(folder / f"data_{i}.ckpt")
+            for token in ids[mask == 1].tolist():
+                counts[token] = counts.get(token, 0) + 1
+    frequent = sorted(counts, key=lambda tok: (-counts[tok], tok))[:draft_vocab_size]
+    d2t = torch.zeros(draft_vocab_size, dtype=torch.int64)
+    d2t[: len(frequent)] = torch.tensor(sorted(frequent), dtype=torch.int64) - torch.arange(len(frequent))
+    t2d = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
+    t2d[sorted(frequent)] = True
+    torch.save({"d2t": d2t, "t2d": t2d}, root / "vocab_mapping.pt")
+    return sorted(written, key=lambda p: (int(p.stem.split("_")[1]), p.relative_to(root).as_posix()))
+
+
+def draft_probs(g: torch.Generator, rows: int, vocab: int, sigma: float = 2.0) -> torch.Tensor:
+    """float32 [rows, vocab]: next-token distributions over a frequency-sorted draft vocabulary (module docstring);
+    `sigma` is the logits' spread."""
+    z = torch.randn(rows, vocab, generator=g) * sigma - torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    peak = torch.randint(0, vocab, (rows,), generator=g)
+    z[torch.arange(rows), peak] += 4 + 10 * torch.rand(rows, generator=g)
+    return torch.softmax(z, dim=-1)
+
+
+def _shift_left(t: torch.Tensor) -> torch.Tensor:
+    """NeMo's `_shift_left_with_zero` on one sample: drop position 0, zero-fill the last."""
+    return torch.cat((t[1:], torch.zeros_like(t[:1])))
+
+
+def _write_nemo_cache(root: Path, lens: list[int], hidden: int, k: int, seed: int, dtype: torch.dtype, variant: str,
+                      seq_length: int, draft_vocab_size: int, topk: int, shard_size: int) -> list[Path]:
+    """NeMo Automodel's ``precompute_eagle3`` cache: every sample right-padded to ``seq_length`` with the pad id,
+    run through the target (the pad tokens get activations and distributions too), then ``input_ids``,
+    ``loss_mask`` and the logits shifted left with a zero fill; ``position_mask`` = the target's top token is
+    in the draft vocabulary (here: 9 times in 10) and the shifted loss mask is set."""
+    from safetensors.torch import save_file
+
+    if any(t > seq_length for t in lens):
+        raise ValueError(f"a sample of {max(lens)} tokens does not fit seq_length {seq_length}")
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    scales = column_scales(hidden, k + 1, seed)
+    samples = []
+    for i, t in enumerate(lens):
+        ids, mask, layers = make_sample(i, t, scales, seed, dtype)
+        assert mask is not None
+        pad = seq_length - t
+        _, _, pad_layers = make_sample(10**6 + i, max(pad, 1), scales, seed, dtype, with_loss_mask=False)
+        g = torch.Generator().manual_seed(_seed(seed, 0x9E0, i))
+        probs = draft_probs(g, seq_length, draft_vocab_size)
+        probs[-1] = torch.softmax(torch.zeros(draft_vocab_size), dim=-1)  # the shift's zero-filled logits
+        loss = _shift_left(torch.cat((mask, torch.zeros(pad, dtype=torch.int64))))
+        sample = {
+            "input_ids": _shift_left(torch.cat((ids, torch.full((pad,), PAD_ID, dtype=torch.int64)))),
+            "attention_mask": torch.cat((torch.ones(t, dtype=torch.int64), torch.zeros(pad, dtype=torch.int64))),
+            "loss_mask": loss,
+            "aux_hidden_states": torch.cat((torch.cat(layers[:k], -1), torch.cat(pad_layers[:k], -1)[:pad])),
+            "position_mask": ((torch.rand(seq_length, generator=g) < 0.9) & loss.bool())[:, None],
+        }
+        if variant == "topk":
+            kk = min(topk, draft_vocab_size)
+            values, indices = torch.topk(probs, kk, dim=-1)
+            values = values / values.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+            sample["target_probs_values"], sample["target_probs_indices"] = values.to(dtype), indices.to(torch.int32)
+        else:
+            sample["target_probs"] = probs.to(dtype)
+        samples.append(sample)
+    written = []
+    for s in range(-(-len(lens) // shard_size)):
+        block = samples[s * shard_size : (s + 1) * shard_size]
+        name = f"shard-{s:06d}.safetensors"
+        save_file({key: torch.stack([b[key] for b in block]).contiguous() for key in block[0]}, str(root / name))
+        written += [root / f"{name}#{row}" for row in range(len(block))]
+    manifest = {
+        "format_version": 2, "target_model": "synthetic", "target_vocab_size": VOCAB_SIZE,
+        "draft_vocab_size": draft_vocab_size, "seq_length": seq_length, "dtype": names[dtype],
+        "num_samples": len(lens), "shard_size": shard_size, "target_probs_topk": topk if variant == "topk" else 0,
+        "aux_hidden_dim": k * hidden, "aux_layer_ids": list(range(1, k + 1)),
+        "selected_token_ids": list(range(draft_vocab_size)), "input_data": "synthetic", "split": None,
+        "shuffle_seed": seed,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    # A stand-in for the target's input-embedding table (NeMo stores [V, H] fp32); 256 rows keep it small.
+    save_file({"weight": torch.randn(256, hidden, generator=torch.Generator().manual_seed(seed))},
+              str(root / "target_embeddings.safetensors"))
+    return written
+
+
 def _parse_tokens(text: str) -> Sequence[int] | tuple[int, int]:
     if ":" in text:
         lo, hi = text.split(":", 1)
@@ -307,6 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compress", action="store_true", help="specforge-ckpt only: write .ckpt.gz")
     p.add_argument("--no-loss-mask", action="store_true", help="leave the loss mask out")
     p.add_argument("--arrow-shards", type=int, default=1, help="speculators-safetensors: Arrow shards")
+    p.add_argument("--variant", help="modelopt-pt: hf, vllm, trtllm; angelslim-ckpt: hf, vllm; "
+                   "nemo-eagle3-cache: full, topk (default: the first)")
+    p.add_argument("--ranks", type=int, default=2, help="angelslim-ckpt: generator ranks (rank_<r> folders)")
+    p.add_argument("--prenorm-flag", choices=("true", "false"), help="modelopt-pt: write hidden_states_prenorm")
+    p.add_argument("--seq-length", type=int, help="nemo-eagle3-cache: S (default: the longest sample)")
+    p.add_argument("--draft-vocab-size", type=int, default=64, help="angelslim-ckpt, nemo-eagle3-cache (default 64)")
+    p.add_argument("--topk", type=int, default=8, help="nemo-eagle3-cache --variant topk: k (default 8)")
+    p.add_argument("--shard-size", type=int, default=4, help="nemo-eagle3-cache: samples per shard (default 4)")
     a = p.parse_args(argv)
     try:
         files = write_synthetic(
@@ -323,10 +502,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.rows_per_folder,
             not a.no_loss_mask,
             arrow_shards=a.arrow_shards,
+            variant=a.variant,
+            ranks=a.ranks,
+            prenorm_flag=None if a.prenorm_flag is None else a.prenorm_flag == "true",
+            seq_length=a.seq_length,
+            draft_vocab_size=a.draft_vocab_size,
+            topk=a.topk,
+            shard_size=a.shard_size,
         )
     except ValueError as e:
         p.error(str(e))
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(f.stat().st_size for f in {f.with_name(f.name.partition("#")[0]) for f in files})
     print(f"wrote {len(files)} {a.format} samples to {a.dst} ({total / 1e6:.1f} MB)")
     return 0
 

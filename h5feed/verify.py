@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 from h5feed.errors import H5feedError
 from h5feed.formats import FORMATS, SourceFile
 from h5feed.io import cache_state
-from h5feed.store import CHECKSUMMED, Store, checksums, storage_dtype
-from h5feed.store.layout import INDEX_COLUMNS
+from h5feed.store import Store, StoreInfo, checksums
+from h5feed.store.layout import INDEX_COLUMNS, crc32c
 
 
 @dataclass
@@ -59,6 +59,8 @@ def verify_store(
     store = Store(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
     report = VerifyReport(store.path, compared_with_source=against is not None)
     report.mismatches += _unreadable_arrays(store)
+    if not store.remote:
+        report.mismatches += _damaged_companions(Path(path), store.info)
     source_format = FORMATS[store.info.source_format] if against is not None else None  # type: ignore[index]
     for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):
         relpath = store.source_paths[i]
@@ -68,8 +70,9 @@ def verify_store(
         except H5feedError as exc:
             report.mismatches.append(Mismatch(i, relpath, str(exc)))
             continue
-        stored = _stored_bits(sample.aux_hidden_states, sample.last_hidden_state, sample.input_ids, sample.loss_mask)
-        for name, want, got in zip(CHECKSUMMED, store.checksums[i], checksums(list(stored.values()))):
+        stored = _stored_bits(store.info, sample.aux_hidden_states, sample.last_hidden_state, sample.input_ids,
+                              sample.loss_mask, sample.extras)
+        for name, want, got in zip(store.info.array_names, store.checksums[i], checksums(list(stored.values()))):
             if int(want) != got:
                 report.mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
         if source_format is not None and against is not None:
@@ -79,10 +82,11 @@ def verify_store(
             except H5feedError as exc:
                 report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
                 continue
-            expected = _stored_bits(original.aux_hidden_states, original.last_hidden_state, original.input_ids,
-                                    original.stored_loss_mask())
-            for name in CHECKSUMMED:
-                if expected[name].shape != stored[name].shape or not torch.equal(expected[name], stored[name]):
+            expected = _stored_bits(store.info, original.aux_hidden_states, original.last_hidden_state,
+                                    original.input_ids, original.stored_loss_mask(), original.extras)
+            for name in store.info.array_names:
+                if name not in expected or expected[name].shape != stored[name].shape or not torch.equal(
+                        expected[name], stored[name]):
                     report.mismatches.append(Mismatch(i, relpath, f"{name} differs from the source file"))
     return report
 
@@ -93,7 +97,7 @@ def _unreadable_arrays(store: Store) -> list[Mismatch]:
 
     problems = []
     group = store.zarr_group()
-    for name in (*CHECKSUMMED, *(f"index/{c}" for c in INDEX_COLUMNS)):
+    for name in (*store.info.array_names, *(f"index/{c}" for c in INDEX_COLUMNS)):
         try:
             array = group[name]
             if not isinstance(array, zarr.Array):
@@ -103,17 +107,36 @@ def _unreadable_arrays(store: Store) -> list[Mismatch]:
     return problems
 
 
+def _damaged_companions(path: Path, info: StoreInfo) -> list[Mismatch]:
+    """The files kept beside the samples must hold the bytes recorded at conversion."""
+    problems = []
+    for name, record in info.companions.items():
+        if "copy" not in record:
+            continue
+        try:
+            data = (path / record["copy"]).read_bytes()
+        except OSError as exc:
+            problems.append(Mismatch(-1, record["copy"], f"cannot be read ({exc.strerror or exc})"))
+            continue
+        if (len(data), crc32c(data)) != (record["bytes"], record["crc32c"]):
+            problems.append(Mismatch(-1, record["copy"], f"differs from the {name} recorded at conversion"))
+    return problems
+
+
 def _stored_bits(
-    aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+    info: StoreInfo,
+    aux: torch.Tensor,
+    last: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    extras: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """The tensors as their on-disk bits, so that comparisons are bit-exact (NaN == NaN, -0 != +0)."""
-    bits = storage_dtype(aux.dtype)
-    return {
-        "aux_hidden_states": aux.view(bits),
-        "last_hidden_states": last.view(bits),
-        "input_ids": input_ids,
-        "loss_mask": loss_mask,
-    }
+    """The store's arrays as their on-disk bits, in `info.array_names` order, so that comparisons are
+    bit-exact (NaN == NaN, -0 != +0); an array the sample lacks is left out (and reported as differing)."""
+    tensors = {"aux_hidden_states": aux, "last_hidden_states": last, "input_ids": input_ids, "loss_mask": loss_mask,
+               **extras}
+    return {name: tensors[name].view(info.storage_dtype(name)) for name in info.array_names
+            if tensors.get(name) is not None}
 
 
 def describe_store(
@@ -128,7 +151,7 @@ def describe_store(
     raw = tokens * store.token_nbytes
     stored = store.stored_nbytes()
     cache = {} if cache_dir is None or not store.remote else {"cache": cache_state(cache_dir).summary()}
-    return {
+    summary = {
         "store": str(store.path),
         "samples": len(store),
         "tokens": tokens,
@@ -153,3 +176,7 @@ def describe_store(
         "skipped": info.skipped,
         **cache,
     }
+    if info.needs_format_3:  # format 3: what a format-2 store does not have
+        summary.update(has_last_state=info.has_last_state, ids_shifted=info.ids_shifted,
+                       extra_arrays=info.extra_arrays, source_info=info.source_info, companions=info.companions)
+    return summary

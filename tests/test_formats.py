@@ -215,12 +215,14 @@ def test_all_formats_carry_the_same_activations(tmp_path: Path) -> None:
 
 
 def test_norm_and_names() -> None:
-    assert set(FORMATS) == set(ALL_FORMATS)
     assert {n: f.last_state_norm for n, f in FORMATS.items()} == {
         "speculators-legacy-pt": "pre",
         "speculators-v0-pt": "post",
         "specforge-ckpt": "post",
         "speculators-safetensors": "pre",
+        "modelopt-pt": None,  # the files say it, or the user does (tests/test_trainers.py)
+        "angelslim-ckpt": None,
+        "nemo-eagle3-cache": None,  # it stores no last state
     }
     for n, f in FORMATS.items():
         assert f.name == n
@@ -715,6 +717,15 @@ def specforge_dict(t: int = 4) -> dict:
     return {"input_ids": torch.arange(t), "aux_hidden_state": aux, "hidden_state": last}
 
 
+def modelopt_dict(t: int = 4) -> dict:
+    return {"input_ids": torch.arange(t), "hidden_states": torch.zeros(t, H), "aux_hidden_states": torch.zeros(t, K * H)}
+
+
+def angelslim_dict(t: int = 4) -> dict:
+    return {"input_ids": torch.arange(t)[None], "loss_mask": torch.ones(1, t, dtype=torch.int64),
+            "hidden_states": torch.zeros(1, t, K * H), "target_hiddens": torch.zeros(1, t, H)}
+
+
 # (format, file name, a valid sample of it, torch.save's keyword arguments)
 PICKLE_FILES = {
     "legacy .pt": ("speculators-legacy-pt", "data_0.pt", legacy_dict, {}),
@@ -724,6 +735,8 @@ PICKLE_FILES = {
     "v0 .pt": ("speculators-v0-pt", "data_0.pt", v0_dict, {}),
     "specforge .ckpt": ("specforge-ckpt", "data_0.ckpt", specforge_dict, {}),
     "specforge .ckpt.gz": ("specforge-ckpt", "data_0.ckpt.gz", specforge_dict, {}),
+    "Model-Optimizer .pt": ("modelopt-pt", "conv_0.pt", modelopt_dict, {}),
+    "AngelSlim .ckpt": ("angelslim-ckpt", "rank_0/rows_0-5000/data_0.ckpt", angelslim_dict, {}),
 }
 
 
@@ -763,9 +776,24 @@ def test_code_carrying_pickles_are_refused_by_name_and_never_run(tmp_path: Path,
     what = f"it references {global_name}, a class or function that is not a tensor or plain container"
     assert_refused(lambda: f.probe(source), source.path, what)
     assert_refused(lambda: f.load(source), source.path, what)
-    if name.endswith(".pt"):  # telling legacy from v0 reads the file
-        assert_refused(lambda: detect_format(root), source.path, what)
+    assert_refused(lambda: detect_format(root), source.path, what)  # telling formats apart reads the keys
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_a_code_carrying_angelslim_vocab_mapping_is_refused(tmp_path: Path, payload: str) -> None:
+    """AngelSlim's vocab_mapping.pt is a pickle too: the store keeps it only once it loads without code."""
+    from h5feed import convert
+
+    cls, global_name = PAYLOADS[payload]
+    marker = tmp_path / "ran"
+    root = tmp_path / "src"
+    write_synthetic(root, "angelslim-ckpt", 2, H, K, lengths=(4, 6), seed=1)
+    save_sample(root / "vocab_mapping.pt", {"d2t": torch.zeros(4, dtype=torch.int64), "t2d": cls(marker)})
+    what = f"it references {global_name}, a class or function that is not a tensor or plain container"
+    assert_refused(lambda: convert(root, tmp_path / "store", workers=0, progress=False), root.resolve() / "vocab_mapping.pt",
+                   what)
+    assert not marker.exists() and not (tmp_path / "store").exists()
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -1084,3 +1112,146 @@ def test_nothing_but_unusable_entries(tmp_path: Path) -> None:
         FORMATS["specforge-ckpt"].scan(root, skip_bad=True)
     assert (info.value.path, info.value.problem) == (
         str(root), f"no readable sample files: 1 skipped, first problems: data_0.ckpt: {broken}")
+
+
+# --------------------------------------------------------------------------- Model-Optimizer, AngelSlim, NeMo (E-G)
+
+
+def test_formats_are_told_apart_by_their_keys(tmp_path: Path) -> None:
+    """The key `hidden_states` is a list (speculators legacy), the last state (Model-Optimizer) or the aux concat
+    (AngelSlim): detection reads the companion keys, whatever the files are called."""
+    cases = {
+        "modelopt-pt": ("conv_7.pt", modelopt_dict()),
+        "angelslim-ckpt": ("rank_0/rows_0-5000/data_0.ckpt", angelslim_dict()),
+        "specforge-ckpt": ("rows_0-2000/data_0.ckpt", specforge_dict()),
+        "speculators-legacy-pt": ("data_0.pt", legacy_dict()),
+    }
+    for fmt, (name, d) in cases.items():
+        root = tmp_path / fmt
+        save_sample(root / name, d)
+        assert detect_format(root) is FORMATS[fmt]
+    save_sample(tmp_path / "named-like-legacy" / "data_3.pt", modelopt_dict())  # a conversation called data_3
+    assert detect_format(tmp_path / "named-like-legacy") is FORMATS["modelopt-pt"]
+    write_synthetic(tmp_path / "nemo", "nemo-eagle3-cache", 3, H, K, lengths=(4, 6), seed=1)
+    assert detect_format(tmp_path / "nemo") is FORMATS["nemo-eagle3-cache"]
+    save_sample(tmp_path / "neither" / "data_0.ckpt", {"input_ids": torch.arange(3), "hidden_states": torch.zeros(3, H)})
+    expect_error(lambda: detect_format(tmp_path / "neither"), tmp_path / "neither" / "data_0.ckpt",
+                 "keys ('input_ids', 'hidden_states') match neither SpecForge ('aux_hidden_state' + 'hidden_state') "
+                 "nor AngelSlim ('hidden_states' + 'target_hiddens')")
+
+
+def test_modelopt_files_that_would_lose_something_are_refused(tmp_path: Path) -> None:
+    f = FORMATS["modelopt-pt"]
+    cases = [
+        ({**modelopt_dict(), "conversation_id": "other"}, ("'conversation_id' is 'other' but the file is named "
+         "conv_0.pt: Model-Optimizer names each dump <conversation_id>.pt and the store keeps the id as the file "
+         "name, so the two must agree")),
+        ({**modelopt_dict(), "extra": torch.zeros(2)}, ("has key(s) 'extra' that format modelopt-pt does not have; "
+         "h5feed keeps every key the trainer reads and will not drop others in silence")),
+        ({"input_ids": torch.arange(4), "hidden_states": torch.zeros(4, H)}, ("has neither 'aux_hidden_states' nor "
+         "'hidden_state_features' (the aux layers) for format modelopt-pt (found keys: 'input_ids', 'hidden_states')")),
+        ({**modelopt_dict(), "hidden_states_prenorm": "yes"}, "'hidden_states_prenorm' is a str, expected a bool"),
+    ]
+    for i, (d, problem) in enumerate(cases):
+        root = tmp_path / str(i)
+        save_sample(root / "conv_0.pt", d)
+        with pytest.raises(SourceError) as info:
+            f.load(f.discover(root)[0])
+        assert info.value.problem == problem
+    save_sample(tmp_path / "ok" / "17.pt", {**modelopt_dict(), "conversation_id": 17, "hidden_states_prenorm": True})
+    sample = f.load(f.discover(tmp_path / "ok")[0])
+    assert (sample.last_state_norm, sample.shape.num_aux_layers) == ("pre", K)
+
+
+def test_angelslim_files_that_would_lose_something_are_refused(tmp_path: Path) -> None:
+    f = FORMATS["angelslim-ckpt"]
+    d = angelslim_dict()
+    cases = [
+        ({**d, "target_logits": torch.zeros(1, 4, 8)}, ("has key(s) 'target_logits' that format angelslim-ckpt does "
+         "not have; h5feed keeps every key the trainer reads and will not drop others in silence")),
+        ({**d, "input_ids": torch.arange(4)}, "'input_ids' must be [1, T] as AngelSlim writes it, got shape [4]"),
+        ({**d, "position_ids": torch.zeros(2, 4, dtype=torch.int64)}, ("'position_ids' has shape [2, 4]; expected "
+         "[T], [1, T], [3, T] or [3, 1, T] with T = 4")),
+        ({**d, "inputs_embeds": torch.zeros(1, 3, H)}, "'inputs_embeds' has 3 tokens but 'input_ids' has 4"),
+    ]
+    for i, (sample, problem) in enumerate(cases):
+        root = tmp_path / str(i)
+        save_sample(root / "data_0.ckpt", sample)
+        with pytest.raises(SourceError) as info:
+            f.load(f.discover(root)[0])
+        assert info.value.problem == problem
+
+
+def nemo_cache(tmp_path: Path, **kw) -> Path:
+    root = tmp_path / "nemo"
+    write_synthetic(root, "nemo-eagle3-cache", 5, H, K, lengths=[4, 9, 6, 9, 3], seed=1, **kw)
+    return root
+
+
+def edit_shard(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def test_nemo_padding_is_dropped_only_when_nothing_in_it_is_lost(tmp_path: Path) -> None:
+    root = nemo_cache(tmp_path)
+    f = FORMATS["nemo-eagle3-cache"]
+    shard = root / "shard-000000.safetensors"
+    sample = f.load(f.discover(root)[0])  # 4 real tokens of S = 9
+    assert (len(sample.input_ids), sample.last_hidden_state, sample.hidden_size) == (4, None, H)
+    assert [k for k in sample.extras] == ["position_mask", "target_probs"]
+
+    def expect(edit, problem: str) -> None:
+        original = shard.read_bytes()
+        edit_shard(shard, edit)
+        try:
+            with pytest.raises(SourceError) as info:
+                f.load(f.discover(root)[0])
+            assert (info.value.path, info.value.problem) == (str(shard), problem)
+        finally:
+            shard.write_bytes(original)
+
+    def loss_in_padding(t: dict) -> None:
+        t["loss_mask"][0, 6] = 1
+
+    def hole(t: dict) -> None:
+        t["attention_mask"][0, 1] = 0
+
+    def wrong_pad(t: dict) -> None:
+        t["input_ids"][0, 5] = 7
+
+    expect(loss_in_padding, "sample 0's padding (rows 4 to 9) is not what NeMo's precompute writes: loss_mask is not "
+           "0 there; h5feed drops padding only when nothing in it is lost")
+    expect(hole, "sample 0's attention_mask is not 3 ones then zeros (the right padding NeMo's precompute writes): "
+           "h5feed keeps the real tokens only and cannot tell them here")
+    expect(wrong_pad, "sample 0's padding (rows 4 to 9) is not what NeMo's precompute writes: input_ids are not the "
+           "pad id shifted left by one (then 0); h5feed drops padding only when nothing in it is lost")
+
+
+def test_nemo_caches_that_are_incomplete_or_of_another_version_are_refused(tmp_path: Path) -> None:
+    root = nemo_cache(tmp_path, shard_size=2)
+    f = FORMATS["nemo-eagle3-cache"]
+    assert [s.relpath for s in f.discover(root)] == ["shard-000000.safetensors#0", "shard-000000.safetensors#1",
+                                                      "shard-000001.safetensors#0", "shard-000001.safetensors#1",
+                                                      "shard-000002.safetensors#0"]
+    (root / "shard-000001.safetensors").rename(root / "moved")
+    with pytest.raises(SourceError) as info:
+        f.discover(root)
+    assert info.value.problem == ("manifest.json declares 5 samples in 3 shard(s) of 2, but shard-000001.safetensors "
+                                  "is missing: the cache is incomplete or mixed (NeMo's reader refuses it too)")
+    (root / "moved").rename(root / "shard-000001.safetensors")
+    manifest = json.loads((root / "manifest.json").read_text())
+    (root / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
+    f2 = type(f)()  # a fresh reader: the manifest is cached per file version
+    with pytest.raises(SourceError) as info:
+        f2.discover(root)
+    assert info.value.problem == "format_version 3 is not a NeMo EAGLE-3 cache version h5feed reads (1, 2)"
+    (root / "manifest.json").write_text(json.dumps({**manifest, "dtype": "fp16"}))
+    f3 = type(f)()
+    with pytest.raises(SourceError) as info:
+        f3.probe(f3.discover(root)[0])
+    assert info.value.problem == ("'aux_hidden_states' is [2, 9, 144] torch.bfloat16; the manifest says [2, 9, 144] "
+                                  "torch.float16")

@@ -17,6 +17,16 @@ sample), writers never share an object, and every byte a reader decodes is
 checked by a checksum any Zarr v3 reader checks too.  Inner chunks past a
 sample's end are absent (zarr reads them as the fill value 0).
 
+Format 3 is format 2 with optional parts, written only by stores that have
+some (format-2 readers then refuse such a store by its version instead of
+misreading it): per-token `extra_arrays` beside the four above (e.g.
+`inputs_embeds` [rows, H], `position_ids` [rows], `target_probs` [rows, Vd]),
+sharded, chunked and checksummed exactly like them; no `last_hidden_states`
+(`has_last_state` false: a NeMo Automodel cache holds none); and the attributes
+`ids_shifted`, `source_info` and `companions` (files kept in `companions/`).
+`index/checksum` then has one column per stored array, in `StoreInfo.array_names`
+order.
+
 Format 1 (still read): the same arrays unsharded, one file per chunk of
 `chunk_tokens` rows, no per-chunk checksum; samples start on chunk boundaries
 and `index/checksum` holds crc32c of each sample's decoded bytes.
@@ -40,7 +50,8 @@ if TYPE_CHECKING:
     from h5feed.io import ObjectStore
 
 STORE_FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+OPTIONAL_ARRAYS_FORMAT_VERSION = 3  # format 2 + optional parts (see the module docstring)
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 ATTRS_KEY = "h5feed"
 HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
 TOKEN_ARRAYS = ("input_ids", "loss_mask")
@@ -51,6 +62,7 @@ MAX_DEFAULT_SHARD_TOKENS = 8192  # a longer sample spans several shards
 EMPTY = np.uint64(2**64 - 1)  # a shard index entry of an absent inner chunk
 CRC_BYTES = 4
 
+COMPANIONS_DIR = "companions"  # files the trainer needs beside the samples, kept byte for byte
 LastStateNorm = Literal["pre", "post"]
 
 # Bits of a float dtype stored as an unsigned integer of the same width:
@@ -60,6 +72,9 @@ _STORAGE_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float16: torch.uint16,
     torch.float32: torch.uint32,
 }
+# The per-token arrays' own dtypes are stored as they are; bool as its bytes (uint8).
+_INTEGER_STORAGE: dict[torch.dtype, torch.dtype] = {torch.int64: torch.int64, torch.int32: torch.int32,
+                                                    torch.bool: torch.uint8}
 
 
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,6 +83,17 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
         return _STORAGE_DTYPES[dtype]
     except KeyError:
         raise ValueError(f"h5feed stores bfloat16, float16 or float32 hidden states, not {dtype}") from None
+
+
+def array_storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of an optional array of logical `dtype`: float bits as uint, integers as they are."""
+    if dtype in _INTEGER_STORAGE:
+        return _INTEGER_STORAGE[dtype]
+    return storage_dtype(dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -85,7 +111,7 @@ class StoreInfo:
     hidden_size: int
     num_aux_layers: int
     dtype: str  # logical torch dtype name, e.g. "bfloat16"
-    last_state_norm: LastStateNorm
+    last_state_norm: LastStateNorm | None  # None: the store holds no last state (`has_last_state` false)
     codec: dict[str, Any]
     chunk_tokens: int
     shard_tokens: int = 0  # 0: format 1, one object per chunk
@@ -95,6 +121,12 @@ class StoreInfo:
     num_tokens: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     format_version: int = STORE_FORMAT_VERSION
+    # Format 3 (see the module docstring); the defaults are a format-2 store's, and are left out of its attributes.
+    has_last_state: bool = True  # False: no `last_hidden_states` array (a NeMo cache stores none)
+    ids_shifted: bool = False  # True: input_ids and loss_mask are stored shifted left by one (token 0 is gone)
+    extra_arrays: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dtype", "width"}
+    source_info: dict[str, Any] = field(default_factory=dict)  # what the source format says beyond the arrays
+    companions: dict[str, dict[str, Any]] = field(default_factory=dict)  # files kept beside the samples
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,24 +145,53 @@ class StoreInfo:
     def chunks_per_shard(self) -> int:
         return self.shard_tokens // self.chunk_tokens
 
+    @property
+    def array_names(self) -> tuple[str, ...]:
+        """Every per-token array the store holds, in the order of `index/checksum`'s columns."""
+        core = tuple(n for n in CHECKSUMMED if self.has_last_state or n != "last_hidden_states")
+        return core + tuple(self.extra_arrays)
+
+    @property
+    def needs_format_3(self) -> bool:
+        """Whether the store needs format 3 (some attribute differs from a format-2 store's)."""
+        return any(getattr(self, name) != default for name, default in _FORMAT_3_DEFAULTS.items())
+
     def width(self, name: str) -> int:
         """Values per row of array `name` (1 for the per-token arrays)."""
+        if name in self.extra_arrays:
+            return int(self.extra_arrays[name]["width"])
         return {"aux_hidden_states": self.num_aux_layers * self.hidden_size, "last_hidden_states": self.hidden_size}.get(
             name, 1
         )
 
+    def is_matrix(self, name: str) -> bool:
+        """Whether array `name` is [rows, width] (else [rows]): the hidden arrays, and the extras wider than 1."""
+        return name in HIDDEN_ARRAYS or self.width(name) > 1
+
+    def logical_dtype(self, name: str) -> torch.dtype:
+        if name in self.extra_arrays:
+            return dtype_from_name(self.extra_arrays[name]["dtype"])
+        return self.torch_dtype if name in HIDDEN_ARRAYS else torch.int64
+
     def storage_dtype(self, name: str) -> torch.dtype:
+        if name in self.extra_arrays:
+            return array_storage_dtype(self.logical_dtype(name))
         return storage_dtype(self.torch_dtype) if name in HIDDEN_ARRAYS else torch.int64
 
     def row_nbytes(self, name: str) -> int:
         return self.width(name) * self.storage_dtype(name).itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The attributes; a format-2 store's are exactly what format 2 wrote (no format-3 keys)."""
+        return {k: v for k, v in self.__dict__.items() if k not in _FORMAT_3_DEFAULTS or v != _FORMAT_3_DEFAULTS[k]}
 
     @classmethod
     def from_json(cls, attrs: dict[str, Any]) -> StoreInfo:
         return cls(**attrs)
+
+
+_FORMAT_3_DEFAULTS: dict[str, Any] = {"has_last_state": True, "ids_shifted": False, "extra_arrays": {},
+                                      "source_info": {}, "companions": {}}
 
 
 def chunk_codec(codec: str) -> dict[str, Any]:
@@ -147,7 +208,7 @@ def chunk_codec(codec: str) -> dict[str, Any]:
 def object_key(info: StoreInfo, name: str, block: int) -> str:
     """Where zarr v3's default key encoding puts block `block` of the token axis of array `name`:
     a shard in format 2, a chunk in format 1."""
-    return f"{name}/c/{block}/0" if name in HIDDEN_ARRAYS else f"{name}/c/{block}"
+    return f"{name}/c/{block}/0" if info.is_matrix(name) else f"{name}/c/{block}"
 
 
 def create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
@@ -156,12 +217,13 @@ def create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
 
     group = zarr.open_group(dst, mode="a", attributes={ATTRS_KEY: info.to_json()})  # emptied first, but for the lock
     rows = max(total_rows, 1)
-    for name in CHECKSUMMED:
+    for name in info.array_names:
         width = info.width(name)
         dtype = info.storage_dtype(name)
-        shape = (rows, width) if name in HIDDEN_ARRAYS else (rows,)
-        inner = (info.chunk_tokens, width) if name in HIDDEN_ARRAYS else (info.chunk_tokens,)
-        outer = (info.shard_tokens, width) if name in HIDDEN_ARRAYS else (info.shard_tokens,)
+        matrix = info.is_matrix(name)
+        shape = (rows, width) if matrix else (rows,)
+        inner = (info.chunk_tokens, width) if matrix else (info.chunk_tokens,)
+        outer = (info.shard_tokens, width) if matrix else (info.shard_tokens,)
         group.create_array(name, shape=shape, shards=outer, chunks=inner, dtype=str(dtype).removeprefix("torch."),
                            compressors=_zarr_compressors(info.codec, dtype.itemsize), fill_value=0)
 

@@ -16,8 +16,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -30,10 +30,8 @@ from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
-    CHECKSUMMED,
     CRC_BYTES,
     EMPTY,
-    HIDDEN_ARRAYS,
     TOKEN_ARRAYS,
     check_crc32c,
     crc32c,
@@ -64,9 +62,10 @@ class RawSample:
     input_ids: torch.Tensor  # int64 [t]
     loss_mask: torch.Tensor  # int64 [t]
     aux_hidden_states: torch.Tensor  # [t, K*H]
-    last_hidden_state: torch.Tensor  # [t, H]
+    last_hidden_state: torch.Tensor | None  # [t, H]; None when the store holds none (`info.has_last_state`)
     num_tokens: int  # tokens of the whole sample (t may be fewer when truncated)
     has_loss_mask: bool
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the optional arrays read, [t, width] or [t]
 
 
 @dataclass
@@ -231,8 +230,18 @@ class Store:
 
     @property
     def token_nbytes(self) -> int:
-        """Bytes of one token's tensors (aux, last, input_id, loss-mask value), uncompressed."""
-        return sum(self.info.row_nbytes(name) for name in CHECKSUMMED)
+        """Bytes of one token's tensors (aux, last, input_id, loss-mask value, extras), uncompressed."""
+        return sum(self.info.row_nbytes(name) for name in self.info.array_names)
+
+    def _arrays_to_read(self, extras: Collection[str] | None) -> tuple[str, ...]:
+        """The core arrays, and the optional ones named in `extras` (None: all of them)."""
+        if extras is not None:
+            unknown = sorted(set(extras) - set(self.info.extra_arrays))
+            if unknown:
+                raise ValueError(f"{self.path} holds no optional array {', '.join(map(repr, unknown))} "
+                                 f"(it holds: {', '.join(self.info.extra_arrays) or 'none'})")
+        return tuple(n for n in self.info.array_names
+                     if n not in self.info.extra_arrays or extras is None or n in extras)
 
     def _tokens_to_read(self, i: int, max_tokens: int | None) -> int:
         n = int(self.sample_lengths[i])
@@ -247,32 +256,36 @@ class Store:
         allocate: Allocator = plain_allocator,
         stats: ReadStats | None = None,
         read_ahead: bool = True,
+        extras: Collection[str] | None = None,
     ) -> RawSample:
         """The first `max_tokens` tokens (all when None) of sample i, checked, touching only their chunks.
 
         `read_ahead=False` when the caller already asked for them (`will_need`), as the stream does.
+        `extras` names the optional arrays to read (None: all the store has; () none).
         Buffers are rounded up to whole chunks, so every chunk decodes in place (no scratch copy).
         """
         self._check_sample(i)
         stats = stats if stats is not None else ReadStats()
+        names = self._arrays_to_read(extras)
         t = self._tokens_to_read(i, max_tokens)
         if read_ahead:
-            self.will_need(i, max_tokens)
+            self.will_need(i, max_tokens, extras=extras)
         rows = min(-(-t // self.info.chunk_tokens) * self.info.chunk_tokens, self._padded_length(i))
         arrays = {}
-        for name in CHECKSUMMED:
+        for name in names:
             width = self.info.width(name)
-            buffer = allocate((rows, width) if name in HIDDEN_ARRAYS else (rows,), self.info.storage_dtype(name))
+            buffer = allocate((rows, width) if self.info.is_matrix(name) else (rows,), self.info.storage_dtype(name))
             self._read_rows(i, name, 0, rows, buffer, stats, delivered=t)
-            arrays[name] = buffer[:t]
-        dtype = self.info.torch_dtype
+            arrays[name] = buffer[:t].view(self.info.logical_dtype(name))
+        last = arrays.pop("last_hidden_states", None)
         return RawSample(
-            input_ids=arrays["input_ids"],
-            loss_mask=arrays["loss_mask"],
-            aux_hidden_states=arrays["aux_hidden_states"].view(dtype),
-            last_hidden_state=arrays["last_hidden_states"].view(dtype),
+            input_ids=arrays.pop("input_ids"),
+            loss_mask=arrays.pop("loss_mask"),
+            aux_hidden_states=arrays.pop("aux_hidden_states"),
+            last_hidden_state=last,
             num_tokens=int(self.sample_lengths[i]),
             has_loss_mask=bool(self.has_loss_mask[i]),
+            extras=arrays,
         )
 
     def read_rows_into(
@@ -280,18 +293,18 @@ class Store:
     ) -> None:
         """Decode rows [start, stop) of sample i's `array` into `out`, checked.
 
-        `out` is contiguous, of shape [stop - start, width] (hidden arrays, in the storage dtype: uint16
-        bits for bf16) or [stop - start] (int64 ids and masks): for example a sample's place in a
-        collated batch.  Whole chunks decode straight into `out`; a chunk cut by `start` or `stop`
+        `out` is contiguous, of shape [stop - start, width] (hidden arrays and wide optional arrays, in the
+        storage dtype: uint16 bits for bf16) or [stop - start] (int64 ids and masks): for example a sample's
+        place in a collated batch.  Whole chunks decode straight into `out`; a chunk cut by `start` or `stop`
         decodes into a scratch buffer first.
         """
         self._check_sample(i)
-        if array not in CHECKSUMMED:
-            raise ValueError(f"unknown array {array!r}: one of {', '.join(CHECKSUMMED)}")
+        if array not in self.info.array_names:
+            raise ValueError(f"unknown array {array!r}: one of {', '.join(self.info.array_names)}")
         if not 0 <= start <= stop <= int(self.sample_lengths[i]):
             raise IndexError(f"rows [{start}, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
         dtype = self.info.storage_dtype(array)
-        shape = (stop - start, self.info.width(array)) if array in HIDDEN_ARRAYS else (stop - start,)
+        shape = (stop - start, self.info.width(array)) if self.info.is_matrix(array) else (stop - start,)
         if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, not {out.dtype} {tuple(out.shape)}")
         self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
@@ -324,8 +337,8 @@ class Store:
             raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
         return placed
 
-    def will_need(self, i: int, max_tokens: int | None = None) -> None:
-        """Start getting sample i's objects now, without waiting for them.
+    def will_need(self, i: int, max_tokens: int | None = None, *, extras: Collection[str] | None = None) -> None:
+        """Start getting sample i's objects now, without waiting for them (`extras` as in `read_sample`).
 
         A local store asks the kernel to read the files ahead: from a cold cache the disk works
         on later objects (or on the next sample) while this thread decodes; on cached files it
@@ -333,17 +346,17 @@ class Store:
         """
         c = self.info.chunk_tokens
         chunks = range(-(-self._tokens_to_read(i, max_tokens) // c))
-        for name in CHECKSUMMED:
+        for name in self._arrays_to_read(extras):
             nbytes = c * self.info.row_nbytes(name)
             for key, inner, whole in self._objects_of(i, name, chunks):
                 self._source.will_need(key, inner, whole, len(inner) * nbytes)
 
     def stored_nbytes(self) -> int:
-        """Bytes of the token arrays' objects (shards, or chunks in format 1) as stored."""
+        """Bytes of the arrays' objects (shards, or chunks in format 1) as stored."""
+        names = self.info.array_names
         if self._objects is None:
-            return sum(f.stat().st_size for name in CHECKSUMMED for f in (Path(self.path) / name).rglob("*")
-                       if f.is_file())
-        return sum(size for name in CHECKSUMMED for size in self._objects.list(f"{name}/").values())
+            return sum(f.stat().st_size for name in names for f in (Path(self.path) / name).rglob("*") if f.is_file())
+        return sum(size for name in names for size in self._objects.list(f"{name}/").values())
 
     # --- internals -----------------------------------------------------------------------------
     def _check_sample(self, i: int) -> None:
@@ -467,7 +480,7 @@ class Store:
     def _check_sample_checksum(self, i: int, name: str, dest: np.ndarray, tokens: int) -> None:
         """Format 1: crc32c of the sample's decoded rows against the one recorded at conversion."""
         got = crc32c(dest[:tokens])
-        want = int(self.checksums[i][CHECKSUMMED.index(name)])
+        want = int(self.checksums[i][self.info.array_names.index(name)])
         if got != want:
             raise self._corrupt(i, self._source.where(name), f"{name} fails its checksum (crc32c {got:#010x}, recorded {want:#010x})")
 
