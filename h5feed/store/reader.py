@@ -87,12 +87,18 @@ class ReadStats:
 class Store:
     """A finished h5feed store, opened for reading (format 2, or format 1 with per-sample checksums).
 
-    Cheap to pickle (only the path travels), so DataLoader workers under fork,
-    spawn or forkserver each open their own files lazily.  `checked=False` skips
-    the checksum checks: only for measuring what they cost, never for training.
+    Cheap to pickle (only the path and the number of samples travel), so DataLoader
+    workers under fork, spawn or forkserver each open their own files lazily.
+    `checked=False` skips the checksum checks: only for measuring what they cost,
+    never for training.
+
+    The index is read once, here: the `num_samples` the store's attributes publish
+    (or the first `num_samples`, a snapshot).  A store can grow while it is open
+    (`h5feed convert` appends new samples after the last), and this object, and its
+    pickled copies, keep the samples they saw at opening.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, checked: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, checked: bool = True, num_samples: int | None = None) -> None:
         self.path = Path(path)
         self.checked = checked
         self.info = read_info(self.path)
@@ -102,34 +108,41 @@ class Store:
                 "conversion has not finished (status "
                 f"{self.info.status!r}); run the same `h5feed convert` command again to resume it",
             )
-        self._load_index()
+        if num_samples is not None and not 0 <= num_samples <= self.info.num_samples:
+            raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
+        self._load_index(self.info.num_samples if num_samples is None else num_samples)
         self._check_index()
         self._compressed = self.info.codec.get("name") != "none"
         self._scratch = threading.local()
         self._warned_unchecked = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "checked": self.checked}
+        return {"path": self.path, "checked": self.checked, "num_samples": len(self)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], checked=state["checked"])  # type: ignore[misc]
+        self.__init__(state["path"], checked=state["checked"], num_samples=state.get("num_samples"))  # type: ignore[misc]
 
     # --- the index -----------------------------------------------------------------------------
-    def _load_index(self) -> None:
+    def _load_index(self, n: int) -> None:
+        """The first n rows of each index column: the columns may already hold an append's rows that
+        the attributes, read before them, do not publish yet."""
         import zarr
 
         try:
             group = zarr.open_group(self.path, mode="r")
             index = group["index"]
-            self.sample_starts = np.asarray(index["sample_start"][:], dtype=np.int64)
-            self.sample_lengths = np.asarray(index["sample_length"][:], dtype=np.int64)
-            self.source_paths: list[str] = [str(p) for p in index["source_path"][:]]
-            self.source_indices = np.asarray(index["source_index"][:], dtype=np.int64)
-            self.checksums = np.asarray(index["checksum"][:], dtype=np.uint32)
-            self.has_loss_mask = np.asarray(index["has_loss_mask"][:], dtype=bool)
+            self.sample_starts = np.asarray(index["sample_start"][:n], dtype=np.int64)
+            self.sample_lengths = np.asarray(index["sample_length"][:n], dtype=np.int64)
+            self.source_paths: list[str] = [str(p) for p in index["source_path"][:n]]
+            self.source_indices = np.asarray(index["source_index"][:n], dtype=np.int64)
+            self.checksums = np.asarray(index["checksum"][:n], dtype=np.uint32)
+            self.has_loss_mask = np.asarray(index["has_loss_mask"][:n], dtype=bool)
             self.total_rows = int(group["aux_hidden_states"].shape[0])
         except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
             raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
+        if len(self.sample_lengths) != n:
+            raise StoreError(self.path, f"the sample index is damaged: it holds {len(self.sample_lengths)} samples, "
+                             f"fewer than the {n} the store's attributes publish; {_REBUILD_HINT}")
 
     def _check_index(self) -> None:
         """Refuse an index that could hand out another sample's rows: starts aligned and increasing,
