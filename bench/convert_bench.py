@@ -1,4 +1,4 @@
-"""Converter throughput and compression ratio on the bench's Kimi-shaped set.
+"""Converter throughput and compression ratio on the bench's Kimi-shaped set, on the local pool and on Dask.
 
 For each worker count, converts the embedded `h5feed bench` source set (built
 and cached by `h5feed.bench.ensure_default_set`) into a fresh store and reports
@@ -7,12 +7,21 @@ compression ratio, the CPU seconds it took and the peak memory of one worker.
 The page cache is dropped before each run when possible (root), so the source
 is read from disk as in a first conversion.
 
-    python bench/convert_bench.py --workers 1 2
+With `--scheduler local`, each worker count also runs on a Dask `LocalCluster`
+of as many single-thread worker processes (started before the clock starts),
+and with `--scheduler tcp://HOST:PORT` on that cluster (its own workers).  Each
+run reports the engine's overhead per sample: the time the worker slots spent
+outside the conversion tasks, (slots x seconds converting - task seconds) /
+samples; the difference between the engines is what Dask costs per sample.
+`--fsync both` runs each configuration with and without the fsyncs.
+
+    python bench/convert_bench.py --workers 1 2 --scheduler local --fsync both --num-samples 24
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import sys
@@ -33,13 +42,16 @@ from h5feed.bench import (
     ensure_default_set,
     format_table,
 )
+from h5feed.cluster import local_cluster
 from h5feed.convert import convert
 from h5feed.store import Store, chunk_encoder
 
 
 @dataclass
 class ConvertRun:
-    workers: int
+    engine: str  # "pool", or "dask" with the scheduler's address
+    workers: int  # worker processes (Dask: worker threads of the cluster)
+    fsync: bool
     cold: bool
     samples: int
     tokens: int
@@ -57,9 +69,14 @@ class ConvertRun:
     peak_worker_memory_bytes: int  # the largest PSS (RSS if no PSS) any one worker reached
     memory_metric: str
     other_cpu_share: float  # share of the CPUs other processes used meanwhile
+    seconds_converting: float  # the convert step alone (not probing and planning, not finalizing)
+    task_seconds: float  # summed over the tasks, as the workers timed them
+    overhead_ms_per_sample: float  # (workers x seconds_converting - task_seconds) / samples
+    cluster_start_seconds: float  # starting the LocalCluster (not in `seconds`)
 
 
-def run(src: Path, dst: Path, workers: int, cold: bool) -> ConvertRun:
+def run(src: Path, dst: Path, workers: int, cold: bool, fsync: bool, scheduler: str | None = None,
+        cluster_start_seconds: float = 0.0) -> ConvertRun:
     if dst.exists():
         shutil.rmtree(dst)
     if cold:
@@ -67,20 +84,43 @@ def run(src: Path, dst: Path, workers: int, cold: bool) -> ConvertRun:
         if problem:
             raise RuntimeError(problem)
     with MemorySampler(interval=0.1) as sampler:
-        report = convert(src, dst, workers=workers, progress=False)
+        if scheduler is None:
+            report = convert(src, dst, workers=workers, progress=False, durable=fsync)
+        else:
+            report = convert(src, dst, scheduler=scheduler, progress=False, durable=fsync)
     store = Store(dst)
     raw = int(store.sample_lengths.sum()) * store.token_nbytes
     seconds = report.seconds
+    task_seconds = sum(w.seconds for w in report.workers.values())
     return ConvertRun(
-        workers=workers, cold=cold, samples=report.num_samples, tokens=report.num_tokens, seconds=seconds,
+        engine="pool" if scheduler is None else f"dask {scheduler}", workers=workers, fsync=fsync,
+        cold=cold, samples=report.num_samples, tokens=report.num_tokens, seconds=seconds,
         bytes_in=report.bytes_in, bytes_out=report.bytes_out, raw_bytes=raw,
         mb_in_per_s=report.bytes_in / seconds / 1e6, mb_out_per_s=report.bytes_out / seconds / 1e6,
         mb_in_per_s_per_worker=report.bytes_in / seconds / 1e6 / workers,
         mb_out_per_s_per_worker=report.bytes_out / seconds / 1e6 / workers,
         ratio_file=report.bytes_in / report.bytes_out, ratio_raw=raw / report.bytes_out,
         cpu_seconds=sampler.cpu_seconds, peak_worker_memory_bytes=sampler.peak_child, memory_metric=sampler.metric,
-        other_cpu_share=sampler.other_cpu_share,
+        other_cpu_share=sampler.other_cpu_share, seconds_converting=report.seconds_converting,
+        task_seconds=task_seconds,
+        overhead_ms_per_sample=(workers * report.seconds_converting - task_seconds) / report.num_samples * 1e3,
+        cluster_start_seconds=cluster_start_seconds,
     )
+
+
+def run_on_dask(src: Path, dst: Path, scheduler: str, workers: int, cold: bool, fsync: bool) -> ConvertRun:
+    """One run on the cluster at `scheduler`, or on a fresh LocalCluster of `workers` processes ("local")."""
+    import distributed
+
+    if scheduler != "local":
+        with distributed.Client(scheduler) as client:
+            threads = sum(client.nthreads().values())
+        return run(src, dst, threads, cold, fsync, scheduler)
+    t0 = time.perf_counter()
+    with local_cluster(workers, dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        client.run(importlib.import_module, "h5feed.convert")  # the workers' imports, before the clock starts
+        started = time.perf_counter() - t0
+        return run(src, dst, workers, cold, fsync, cluster.scheduler_address, started)
 
 
 def codec_rates(store_path: Path) -> dict[str, float]:
@@ -112,15 +152,34 @@ def codec_rates(store_path: Path) -> dict[str, float]:
 
 
 def table(runs: list[ConvertRun]) -> str:
-    header = ["workers", "cache", "samples", "seconds", "MB/s in", "MB/s out", "in/worker", "out/worker",
-              "ratio (file)", "ratio (raw)", "CPU s", "peak/worker", "other CPU"]
+    header = ["engine", "workers", "fsync", "cache", "samples", "seconds", "MB/s in", "MB/s out", "in/worker",
+              "out/worker", "overhead ms/sample", "ratio (file)", "ratio (raw)", "CPU s", "CPU ms/sample",
+              "peak/worker", "other CPU"]
     rows = [header] + [[
-        str(r.workers), "cold" if r.cold else "warm", str(r.samples), f"{r.seconds:.1f}", f"{r.mb_in_per_s:.0f}",
-        f"{r.mb_out_per_s:.0f}", f"{r.mb_in_per_s_per_worker:.0f}", f"{r.mb_out_per_s_per_worker:.0f}",
-        f"{r.ratio_file:.3f}", f"{r.ratio_raw:.3f}", f"{r.cpu_seconds:.1f}",
+        r.engine.split()[0], str(r.workers), "on" if r.fsync else "off", "cold" if r.cold else "warm", str(r.samples),
+        f"{r.seconds:.1f}", f"{r.mb_in_per_s:.0f}", f"{r.mb_out_per_s:.0f}", f"{r.mb_in_per_s_per_worker:.0f}",
+        f"{r.mb_out_per_s_per_worker:.0f}", f"{r.overhead_ms_per_sample:.1f}", f"{r.ratio_file:.3f}",
+        f"{r.ratio_raw:.3f}", f"{r.cpu_seconds:.1f}", f"{r.cpu_seconds / r.samples * 1e3:.0f}",
         f"{r.peak_worker_memory_bytes / 1e9:.2f} GB {r.memory_metric.upper()}", f"{100 * r.other_cpu_share:.0f}%",
     ] for r in runs]
-    return "\n".join(format_table(rows, right=set(range(len(header))) - {1}))
+    return "\n".join(format_table(rows, right=set(range(len(header))) - {0, 2, 3}))
+
+
+def dask_cost(runs: list[ConvertRun]) -> list[str]:
+    """What Dask adds per sample over the pool with the same workers and fsync: in wall time of a worker
+    (seconds converting x workers / samples), and in CPU time (of the whole process tree: on a busy
+    machine the steadier figure)."""
+    pool = {(r.workers, r.fsync): r for r in runs if r.engine == "pool"}
+    lines = []
+    for r in runs:
+        p = pool.get((r.workers, r.fsync))
+        if r.engine != "pool" and p is not None:
+            wall = (r.seconds_converting - p.seconds_converting) * r.workers / r.samples * 1e3
+            cpu = (r.cpu_seconds - p.cpu_seconds) / r.samples * 1e3
+            lines.append(f"dask vs pool, {r.workers} worker(s), fsync {'on' if r.fsync else 'off'}: "
+                         f"{r.mb_in_per_s:.0f} vs {p.mb_in_per_s:.0f} MB/s in; per sample {wall:+.0f} ms of a worker's "
+                         f"wall time, {cpu:+.0f} ms of CPU (LocalCluster start {r.cluster_start_seconds:.1f} s, not counted)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dst", type=Path, help="scratch store (default: CACHE_DIR/convert-bench-store, removed after)")
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
                    help="drop the page cache before each run (default: when possible)")
+    p.add_argument("--scheduler", help="also convert on Dask: 'local' (a LocalCluster of each worker count) or "
+                   "tcp://HOST:PORT (that cluster's workers)")
+    p.add_argument("--fsync", choices=["on", "off", "both"], default="on",
+                   help="durable runs (fsync each shard and journal line), --no-fsync runs, or both (default: on)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each configuration, the fastest kept (on a shared machine: the least disturbed)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     spec = SyntheticSpec(num_samples=a.num_samples)
@@ -142,11 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.cold and not cold:
         say("cannot drop the page cache (needs root): warm runs only")
     runs = []
+    fsyncs = {"on": [True], "off": [False], "both": [True, False]}[a.fsync]
     for workers in a.workers:
-        r = run(src, dst, workers, cold)
-        say(f"workers={workers}: {r.mb_in_per_s:.0f} MB/s in, {r.mb_out_per_s:.0f} MB/s out, ratio {r.ratio_raw:.3f}, "
-            f"{r.seconds:.1f} s")
-        runs.append(r)
+        for fsync in fsyncs:
+            for scheduler in [None, a.scheduler] if a.scheduler else [None]:
+                tries = [run(src, dst, workers, cold, fsync) if scheduler is None else
+                         run_on_dask(src, dst, scheduler, workers, cold, fsync) for _ in range(a.repeat)]
+                r = min(tries, key=lambda t: t.seconds)
+                say(f"{r.engine} workers={r.workers} fsync={'on' if r.fsync else 'off'}: {r.mb_in_per_s:.0f} MB/s in, "
+                    f"{r.mb_out_per_s:.0f} MB/s out, overhead {r.overhead_ms_per_sample:.1f} ms/sample, {r.seconds:.1f} s")
+                runs.append(r)
     shutil.rmtree(dst, ignore_errors=True)
     rates = codec_rates(store)
     info: dict[str, Any] = {"source": str(src), "cpus": psutil.cpu_count(), "codec": Store(store).info.codec,
@@ -155,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info, indent=2))
     else:
         print(f"source {src}\n" + table(runs))
+        print("\n".join(dask_cost(runs)))
         if rates:
             print(f"codec {info['codec']} on one core, hidden chunks of sample 0: encode "
                   f"{rates['encode_mb_per_s_per_core']:.0f} MB/s, decode {rates['decode_mb_per_s_per_core']:.0f} MB/s "

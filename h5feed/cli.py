@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -21,11 +22,16 @@ log = logging.getLogger("h5feed")
 def _cmd_convert(args: argparse.Namespace) -> int:
     from h5feed.convert import convert
 
+    if args.dask or args.scheduler:
+        with contextlib.suppress(ImportError):  # convert() says what to install
+            import distributed  # noqa: F401  (its import sets its loggers' levels: quieten them after)
+        logging.getLogger("distributed").setLevel(logging.WARNING)  # the scheduler's and nannies' chatter
     report = convert(
         args.src,
         args.dst,
         format=args.format,
         workers=args.workers,
+        scheduler="local" if args.dask else args.scheduler,
         codec=args.codec,
         chunk_tokens=args.chunk_tokens,
         shard_tokens=args.shard_tokens,
@@ -41,6 +47,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         report.store, report.num_samples, report.num_tokens, report.converted_now, report.resumed,
         len(report.skipped), report.seconds, rate,
     )
+    for worker, done in sorted(report.workers.items()):
+        busy = max(done.seconds, 1e-9)
+        log.info("  worker %s: %d samples, %.0f MB in, %.0f MB out, %.1f s busy: %.0f MB/s in, %.0f MB/s out",
+                 worker, done.samples, done.bytes_in / 1e6, done.bytes_out / 1e6, done.seconds,
+                 done.bytes_in / busy / 1e6, done.bytes_out / busy / 1e6)
     for skipped in report.skipped:
         log.warning("skipped %s: %s", skipped["path"], skipped["problem"])
     return 0
@@ -116,14 +127,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert per-sample .pt/.ckpt/.safetensors files (or a NeMo cache) into one Zarr store")
     p.add_argument("src", help="folder of sample files (searched recursively)")
-    p.add_argument("dst", help="the store to write (a folder); an unfinished one is resumed")
+    p.add_argument("dst", help="the store to write (a folder); an unfinished one is resumed, and new files in SRC "
+                   "are appended to a complete one")
     p.add_argument("--format", choices=list(FORMATS), help="input format (default: detected)")
     p.add_argument("--last-state-norm", choices=["pre", "post"], default=None,
                    help="whether the files' last hidden state is taken before (pre) or after (post) the verifier's "
                    "final norm; required for files that do not say it (Model-Optimizer's vLLM and HF dumps, "
                    "AngelSlim's vLLM backend), refused where it contradicts them")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes; 0 converts in this process (default: the %(default)s cores)")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"worker processes of the local pool or of --dask; 0 converts in this process "
+                   f"(default: the {os.cpu_count() or 1} cores)")
+    cluster = p.add_mutually_exclusive_group()
+    cluster.add_argument("--scheduler", metavar="ADDRESS",
+                         help="convert on the Dask cluster of this scheduler (tcp://HOST:8786), whose workers reach "
+                         "SRC and DST by the same paths; 'local' is --dask (needs h5feed[dask])")
+    cluster.add_argument("--dask", action="store_true",
+                         help="convert on a Dask LocalCluster of --workers processes (its dashboard shows the tasks)")
     p.add_argument("--codec", choices=["zstd", "lz4", "none"], default="zstd",
                    help="zstd: Blosc zstd-1, byte shuffle, 1 MiB blocks; lz4: Blosc lz4 + bitshuffle (default: %(default)s)")
     p.add_argument("--chunk-tokens", type=int, default=256,

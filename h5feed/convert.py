@@ -1,20 +1,33 @@
-"""`h5feed convert`: per-sample source files to one store, in parallel, resumable, verified.
+"""`h5feed convert`: per-sample source files to one store, in parallel, resumable, verified, appendable.
 
 Conversion runs in three steps, each safe to kill:
 
 1. *Plan*: probe every source file (shape only), fix the sample order and each
-   sample's first row, and write the plan into the store.  Nothing is decided
-   later, so a resumed run writes exactly the bytes an uninterrupted one would.
-2. *Convert*: worker processes write samples; each sample owns whole shards, so
-   workers never touch the same file, and each shard is written atomically
-   (temporary name, fsync, rename).  The main process appends each finished
-   sample to a journal (fsynced after the sample's shards are).
+   sample's first row, and write the plan into the store, with each file's size
+   and mtime.  Nothing is decided later, so a resumed run writes exactly the
+   bytes an uninterrupted one would.
+2. *Convert*: workers write samples; each sample owns whole shards, so workers
+   never touch the same file, and each shard is written atomically (temporary
+   name, fsync, rename).  The main process (the driver) appends each finished
+   sample to a journal (fsynced after the sample's shards are).  The workers are
+   a local process pool, or the processes of a Dask cluster (`h5feed.cluster`).
 3. *Finalize*: write the sample index, then flip the store's status to
    "complete" (one atomic, fsynced write).  Readers refuse a store before that.
 
 Running the same command again skips the samples in the journal.  The plan and
 the journal stay in the store: a damaged index is rebuilt from them.  One writer
-at a time: the converter holds the store's `WriterLock` from start to end.
+at a time: the driver holds the store's `WriterLock` from start to end.
+
+Appending.  The same command on a complete store whose SRC has new files
+appends them: the plan grows by the new samples (rows after the last one), the
+token arrays are resized (zarr rewrites their metadata atomically), the new
+samples are converted into new shards and journaled, and the index is published
+again.  Existing samples keep their index and their shard files, untouched.
+Files already in the plan are recognised by their path; one whose size or mtime
+changed since it was converted is refused (or, with --skip-bad, recorded as
+skipped), never silently converted again.  The status stays "complete" all
+along, so readers keep working; see `_publish_index` for why a reader opening
+the store in the middle of an append sees the samples before it, consistently.
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ import math
 import os
 import shutil
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,7 +51,7 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExe
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -70,6 +85,17 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "h5feed-plan.json"
 JOURNAL_FILE = "h5feed-journal.jsonl"
+INDEX_CHUNK_ROWS = 16384  # samples per chunk of an index column: an append rewrites the last chunk only
+
+
+@dataclass
+class WorkerStats:
+    """What one worker did: samples converted, bytes read and written, seconds spent on them."""
+
+    samples: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -85,6 +111,8 @@ class ConvertReport:
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
+    seconds_converting: float = 0.0  # the convert step alone (not planning, not finalizing)
+    workers: dict[str, WorkerStats] = field(default_factory=dict)  # by worker: host:pid, or a Dask worker's address
 
 
 @dataclass(frozen=True)
@@ -93,6 +121,20 @@ class _PlannedSample:
     sample_index: int
     num_tokens: int
     start: int
+    size: int | None = None  # the file's size and mtime when planned (None in plans written before appending)
+    mtime_ns: int | None = None
+
+
+class TaskPool(Protocol):
+    """Where the per-sample tasks run: a local process pool, this process, or a Dask cluster."""
+
+    shares_page_cache: bool  # whether the workers read files through this machine's page cache
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]: ...
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], chunksize: int = 1) -> Iterable[Any]: ...
+    def slots(self) -> int: ...  # tasks it runs at once
+    def __enter__(self) -> TaskPool: ...
+    def __exit__(self, *exc: object) -> Any: ...
 
 
 def convert(
@@ -101,6 +143,7 @@ def convert(
     *,
     format: str | None = None,
     workers: int | None = None,
+    scheduler: str | None = None,
     codec: str = "zstd",
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     shard_tokens: int | None = None,
@@ -110,19 +153,31 @@ def convert(
     durable: bool = True,
     last_state_norm: LastStateNorm | None = None,
 ) -> ConvertReport:
-    """Convert every sample file under `src` into the store `dst` (see the module docstring).
+    """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
 
     Args:
         workers: worker processes (default: the machine's cores); 0 converts in this process.
         last_state_norm: "pre" or "post": whether the files' last hidden state is taken before or after the
             verifier's final norm, for formats whose files may not say it (Model-Optimizer, AngelSlim's vLLM
             backend); required there, refused where it contradicts the files or the format.
+        scheduler: run the per-sample work on Dask (`pip install h5feed[dask]`): "local" starts a
+            `distributed.LocalCluster` of `workers` processes; "tcp://HOST:PORT" uses the cluster of that
+            scheduler, whose workers must reach `src` and `dst` by the same paths as this process.
         shard_tokens: rows per shard, a multiple of `chunk_tokens` (default: the longest sample,
             rounded up, at most 8192), so that a sample is one object per array.
         durable: fsync each shard before its journal line, and the index before the status flip,
             so that a power loss loses no journaled sample (`--no-fsync` turns it off).
     """
     src_path, dst_path = Path(src).resolve(), Path(dst)
+    if scheduler is not None and scheduler != "local" and workers is not None:
+        raise ValueError(f"workers sets the size of the local pool or of scheduler='local'; the cluster at "
+                         f"{scheduler} has the workers it has")
+    if scheduler is not None and workers == 0:
+        raise ValueError("workers=0 converts in this process; with a scheduler, give 1 or more")
+    if scheduler is not None:
+        from h5feed.cluster import require_distributed
+
+        require_distributed()  # before anything is read or written
     workers = os.cpu_count() or 1 if workers is None else workers
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be at least 1")
@@ -136,7 +191,6 @@ def convert(
     found = fmt.scan(src_path, skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
-    sources = found.files
     options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}
     if last_state_norm is not None:  # stated by the user: a resume must state the same
         options["last_state_norm"] = last_state_norm
@@ -145,9 +199,9 @@ def convert(
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
     created = not dst_path.exists()
     try:
-        with WriterLock.acquire(dst_path) as lock:
-            return _convert(src_path, dst_path, fmt, sources, [e.record() for e in found.skipped], options, workers,
-                            skip_bad, overwrite, progress, durable, lock)
+        with WriterLock.acquire(dst_path) as lock, _PoolMaker(workers, scheduler, lock) as pool:
+            return _convert(src_path, dst_path, fmt, found.files, [e.record() for e in found.skipped], options,
+                            pool, skip_bad, overwrite, progress, durable)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst, "disk full: free space and run the same command to resume") from exc
@@ -165,47 +219,53 @@ def _convert(
     sources: list[SourceFile],
     unreadable: list[dict[str, str]],
     options: dict[str, Any],
-    workers: int,
+    pool: _PoolMaker,
     skip_bad: bool,
     overwrite: bool,
     progress: bool,
     durable: bool,
-    lock: WriterLock,
 ) -> ConvertReport:
     started = time.perf_counter()
     if overwrite:
         _clear(dst_path)
-    if (dst_path / "zarr.json").exists():
-        info = read_info(dst_path)
-        if info.status == "complete":
-            _check_complete_matches(dst_path, info, options)
+    info = read_info(dst_path) if (dst_path / "zarr.json").exists() else None
+    if info is not None and info.status != "complete" and not (dst_path / PLAN_FILE).exists():
+        _clear(dst_path)  # killed while planning: nothing was converted yet
+        info = None
+    plan: dict[str, Any] | None = None
+    append: _Append | None = None
+    if info is not None and info.status == "complete":
+        _check_complete_matches(dst_path, info, options)
+        rerun = _plan_of_complete(src_path, dst_path, info, sources, unreadable, skip_bad)
+        if rerun is None:  # nothing new, nothing unfinished
             return _check_or_rebuild_index(dst_path, info, durable)
-        if not (dst_path / PLAN_FILE).exists():  # killed while planning: nothing was converted yet
-            _clear(dst_path)
+        plan, append = rerun
+    elif info is not None:
+        plan = _read_plan(dst_path, sources, options, skip_bad)
 
-    with _executor(workers) as pool:
-        lock.record_semaphores()  # the pool's, for the next writer to clean up after a SIGKILL
-        if (dst_path / PLAN_FILE).exists():
-            plan = _read_plan(dst_path, sources, options, skip_bad)
-            _remove_partial_writes(dst_path)
-        else:
-            plan = _make_plan(pool, fmt, sources, unreadable, options, src_path, dst_path, skip_bad, progress, durable)
-        samples = [_PlannedSample(**s) for s in plan["samples"]]
+    if plan is None:
+        plan = _make_plan(pool(), fmt, sources, unreadable, options, src_path, dst_path, skip_bad, progress, durable)
+    elif append is not None and info is not None:
+        plan = _extend_plan(pool(), fmt, plan, append, info, dst_path, skip_bad, progress, durable)
+    _remove_partial_writes(dst_path)
+    _grow_arrays(dst_path, plan["total_rows"], durable)  # an append's new rows (a no-op otherwise)
+    samples = [_PlannedSample(**s) for s in plan["samples"]]
+    done = _read_journal(dst_path)
+    pending = [i for i in range(len(samples)) if i not in done]
+    report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
+    if pending:
+        # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
+        by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
+        t0 = time.perf_counter()
+        _convert_pending(pool(), fmt, dst_path, samples, pending, by_relpath, skip_bad, progress, durable, report)
+        report.seconds_converting = time.perf_counter() - t0
         done = _read_journal(dst_path)
-        pending = [i for i in range(len(samples)) if i not in done]
-        report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
-        if pending:
-            # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
-            by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
-            _convert_pending(pool, fmt, dst_path, plan, samples, pending, by_relpath, workers, skip_bad, progress,
-                             durable, report)
-            done = _read_journal(dst_path)
-    skipped: list[dict[str, str]] = list(plan["skipped"])
-    skipped += [{"path": samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r]
+    skipped = _skipped(plan, samples, done)
     if not any("checksum" in r for r in done.values()):
         raise SourceError(src_path, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
-    _finalize(dst_path, samples, done, skipped, durable)
+    _remove_partial_writes(dst_path)  # what a worker killed mid-write left (its sample was redone elsewhere)
+    _finalize(dst_path, samples, done, skipped, durable, rebuild=info is not None and _damaged(dst_path))
     info = read_info(dst_path)
     report.num_samples, report.num_tokens, report.skipped = info.num_samples, info.num_tokens, skipped
     report.seconds = time.perf_counter() - started
@@ -239,17 +299,118 @@ def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> Conver
         log.warning("%s: rebuilding the damaged sample index from the plan and journal (%s)", dst, exc.problem)
         plan = json.loads((dst / PLAN_FILE).read_text())
         samples = [_PlannedSample(**s) for s in plan["samples"]]
-        _finalize(dst, samples, _read_journal(dst), info.skipped, durable)
+        _finalize(dst, samples, _read_journal(dst), info.skipped, durable, rebuild=True)
         Store(dst)  # the rebuilt index must open
         info = read_info(dst)
     return ConvertReport(dst, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
+
+
+def _damaged(dst: Path) -> bool:
+    """Whether a complete store's index fails to open (an append then writes it anew)."""
+    if read_info(dst).status != "complete":
+        return False
+    try:
+        Store(dst)
+    except StoreError:
+        return True
+    return False
+
+
+# --- the workers --------------------------------------------------------------------------------
+
+
+class _PoolMaker:
+    """The task pool, started on first use (a run with nothing left to convert starts none), stopped on exit."""
+
+    def __init__(self, workers: int, scheduler: str | None, lock: WriterLock) -> None:
+        self.workers, self.scheduler, self.lock = workers, scheduler, lock
+        self._pool: TaskPool | None = None
+
+    def __call__(self) -> TaskPool:
+        if self._pool is None:
+            if self.scheduler is not None:
+                from h5feed.cluster import DaskPool
+
+                self._pool = DaskPool(self.scheduler, self.workers).__enter__()
+            else:
+                self._pool = (_InlinePool() if self.workers == 0 else _ProcessPool(self.workers)).__enter__()
+            self.lock.record_semaphores()  # the pool's, for the next writer to clean up after a SIGKILL
+        return self._pool
+
+    def __enter__(self) -> _PoolMaker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.__exit__(*exc)
+
+
+class _ProcessPool(ProcessPoolExecutor):
+    """Spawned worker processes (safe whatever threads torch or zarr started here)."""
+
+    shares_page_cache = True
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                         initargs=(os.getpid(),))
+        self._workers = workers
+
+    def slots(self) -> int:
+        return self._workers
+
+
+class _InlinePool(Executor):
+    """Runs each task at submit time: `workers=0`, for debugging and small jobs."""
+
+    shares_page_cache = True
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def slots(self) -> int:
+        return 1
+
+
+def _init_worker(parent: int) -> None:
+    """One core's worth of work per process (the processes are the parallelism), and no orphans:
+    a worker dies with the converter, even when that is SIGKILLed."""
+    from numcodecs import blosc
+
+    torch.set_num_threads(1)
+    blosc.set_nthreads(1)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (AttributeError, OSError):
+        pass
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()  # other systems, and races
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker_name() -> str:
+    """Who runs this task: a Dask worker's address, or host:pid."""
+    if "distributed" in sys.modules:
+        from distributed import get_worker
+
+        with contextlib.suppress(ValueError):  # not in a Dask worker
+            return str(get_worker().address)
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 # --- plan -------------------------------------------------------------------------------
 
 
 def _make_plan(
-    pool: Executor,
+    pool: TaskPool,
     fmt: SourceFormat,
     sources: list[SourceFile],
     unreadable: list[dict[str, str]],
@@ -261,32 +422,15 @@ def _make_plan(
     durable: bool,
 ) -> dict[str, Any]:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
-    shapes: list[tuple[SourceFile, SampleShape]] = []
-    skipped: list[dict[str, str]] = list(unreadable)
-    reference: SampleShape | None = None
-    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, chunksize=16)
-    for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
-        try:
-            if isinstance(result, SourceError):
-                raise result
-            reference = reference or result
-            _check_same_shape(source, result, reference)
-            _check_same_layout(source, result, reference)
-            shapes.append((source, result))
-        except SourceError as exc:
-            if not skip_bad:
-                raise
-            log.warning("skipping %s", exc)
-            skipped.append({"path": source.relpath, "problem": exc.problem})
-    if reference is None:
+    probed, skipped = _probe(pool, fmt, sources, None, skip_bad, progress)
+    skipped = list(unreadable) + skipped
+    shapes = [(source, shape) for source, shape, _ in probed]
+    if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
-
+    reference = probed[0][1]
     chunk_tokens = options["chunk_tokens"]
-    shard_tokens = options["shard_tokens"] or _default_shard_tokens([shape for _, shape in shapes], chunk_tokens)
-    planned, row = [], 0
-    for source, shape in shapes:
-        planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row).__dict__)
-        row += math.ceil(shape.num_tokens / shard_tokens) * shard_tokens
+    shard_tokens = options["shard_tokens"] or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
+    planned, row = _lay_out(probed, 0, shard_tokens)
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
@@ -308,7 +452,7 @@ def _make_plan(
     create_arrays(dst, info, total_rows=row)
     if durable:
         _fsync_tree(dst)
-    plan = {"options": options, "samples": planned, "skipped": skipped, "total_rows": row}
+    plan = {"options": options, "samples": planned, "skipped": unreadable + skipped, "total_rows": row}
     write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
     return plan
 
@@ -344,6 +488,48 @@ def _file_crc32c(path: Path) -> tuple[int, int]:
     return crc, size
 
 
+def _probe(
+    pool: TaskPool,
+    fmt: SourceFormat,
+    sources: list[SourceFile],
+    reference: SampleShape | None,
+    skip_bad: bool,
+    progress: bool,
+) -> tuple[list[tuple[SourceFile, SampleShape, os.stat_result]], list[dict[str, str]]]:
+    """Shapes of the sources (each checked against `reference`, or the first one), with their stat
+    as planned; and the skipped ones, with skip_bad."""
+    probed: list[tuple[SourceFile, SampleShape, os.stat_result]] = []
+    skipped: list[dict[str, str]] = []
+    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, chunksize=16)
+    for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
+        try:
+            if isinstance(result, SourceError):
+                raise result
+            shape, stat = result
+            reference = reference or shape
+            _check_same_shape(source, shape, reference)
+            _check_same_layout(source, shape, reference)
+            probed.append((source, shape, stat))
+        except SourceError as exc:
+            if not skip_bad:
+                raise
+            log.warning("skipping %s", exc)
+            skipped.append({"path": source.relpath, "problem": exc.problem})
+    return probed, skipped
+
+
+def _lay_out(
+    probed: list[tuple[SourceFile, SampleShape, os.stat_result]], row: int, shard_tokens: int
+) -> tuple[list[dict[str, Any]], int]:
+    """Plan entries for the probed samples from row `row` on, each on a shard boundary; and the row after them."""
+    planned = []
+    for source, shape, stat in probed:
+        planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row, stat.st_size,
+                                      stat.st_mtime_ns).__dict__)
+        row += math.ceil(shape.num_tokens / shard_tokens) * shard_tokens
+    return planned, row
+
+
 def _default_shard_tokens(shapes: list[SampleShape], chunk_tokens: int) -> int:
     """The longest sample rounded up to whole chunks (one object per sample and array), within bounds."""
     longest = max(s.num_tokens for s in shapes)
@@ -373,11 +559,15 @@ def _check_same_layout(source: SourceFile, shape: SampleShape, reference: Sample
                           "convert each set into its own store")
 
 
-def _probe_one(format_name: str, source: SourceFile) -> SampleShape | SourceError:
+def _probe_one(format_name: str, source: SourceFile) -> tuple[SampleShape, os.stat_result] | SourceError:
+    """The file's shape and its stat before reading (a change after it shows at conversion)."""
     try:
-        return FORMATS[format_name].probe(source)  # type: ignore[index]
+        stat = source.path.stat()
+        return FORMATS[format_name].probe(source), stat  # type: ignore[index]
     except SourceError as exc:
         return exc
+    except OSError as exc:
+        return SourceError(source.path, f"cannot be read ({exc.strerror or exc})")
 
 
 def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any]) -> None:
@@ -412,124 +602,245 @@ def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any], sk
     return plan
 
 
+# --- append ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Append:
+    """What an append adds to the plan: files SRC has that the plan has not seen, and skips to record."""
+
+    new: list[SourceFile]
+    skipped: list[dict[str, str]]
+    published: int  # plan positions that a finished run published (an unfinished append's stay after it)
+
+
+def _plan_of_complete(
+    src: Path,
+    dst: Path,
+    info: StoreInfo,
+    sources: list[SourceFile],
+    unreadable: list[dict[str, str]],
+    skip_bad: bool,
+) -> tuple[dict[str, Any], _Append | None] | None:
+    """What a rerun on a complete store has to do: None if nothing; else its plan, and what to append
+    when SRC has files the plan has not seen (None: an append was killed before it finished).
+
+    A converted file that changed since (size or mtime) is an error naming it, or with skip_bad a
+    recorded skip: its samples in the store stay what they were."""
+    if not (dst / PLAN_FILE).exists():
+        return None  # a store without a plan can only be checked (or converted again with --overwrite)
+    plan = json.loads((dst / PLAN_FILE).read_text())
+    if str(src) != info.source_root:
+        raise StoreError(dst, f"was converted from {info.source_root}, not {src}: run the command with that SRC "
+                         "(new files there are appended), or convert into another DST")
+    samples = [_PlannedSample(**s) for s in plan["samples"]]
+    done = _read_journal(dst)
+    published = plan.get("append_from", len(samples))  # plan positions a finished run published
+    journal_sound = all(i in done for i in range(published))
+    known = {s.relpath for s in samples} | {s["path"] for s in plan["skipped"]}
+    new_skips = [s for s in unreadable if s["path"] not in known]
+    for changed, problem in _changed_since_planned(src, plan):
+        if not skip_bad:
+            raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
+                              "--skip-bad to record it as skipped and keep the samples converted before")
+        record = {"path": changed, "problem": f"{problem}; the store keeps the samples converted before"}
+        if record not in plan["skipped"] and record not in new_skips:
+            log.warning("skipping %s: %s", src / changed, record["problem"])
+            new_skips.append(record)
+    new = [s for s in sources if s.relpath not in known]
+    kept = sum("checksum" in r for r in done.values())
+    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, samples, done))
+    if new or new_skips:
+        if not journal_sound:
+            raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
+                             "an append rewrites the index from it; convert into another DST, or pass --overwrite")
+        log.info("%s: appending %d new sample file(s) after its %d samples", dst, len(new), info.num_samples)
+        return plan, _Append(new, new_skips, len(samples) if finished else published)
+    if finished or not journal_sound:
+        return None  # done, or a damaged journal: the index is checked (and rebuilt from the journal if need be)
+    return plan, None  # an append killed before it published its index: finish it
+
+
+def _changed_since_planned(src: Path, plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """(relpath, what changed) of the planned files whose size or mtime differ now; a file gone is left alone
+    (its samples are in the store), as is one planned before plans recorded them."""
+    changed = []
+    for relpath, (size, mtime_ns) in {s["relpath"]: (s.get("size"), s.get("mtime_ns")) for s in plan["samples"]}.items():
+        if size is None:
+            continue
+        try:
+            stat = (src / relpath).stat()
+        except FileNotFoundError:
+            continue
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+            changed.append((relpath, _what_changed(size, mtime_ns, stat)))
+    return changed
+
+
+def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
+    def when(ns: int) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) + f".{ns % 10**9:09d}"
+
+    return (f"changed since it was converted (size {size} -> {stat.st_size} bytes, "
+            f"modified {when(mtime_ns)} -> {when(stat.st_mtime_ns)})")
+
+
+def _extend_plan(
+    pool: TaskPool,
+    fmt: SourceFormat,
+    plan: dict[str, Any],
+    append: _Append,
+    info: StoreInfo,
+    dst: Path,
+    skip_bad: bool,
+    progress: bool,
+    durable: bool,
+) -> dict[str, Any]:
+    """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
+    reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.torch_dtype)
+    probed, skipped = _probe(pool, fmt, append.new, reference, skip_bad, progress)
+    planned, row = _lay_out(probed, plan["total_rows"], info.shard_tokens)
+    plan = {**plan, "samples": plan["samples"] + planned, "skipped": plan["skipped"] + append.skipped + skipped,
+            "total_rows": row, "append_from": append.published}
+    write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)  # from here a rerun resumes it
+    return plan
+
+
+def _grow_arrays(dst: Path, rows: int, durable: bool) -> None:
+    """Resize the token arrays to `rows` (an append's).  zarr rewrites each array's metadata atomically
+    (temporary file, rename); readers that opened the store earlier never read it again."""
+    import zarr
+
+    for meta in sorted(dst.glob("*/zarr.json")):
+        if json.loads(meta.read_text())["node_type"] != "array":
+            continue
+        name = meta.parent.name
+        array = zarr.open_array(dst / name, mode="r+")
+        if array.shape[0] < rows:
+            array.resize((rows, *array.shape[1:]))
+            if durable:
+                _fsync_file(dst / name / "zarr.json")
+                fsync_dir(dst / name)
+
+
 # --- convert ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Converted:
+    """What a task sends back: the journal record, or the source's problem; and who did it, how fast."""
+
+    record: dict[str, Any] | None
+    error: SourceError | None
+    worker: str
+    seconds: float
+
+
+def _convert_task(
+    format_name: str,
+    dst: str,
+    source: SourceFile,
+    start: int,
+    expected: SampleShape,
+    info: StoreInfo,
+    durable: bool,
+) -> _Converted:
+    """One sample, on a worker.  A bad source comes back as a value, not raised: Dask retries only
+    what may pass on another try (a dead worker, a failed write), never a broken file."""
+    t0 = time.perf_counter()
+    record, error = None, None
+    try:
+        record = _convert_one(format_name, dst, source, start, expected, info, durable)
+    except SourceError as exc:
+        error = exc
+    return _Converted(record, error, _worker_name(), time.perf_counter() - t0)
+
+
 def _convert_pending(
-    pool: Executor,
+    pool: TaskPool,
     fmt: SourceFormat,
     dst: Path,
-    plan: dict[str, Any],
     samples: list[_PlannedSample],
     pending: list[int],
     by_relpath: dict[str, SourceFile],
-    workers: int,
     skip_bad: bool,
     progress: bool,
     durable: bool,
     report: ConvertReport,
 ) -> None:
-    """Convert the samples not yet in the journal, a bounded number in flight."""
+    """Convert the samples not yet in the journal, twice as many in flight as the pool runs at once."""
     info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
                disable=not progress, smoothing=0.1)
     failure: BaseException | None = None
     todo = iter(pending)
-    in_flight: dict[Future[dict[str, Any]], int] = {}
+    in_flight: dict[Future[_Converted], int] = {}
     with open(dst / JOURNAL_FILE, "a") as journal:
         if journal.tell() and not (dst / JOURNAL_FILE).read_text().endswith("\n"):
             journal.write("\n")  # end a line cut short by a kill, or the next record would be lost with it
 
-        def submit_next() -> None:
-            for i in todo:
+        def submit_more() -> None:
+            while len(in_flight) < 2 * pool.slots():
+                i = next(todo, None)
+                if i is None:
+                    return
                 s = samples[i]
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
-                read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
-                in_flight[pool.submit(_convert_one, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
+                if pool.shares_page_cache:
+                    read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
+                in_flight[pool.submit(_convert_task, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
                                       info, durable)] = i
-                return
 
-        for _ in range(2 * max(1, workers)):
-            submit_next()
+        submit_more()
         while in_flight:
             finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
             for future in finished:
                 i = in_flight.pop(future)
                 try:
-                    record = future.result()
-                except SourceError as exc:
-                    if not skip_bad:
-                        failure = failure or exc
-                        continue
-                    log.warning("skipping %s", exc)
-                    record = {"skipped": exc.problem}
+                    result = future.result()
                 except OSError as exc:
                     failure = failure or _disk_error(dst, samples[i], exc)
                     continue
-                except Exception as exc:  # a crashed worker: BrokenProcessPool and the like
+                except Exception as exc:  # a crashed worker: BrokenProcessPool, KilledWorker and the like
                     failure = failure or H5feedError(f"converting {samples[i].relpath} failed: {exc!r}")
                     continue
+                record = result.record
+                if result.error is not None:
+                    if not skip_bad:
+                        failure = failure or result.error
+                        continue
+                    log.warning("skipping %s", result.error)
+                    record = {"skipped": result.error.problem}
                 journal.write(json.dumps({"i": i, **record}) + "\n")
                 journal.flush()
                 if durable:  # after the worker's fsync of the shards: a journaled sample survives power loss
                     os.fsync(journal.fileno())
-                report.converted_now += "checksum" in record  # a skipped file is counted in skipped only
-                report.bytes_in += record.get("bytes_in", 0)
-                report.bytes_out += record.get("bytes_out", 0)
+                _count(report, record, result)
                 bar.update(1)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"in {report.bytes_in / elapsed / 1e6:.0f} MB/s, out {report.bytes_out / elapsed / 1e6:.0f} MB/s")
-                if failure is None:
-                    submit_next()
+            if failure is None:
+                submit_more()
     bar.close()
     if failure is not None:
         raise failure
+
+
+def _count(report: ConvertReport, record: dict[str, Any], result: _Converted) -> None:
+    report.converted_now += "checksum" in record  # a skipped file is counted in skipped only
+    report.bytes_in += record.get("bytes_in", 0)
+    report.bytes_out += record.get("bytes_out", 0)
+    worker = report.workers.setdefault(result.worker, WorkerStats())
+    worker.samples += "checksum" in record
+    worker.bytes_in += record.get("bytes_in", 0)
+    worker.bytes_out += record.get("bytes_out", 0)
+    worker.seconds += result.seconds
 
 
 def _disk_error(dst: Path, sample: _PlannedSample, exc: OSError) -> H5feedError:
     if exc.errno == errno.ENOSPC:
         return StoreError(dst, f"disk full while writing {sample.relpath}: free space and run the same command to resume")
     return StoreError(dst, f"writing {sample.relpath} failed: {exc}")
-
-
-def _executor(workers: int) -> Executor:
-    """Spawned worker processes (safe whatever threads torch or zarr started here); 0 runs in this process."""
-    if workers == 0:
-        return _InlineExecutor()
-    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                               initargs=(os.getpid(),))
-
-
-class _InlineExecutor(Executor):
-    """Runs each task at submit time: `workers=0`, for debugging and small jobs."""
-
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
-
-def _init_worker(parent: int) -> None:
-    """One core's worth of work per process (the processes are the parallelism), and no orphans:
-    a worker dies with the converter, even when that is SIGKILLed."""
-    from numcodecs import blosc
-
-    torch.set_num_threads(1)
-    blosc.set_nthreads(1)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (AttributeError, OSError):
-        pass
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()  # other systems, and races
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
 
 
 def _convert_one(
@@ -636,18 +947,21 @@ def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
     return done
 
 
+def _skipped(plan: dict[str, Any], samples: list[_PlannedSample], done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+    """The store's `skipped`: what planning skipped, then the files that failed to convert, in plan order."""
+    return list(plan["skipped"]) + [
+        {"path": samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
+    ]
+
+
 def _finalize(
     dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
-    durable: bool,
+    durable: bool, rebuild: bool = False,
 ) -> None:
-    """Write the index (checksummed by zarr's crc32c codec) and the journal in plan order, then flip the status."""
-    import zarr
-    from zarr.codecs import Crc32cCodec
-
+    """Write the index (checksummed by zarr's crc32c codec) and the journal in plan order, then flip the
+    status and the sample count in one atomic write."""
     kept = [i for i in range(len(samples)) if "checksum" in done.get(i, {})]
     info = read_info(dst)
-    group = zarr.open_group(dst, mode="r+")
-    index = group.require_group("index")
     n = len(kept)
     columns: dict[str, np.ndarray] = {
         "sample_start": np.array([samples[i].start for i in kept], dtype=np.int64),
@@ -657,12 +971,7 @@ def _finalize(
         "has_loss_mask": np.array([done[i]["has_loss_mask"] for i in kept], dtype=bool),
         "source_path": np.array([samples[i].relpath for i in kept], dtype=str),
     }
-    for name, values in columns.items():
-        array = index.create_array(name, shape=values.shape, chunks=(max(n, 1), *values.shape[1:]),
-                                   dtype=values.dtype if name != "source_path" else str,
-                                   compressors=[Crc32cCodec()], overwrite=True)
-        if n:
-            array[...] = values
+    _publish_index(dst, columns, rebuild)
     journal = "".join(json.dumps({"i": i, **done[i]}) + "\n" for i in sorted(done))
     write_atomically(dst / JOURNAL_FILE, journal.encode(), durable=durable)  # the same bytes however the run went
     if durable:
@@ -672,16 +981,58 @@ def _finalize(
     write_info(dst, StoreInfo.from_json(complete), durable=durable)
 
 
+def _publish_index(dst: Path, columns: dict[str, np.ndarray], rebuild: bool) -> None:
+    """Write the index columns so that a reader opening the store meanwhile sees a consistent index.
+
+    The index only grows (an append adds rows after the last; no row changes), and a
+    reader takes the number of samples from the group attributes, read first, and
+    reads that many rows of each column (`Store`).  Each column is resized and
+    written through zarr, whose every file write is atomic (temporary file,
+    rename): a column's metadata and chunks hold, at any moment, the old rows or
+    the old and the new, never a part of a file.  So a reader that read the
+    attributes before `_finalize` flips them reads exactly the old samples, and one
+    that read them after reads all.  Readers that opened the store earlier hold
+    their index in memory and never read it again.  `rebuild` recreates columns
+    from scratch (a damaged index: no reader can open that store anyway).
+    """
+    import zarr
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    index = zarr.open_group(dst, mode="r+").require_group("index")
+    for name, values in columns.items():
+        array = None if rebuild else _open_column(index, name)
+        if array is None:
+            array = index.create_array(name, shape=values.shape, chunks=(INDEX_CHUNK_ROWS, *values.shape[1:]),
+                                       dtype=values.dtype if name != "source_path" else str,
+                                       compressors=[ZstdCodec(level=3), Crc32cCodec()], overwrite=True)
+        elif array.shape != values.shape:
+            array.resize(values.shape)
+        if len(values):
+            array[...] = values
+
+
+def _open_column(index: Any, name: str) -> Any:
+    """An index column, or None before the first finalize wrote it."""
+    try:
+        return index[name]
+    except KeyError:
+        return None
+
+
 def _fsync_tree(top: Path) -> None:
     """Flush every file and folder under `top` (metadata and index: small) to the disk."""
     for dirpath, _, filenames in os.walk(top):
         for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_file(Path(dirpath) / name)
         fsync_dir(Path(dirpath))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove_partial_writes(dst: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +68,10 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed, report.skipped) == (
         6, sum(LENGTHS), 6, 0, [])
+    (worker, done), = report.workers.items()  # workers=0: this process did every sample
+    assert worker == f"{socket.gethostname()}:{os.getpid()}"
+    assert (done.samples, done.bytes_in, done.bytes_out) == (6, report.bytes_in, report.bytes_out)
+    assert report.bytes_in == sum(f.stat().st_size for f in files) and 0 < report.bytes_out
     store = Store(dst)
     info = store.info
     assert (info.source_format, info.hidden_size, info.num_aux_layers, info.dtype, info.last_state_norm) == (

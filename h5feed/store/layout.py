@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,8 +347,10 @@ def write_info(path: Path, info: StoreInfo, *, durable: bool) -> None:
 
 def write_atomically(path: Path, data: bytes, *, durable: bool) -> None:
     """Write under a temporary name, then rename: readers see the old bytes or the new, never a part.
-    `durable` also survives power loss: the bytes are flushed before the rename, the rename after."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    `durable` also survives power loss: the bytes are flushed before the rename, the rename after.
+    The temporary name is unique: two writers of the same file (a task Dask retried while the first
+    try still runs, on this machine or another) never share one."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
     with open(tmp, "wb") as f:
         f.write(data)
         if durable:

@@ -100,9 +100,13 @@ class Store:
     `cache_dir` a remote store's objects go through the node-local cache there (`cache_limit`
     bytes, least recently used evicted); local stores are read in place and need neither.
 
-    Cheap to pickle (only the location and options travel), so DataLoader workers under fork,
-    spawn or forkserver each open their own files or clients lazily.  `checked=False` skips
-    the checksum checks: only for measuring what they cost, never for training.
+    Cheap to pickle (only the location, options and number of samples travel), so DataLoader
+    workers under fork, spawn or forkserver each open their own files or clients lazily.
+    `checked=False` skips the checksum checks: only for measuring what they cost, never for training.
+
+    The index is read once, here: the `num_samples` the store's attributes publish (or the first
+    `num_samples`, a snapshot).  A store can grow while it is open (`h5feed convert` appends new
+    samples after the last), and this object, and its pickled copies, keep the samples they saw.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Store:
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
+        num_samples: int | None = None,
     ) -> None:
         self.checked = checked
         self.storage_options = dict(storage_options or {})
@@ -133,7 +138,9 @@ class Store:
                 "conversion has not finished (status "
                 f"{self.info.status!r}); run the same `h5feed convert` command again to resume it",
             )
-        self._load_index()
+        if num_samples is not None and not 0 <= num_samples <= self.info.num_samples:
+            raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
+        self._load_index(self.info.num_samples if num_samples is None else num_samples)
         self._check_index()
         self._source = self._make_source()
         self._compressed = self.info.codec.get("name") != "none"
@@ -142,7 +149,7 @@ class Store:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"location": self.path, "checked": self.checked, "storage_options": self.storage_options,
-                "cache_dir": self.cache_dir, "cache_limit": self.cache_limit}
+                "cache_dir": self.cache_dir, "cache_limit": self.cache_limit, "num_samples": len(self)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("location"), **state)  # type: ignore[misc]
@@ -168,21 +175,26 @@ class Store:
             self._zarr_store = zarr_store(self._objects, {}, ("index/",))
         return zarr.open_group(self._zarr_store, mode="r", zarr_format=3)
 
-    def _load_index(self) -> None:
+    def _load_index(self, n: int) -> None:
+        """The first n rows of each index column: the columns may already hold an append's rows that
+        the attributes, read before them, do not publish yet."""
         try:
             group = self.zarr_group()
             index = group["index"]
-            self.sample_starts = np.asarray(index["sample_start"][:], dtype=np.int64)
-            self.sample_lengths = np.asarray(index["sample_length"][:], dtype=np.int64)
-            self.source_paths: list[str] = [str(p) for p in index["source_path"][:]]
-            self.source_indices = np.asarray(index["source_index"][:], dtype=np.int64)
-            self.checksums = np.asarray(index["checksum"][:], dtype=np.uint32)
-            self.has_loss_mask = np.asarray(index["has_loss_mask"][:], dtype=bool)
+            self.sample_starts = np.asarray(index["sample_start"][:n], dtype=np.int64)
+            self.sample_lengths = np.asarray(index["sample_length"][:n], dtype=np.int64)
+            self.source_paths: list[str] = [str(p) for p in index["source_path"][:n]]
+            self.source_indices = np.asarray(index["source_index"][:n], dtype=np.int64)
+            self.checksums = np.asarray(index["checksum"][:n], dtype=np.uint32)
+            self.has_loss_mask = np.asarray(index["has_loss_mask"][:n], dtype=bool)
             self.total_rows = int(group["aux_hidden_states"].shape[0])
         except ObjectError:  # the bucket said no (denied, unreachable): its error names the object
             raise
         except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
             raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
+        if len(self.sample_lengths) != n:
+            raise StoreError(self.path, f"the sample index is damaged: it holds {len(self.sample_lengths)} samples, "
+                             f"fewer than the {n} the store's attributes publish; {_REBUILD_HINT}")
 
     def _make_source(self) -> ObjectSource:
         if self._objects is None:
