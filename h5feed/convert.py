@@ -562,8 +562,9 @@ def _check_same_layout(source: SourceFile, shape: SampleShape, reference: Sample
 def _probe_one(format_name: str, source: SourceFile) -> tuple[SampleShape, os.stat_result] | SourceError:
     """The file's shape and its stat before reading (a change after it shows at conversion)."""
     try:
-        stat = source.path.stat()
-        return FORMATS[format_name].probe(source), stat  # type: ignore[index]
+        fmt = FORMATS[format_name]  # type: ignore[index]
+        stat = fmt.file_of(source.path).stat()
+        return fmt.probe(source), stat
     except SourceError as exc:
         return exc
     except OSError as exc:
@@ -669,7 +670,7 @@ def _changed_since_planned(src: Path, plan: dict[str, Any]) -> list[tuple[str, s
         if size is None:
             continue
         try:
-            stat = (src / relpath).stat()
+            stat = SourceFormat.file_of(src / relpath).stat()
         except FileNotFoundError:
             continue
         if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):

@@ -677,6 +677,11 @@ class SourceFormat(ABC):
         """Bytes of the source that hold this sample (for the converter's rates)."""
         return source.path.stat().st_size
 
+    @staticmethod
+    def file_of(path: Path) -> Path:
+        """The file that holds a sample: its path, less the `#row` of a sample inside a shard of several."""
+        return path.with_name(path.name.partition("#")[0])
+
     @abstractmethod
     def probe(self, source: SourceFile) -> SampleShape:
         """The sample's shape, validating keys and shapes without reading the hidden states where possible."""
