@@ -423,7 +423,6 @@ def _make_plan(
 ) -> dict[str, Any]:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
     probed, skipped = _probe(pool, fmt, sources, None, skip_bad, progress)
-    skipped = list(unreadable) + skipped
     shapes = [(source, shape) for source, shape, _ in probed]
     if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
