@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsync", choices=["on", "off", "both"], default="on",
                    help="durable runs (fsync each shard and journal line), --no-fsync runs, or both (default: on)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="runs of each configuration, the fastest kept (on a shared machine: the least disturbed)")
+                   help="rounds of runs of every configuration, the fastest of each kept (on a shared machine: the "
+                   "least disturbed)")
     p.add_argument("--tiny", type=int, metavar="N", help="convert N one-token samples of H=16 instead: the engine's "
                    "cost per sample")
     p.add_argument("--json", action="store_true")
@@ -219,17 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     cold = a.cold is not False and drop_page_cache() is None
     if a.cold and not cold:
         say("cannot drop the page cache (needs root): warm runs only")
-    runs = []
     fsyncs = {"on": [True], "off": [False], "both": [True, False]}[a.fsync]
-    for workers in a.workers:
-        for fsync in fsyncs:
-            for scheduler in [None, a.scheduler] if a.scheduler else [None]:
-                tries = [run(src, dst, workers, cold, fsync) if scheduler is None else
-                         run_on_dask(src, dst, scheduler, workers, cold, fsync) for _ in range(a.repeat)]
-                r = min(tries, key=lambda t: t.seconds)
-                say(f"{r.engine} workers={r.workers} fsync={'on' if r.fsync else 'off'}: {r.mb_in_per_s:.0f} MB/s in, "
-                    f"{r.mb_out_per_s:.0f} MB/s out, overhead {r.overhead_ms_per_sample:.1f} ms/sample, {r.seconds:.1f} s")
-                runs.append(r)
+    configs = [(workers, fsync, scheduler) for workers in a.workers for fsync in fsyncs
+               for scheduler in ([None, a.scheduler] if a.scheduler else [None])]
+    tries: dict[tuple[int, bool, str | None], list[ConvertRun]] = {c: [] for c in configs}
+    for _ in range(a.repeat):  # rounds of every configuration: a busy spell of the machine hits them alike
+        for workers, fsync, scheduler in configs:
+            r = (run(src, dst, workers, cold, fsync) if scheduler is None else
+                 run_on_dask(src, dst, scheduler, workers, cold, fsync))
+            say(f"{r.engine} workers={r.workers} fsync={'on' if r.fsync else 'off'}: {r.mb_in_per_s:.0f} MB/s in, "
+                f"{r.mb_out_per_s:.0f} MB/s out, overhead {r.overhead_ms_per_sample:.1f} ms/sample, {r.seconds:.1f} s")
+            tries[workers, fsync, scheduler].append(r)
+    runs = [min(tries[c], key=lambda t: t.seconds) for c in configs]
     shutil.rmtree(dst, ignore_errors=True)
     rates = codec_rates(store) if store else {}
     info: dict[str, Any] = {"source": str(src), "cpus": psutil.cpu_count(), "codec_one_core": rates,
