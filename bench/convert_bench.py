@@ -13,9 +13,12 @@ and with `--scheduler tcp://HOST:PORT` on that cluster (its own workers).  Each
 run reports the engine's overhead per sample: the time the worker slots spent
 outside the conversion tasks, (slots x seconds converting - task seconds) /
 samples; the difference between the engines is what Dask costs per sample.
-`--fsync both` runs each configuration with and without the fsyncs.
+`--fsync both` runs each configuration with and without the fsyncs.  `--tiny N`
+converts N one-token samples instead (H=16): the work per sample is then next to
+nothing, and a worker's milliseconds per sample are what the engine costs.
 
     python bench/convert_bench.py --workers 1 2 --scheduler local --fsync both --num-samples 24
+    python bench/convert_bench.py --workers 1 2 --scheduler local --tiny 400
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from h5feed.bench import (
 from h5feed.cluster import local_cluster
 from h5feed.convert import convert
 from h5feed.store import Store, chunk_encoder
+from h5feed.synthetic import write_synthetic
 
 
 @dataclass
@@ -153,12 +157,13 @@ def codec_rates(store_path: Path) -> dict[str, float]:
 
 def table(runs: list[ConvertRun]) -> str:
     header = ["engine", "workers", "fsync", "cache", "samples", "seconds", "MB/s in", "MB/s out", "in/worker",
-              "out/worker", "overhead ms/sample", "ratio (file)", "ratio (raw)", "CPU s", "CPU ms/sample",
+              "out/worker", "worker ms/sample", "overhead ms/sample", "ratio (file)", "ratio (raw)", "CPU s", "CPU ms/sample",
               "peak/worker", "other CPU"]
     rows = [header] + [[
         r.engine.split()[0], str(r.workers), "on" if r.fsync else "off", "cold" if r.cold else "warm", str(r.samples),
         f"{r.seconds:.1f}", f"{r.mb_in_per_s:.0f}", f"{r.mb_out_per_s:.0f}", f"{r.mb_in_per_s_per_worker:.0f}",
-        f"{r.mb_out_per_s_per_worker:.0f}", f"{r.overhead_ms_per_sample:.1f}", f"{r.ratio_file:.3f}",
+        f"{r.mb_out_per_s_per_worker:.0f}", f"{r.seconds_converting * r.workers / r.samples * 1e3:.1f}",
+        f"{r.overhead_ms_per_sample:.1f}", f"{r.ratio_file:.3f}",
         f"{r.ratio_raw:.3f}", f"{r.cpu_seconds:.1f}", f"{r.cpu_seconds / r.samples * 1e3:.0f}",
         f"{r.peak_worker_memory_bytes / 1e9:.2f} GB {r.memory_metric.upper()}", f"{100 * r.other_cpu_share:.0f}%",
     ] for r in runs]
@@ -195,39 +200,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsync", choices=["on", "off", "both"], default="on",
                    help="durable runs (fsync each shard and journal line), --no-fsync runs, or both (default: on)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="runs of each configuration, the fastest kept (on a shared machine: the least disturbed)")
+                   help="rounds of runs of every configuration, the fastest of each kept (on a shared machine: the "
+                   "least disturbed)")
+    p.add_argument("--tiny", type=int, metavar="N", help="convert N one-token samples of H=16 instead: the engine's "
+                   "cost per sample")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     spec = SyntheticSpec(num_samples=a.num_samples)
     say = lambda m: print(f"[convert_bench] {m}", file=sys.stderr, flush=True)
-    store = ensure_default_set(a.cache_dir, spec, log=say)
-    src = store.parent / "src"
+    if a.tiny:
+        store = None
+        src = Path(a.cache_dir).expanduser() / f"convert-bench-tiny-{a.tiny}"
+        if not src.exists():
+            write_synthetic(src, spec.format, a.tiny, 16, lengths=(1, 1))
+    else:
+        store = ensure_default_set(a.cache_dir, spec, log=say)
+        src = store.parent / "src"
     dst = a.dst or Path(a.cache_dir).expanduser() / "convert-bench-store"
     cold = a.cold is not False and drop_page_cache() is None
     if a.cold and not cold:
         say("cannot drop the page cache (needs root): warm runs only")
-    runs = []
     fsyncs = {"on": [True], "off": [False], "both": [True, False]}[a.fsync]
-    for workers in a.workers:
-        for fsync in fsyncs:
-            for scheduler in [None, a.scheduler] if a.scheduler else [None]:
-                tries = [run(src, dst, workers, cold, fsync) if scheduler is None else
-                         run_on_dask(src, dst, scheduler, workers, cold, fsync) for _ in range(a.repeat)]
-                r = min(tries, key=lambda t: t.seconds)
-                say(f"{r.engine} workers={r.workers} fsync={'on' if r.fsync else 'off'}: {r.mb_in_per_s:.0f} MB/s in, "
-                    f"{r.mb_out_per_s:.0f} MB/s out, overhead {r.overhead_ms_per_sample:.1f} ms/sample, {r.seconds:.1f} s")
-                runs.append(r)
+    configs = [(workers, fsync, scheduler) for workers in a.workers for fsync in fsyncs
+               for scheduler in ([None, a.scheduler] if a.scheduler else [None])]
+    tries: dict[tuple[int, bool, str | None], list[ConvertRun]] = {c: [] for c in configs}
+    for _ in range(a.repeat):  # rounds of every configuration: a busy spell of the machine hits them alike
+        for workers, fsync, scheduler in configs:
+            r = (run(src, dst, workers, cold, fsync) if scheduler is None else
+                 run_on_dask(src, dst, scheduler, workers, cold, fsync))
+            say(f"{r.engine} workers={r.workers} fsync={'on' if r.fsync else 'off'}: {r.mb_in_per_s:.0f} MB/s in, "
+                f"{r.mb_out_per_s:.0f} MB/s out, overhead {r.overhead_ms_per_sample:.1f} ms/sample, {r.seconds:.1f} s")
+            tries[workers, fsync, scheduler].append(r)
+    runs = [min(tries[c], key=lambda t: t.seconds) for c in configs]
     shutil.rmtree(dst, ignore_errors=True)
-    rates = codec_rates(store)
-    info: dict[str, Any] = {"source": str(src), "cpus": psutil.cpu_count(), "codec": Store(store).info.codec,
-                            "codec_one_core": rates, "runs": [asdict(r) for r in runs]}
+    rates = codec_rates(store) if store else {}
+    info: dict[str, Any] = {"source": str(src), "cpus": psutil.cpu_count(), "codec_one_core": rates,
+                            "runs": [asdict(r) for r in runs]}
     if a.json:
         print(json.dumps(info, indent=2))
     else:
         print(f"source {src}\n" + table(runs))
         print("\n".join(dask_cost(runs)))
         if rates:
-            print(f"codec {info['codec']} on one core, hidden chunks of sample 0: encode "
+            print(f"codec {Store(store).info.codec} on one core, hidden chunks of sample 0: encode "
                   f"{rates['encode_mb_per_s_per_core']:.0f} MB/s, decode {rates['decode_mb_per_s_per_core']:.0f} MB/s "
                   f"(raw bytes), ratio {rates['ratio']:.3f}")
     return 0
