@@ -14,6 +14,7 @@ from h5feed.baseline import Eagle3SampleFileDataset, list_files
 from h5feed.bench import LOADERS, SyntheticSpec, ensure_default_set, run_bench
 from h5feed.cli import main
 from h5feed.datasets import HiddenStatesDataset
+from h5feed.store import Store
 
 H, K = 64, 3
 LENGTHS = (30, 60)
@@ -75,7 +76,7 @@ def test_cli_json(tiny, capsys) -> None:
 
 
 def test_cold_impossible_says_so(tiny, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(bench, "DROP_CACHES", tmp_path)  # a folder: opening it for writing fails
+    monkeypatch.setattr(bench.synthetic_set, "DROP_CACHES", tmp_path)  # a folder: opening it for writing fails
     result = run_bench(tiny.path, workers=0, cold=True, loaders=["HiddenStatesDataset"], progress=False)
     assert not result.cold and [p.cache for p in result.passes] == ["warm"]
     assert any("cannot drop the page cache" in note for note in result.notes)
@@ -101,4 +102,4 @@ def test_default_set_built_once_and_rebuilt_when_incomplete(tmp_path: Path) -> N
     os.truncate(victim, 10)  # an interrupted write
     assert ensure_default_set(tmp_path, spec, convert_workers=0, progress=False) == store
     assert victim.stat().st_size > 10 and marker.stat().st_mtime_ns != stamp[0]
-    assert len(bench.Store(store)) == 3
+    assert len(Store(store)) == 3

@@ -1,0 +1,67 @@
+"""`h5feed bench` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from h5feed.bench.loaders import LOADERS
+from h5feed.bench.runner import run_bench
+from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    spec = SyntheticSpec(num_samples=args.num_samples)
+    result = run_bench(
+        args.store,
+        workers=args.workers,
+        max_len=args.max_len if args.max_len > 0 else None,
+        cold=args.cold,
+        warm=args.warm,
+        loaders=args.loaders,
+        flavor=args.flavor,
+        cache_dir=args.cache_dir,
+        spec=spec,
+        progress=not args.quiet,
+    )
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
+def _loader_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in LOADERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown loader(s) {bad}: choose from {', '.join(LOADERS)}")
+    return names
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `h5feed bench` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="loader throughput against the speculators 0.4 .pt loader, on the same samples",
+        description="Time speculators 0.4's .pt loader, HiddenStatesDataset and HiddenStatesStream on the same "
+        "samples with the same DataLoader settings, cold and warm. With no STORE, a Kimi-shaped synthetic set "
+        "(H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.",
+    )
+    p.add_argument("store", nargs="?", help="an h5feed store (its source files are the baseline's input); "
+                   "default: the embedded synthetic set")
+    p.add_argument("--workers", type=int, default=4, help="DataLoader num_workers (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=2048, help="the trainer's max_len; 0 = none (default: %(default)s)")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure with a cold page cache (needs root; default: when possible)")
+    p.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure with a warm page cache (default: on)")
+    p.add_argument("--loaders", type=_loader_list, default=list(LOADERS),
+                   help=f"comma-separated subset of {','.join(LOADERS)}")
+    p.add_argument("--flavor", help="item flavor (default: speculators-legacy, specforge for post-norm stores)")
+    p.add_argument("--num-samples", type=int, default=SyntheticSpec.num_samples,
+                   help="samples of the embedded default set (default: %(default)s, ~100 MB each)")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                   help="where the embedded default set is kept (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_bench)
+    return p
