@@ -1,9 +1,31 @@
-"""The loaders `h5feed bench` times, each built fresh for a pass, and the per-worker figures each one gives."""
+"""The loaders `h5feed bench` times, each built fresh for a pass, and the per-worker figures each one gives.
+
+Every loader but the last delivers the trainer's batches: batch_size 1, the flavor's
+trainer collate (speculators 0.4 `create_collate_fn(max_len)` for speculators-legacy),
+in the order of the store:
+
+- ``pt-baseline``: speculators 0.4's `Eagle3SampleFileDataset` over the store's source
+  files in `DataLoader(batch_size=1, num_workers=W, collate_fn=create_collate_fn(max_len),
+  pin_memory=True)`, as its trainer runs it;
+- ``BatchLoader``: `h5feed.BatchLoader(num_workers=W)`: worker processes decode straight
+  into recycled (page-locked) batch slots;
+- ``BatchLoader-threads``: `h5feed.BatchLoader(threads=W)`: the same with W reader threads
+  in the trainer's process;
+- ``StreamLoader``: the drop-in: `HiddenStatesStream` in a `StreamLoader` with the trainer's
+  collate and `pin_memory=True`;
+- ``HiddenStatesDataset``: the map-style drop-in in the baseline's DataLoader (not in the default set).
+
+and, for comparison with figures of earlier benches only:
+
+- ``HiddenStatesStream-items``: the stream's items with `batch_size=None` and no collate,
+  a path no trainer uses (no ratio, no target).
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,17 +33,26 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from h5feed.baseline import Eagle3SampleFileDataset
+from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
+from h5feed.batching import BatchLoader
+from h5feed.collate import trainer_collate
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
-from h5feed.metrics import MAX_WORKERS
-from h5feed.store import Store
+from h5feed.metrics import MAX_WORKERS, LoaderCounters
+from h5feed.store import Store, crc32c
 
-LOADERS = ("pt-baseline", "HiddenStatesDataset", "HiddenStatesStream", "HiddenStatesStream-threads")
+Batch = dict[str, Any]
+
+BASELINE = "pt-baseline"
+ITEMS = "HiddenStatesStream-items"
+LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", "StreamLoader", "HiddenStatesDataset", ITEMS)
+DEFAULT_LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", "StreamLoader", ITEMS)
 LOADER_LABELS = {
-    "pt-baseline": "speculators 0.4 .pt (baseline)",
-    "HiddenStatesDataset": "h5feed HiddenStatesDataset",
-    "HiddenStatesStream": "h5feed HiddenStatesStream",
-    "HiddenStatesStream-threads": "h5feed HiddenStatesStream, reader threads in the trainer (num_workers=0)",
+    BASELINE: "speculators 0.4 .pt, DataLoader + 0.4 collate + pin_memory (baseline)",
+    "BatchLoader": "h5feed BatchLoader, worker processes",
+    "BatchLoader-threads": "h5feed BatchLoader, reader threads (num_workers=0)",
+    "StreamLoader": "h5feed HiddenStatesStream, StreamLoader + 0.4 collate + pin_memory",
+    "HiddenStatesDataset": "h5feed HiddenStatesDataset, DataLoader + 0.4 collate + pin_memory",
+    ITEMS: "[old path, no trainer] HiddenStatesStream items, batch_size=None, no collate",
 }
 
 
@@ -44,7 +75,7 @@ class WorkerStats:
     decode_seconds: float | None = None
 
 
-class _CountedBaseline(Dataset[dict[str, Any]]):
+class CountedBaseline(Dataset[Batch]):
     """Bench-side bookkeeping around the baseline (which has no counters): items and file bytes per worker.
 
     It only counts; the item is the baseline's, untouched.
@@ -57,7 +88,7 @@ class _CountedBaseline(Dataset[dict[str, Any]]):
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Batch:
         t0 = time.perf_counter()
         item = self.inner[index]
         elapsed = time.perf_counter() - t0
@@ -76,8 +107,7 @@ class _CountedBaseline(Dataset[dict[str, Any]]):
         return stats
 
 
-def _h5feed_worker_stats(dataset: HiddenStatesDataset | HiddenStatesStream, seconds: float) -> list[WorkerStats]:
-    snap = dataset.counters.snapshot()
+def h5feed_worker_stats(counters: LoaderCounters, seconds: float) -> list[WorkerStats]:
     return [
         WorkerStats(
             worker=w.worker,
@@ -89,54 +119,92 @@ def _h5feed_worker_stats(dataset: HiddenStatesDataset | HiddenStatesStream, seco
             read_seconds=w.read_seconds,
             decode_seconds=w.decode_seconds,
         )
-        for w in snap.workers
+        for w in counters.snapshot().workers
     ]
 
 
-def _hidden_tensors(item: dict[str, Any]) -> list[torch.Tensor]:
-    """The hidden-state tensors of an item, whatever the flavor calls them."""
-    return [v for k, v in item.items() if isinstance(v, torch.Tensor) and ("hidden_state" in k or k == "target")]
-
-
-def _item_tokens(item: dict[str, Any]) -> int:
-    if "lengths" in item:
-        return int(item["lengths"][0])
-    return int(item["input_ids"].shape[-1])
-
-
 @dataclass
-class _Setup:
+class Setup:
+    """What every loader of a run shares: the store, the trainer's settings, the baseline's files."""
+
     store: Store
     flavor: str
-    max_len: int | None
+    max_len: int
     dtype: torch.dtype
     workers: int
     baseline_files: list[Path] | None
     missing_loss_mask: str
 
+    def trainer_collate(self) -> Callable[[list[Batch]], Batch]:
+        """The collate the flavor's trainer runs: speculators 0.4's own for speculators-legacy, else h5feed's
+        restatement of the trainer's (tested equal to it)."""
+        if self.flavor == "speculators-legacy":
+            return create_collate_fn(self.max_len)
+        return trainer_collate(self.flavor, self.max_len, hidden_states_dtype=self.dtype)
 
-def _make_loader(name: str, s: _Setup) -> tuple[Any, DataLoader[Any]]:
-    """A fresh dataset and its loader for one pass (fresh counters, fresh workers)."""
-    common: dict[str, Any] = {"num_workers": s.workers}
-    if name == "pt-baseline":
+    def stream(self, **kwargs: Any) -> HiddenStatesStream:
+        return HiddenStatesStream(self.store, self.flavor, self.max_len, hidden_states_dtype=self.dtype,  # type: ignore[arg-type]
+                                  shuffle=False, missing_loss_mask=self.missing_loss_mask, **kwargs)
+
+
+@dataclass
+class BuiltLoader:
+    """One pass's loader, and how to read its per-worker figures once the pass is over."""
+
+    batches: Iterable[Batch]
+    worker_stats: Callable[[float], list[WorkerStats]]
+
+
+def make_loader(name: str, s: Setup) -> BuiltLoader:
+    """A fresh loader for one pass (fresh counters, fresh workers)."""
+    trainer = {"batch_size": 1, "num_workers": s.workers, "collate_fn": s.trainer_collate(), "pin_memory": True}
+    if name == BASELINE:
         assert s.baseline_files is not None
-        dataset: Any = _CountedBaseline(
-            Eagle3SampleFileDataset(s.max_len or 0, file_list=s.baseline_files, hidden_states_dtype=s.dtype)
-        )
-        return dataset, DataLoader(dataset, batch_size=None, shuffle=False, **common)
+        baseline = CountedBaseline(Eagle3SampleFileDataset(s.max_len, file_list=s.baseline_files,
+                                                           hidden_states_dtype=s.dtype))
+        return BuiltLoader(DataLoader(baseline, shuffle=False, **trainer), baseline.worker_stats)
+    if name in ("BatchLoader", "BatchLoader-threads"):
+        threads = {"num_workers": s.workers} if name == "BatchLoader" else {"threads": max(s.workers, 1)}
+        loader = BatchLoader(s.stream(), batch_size=1, **threads)
+        return BuiltLoader(loader, lambda seconds: h5feed_worker_stats(loader.dataset.counters, seconds))
+    if name == "StreamLoader":
+        stream = s.stream()
+        return BuiltLoader(StreamLoader(stream, **trainer), lambda t: h5feed_worker_stats(stream.counters, t))
     if name == "HiddenStatesDataset":
-        dataset = HiddenStatesDataset(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype,
+        dataset = HiddenStatesDataset(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype,  # type: ignore[arg-type]
                                       missing_loss_mask=s.missing_loss_mask)  # type: ignore[arg-type]
-        return dataset, DataLoader(dataset, batch_size=None, shuffle=False, **common)
-    if name == "HiddenStatesStream":
-        dataset = HiddenStatesStream(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype, shuffle=False,
-                                     missing_loss_mask=s.missing_loss_mask)  # type: ignore[arg-type]
-        return dataset, StreamLoader(dataset, batch_size=None, **common)
-    if name == "HiddenStatesStream-threads":
-        threads = os.cpu_count() or 1
-        dataset = HiddenStatesStream(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype, shuffle=False,
-                                     missing_loss_mask=s.missing_loss_mask,  # type: ignore[arg-type]
-                                     threads=threads, prefetch=2 * threads)
-        return dataset, StreamLoader(dataset, batch_size=None, num_workers=0)
+        return BuiltLoader(DataLoader(dataset, shuffle=False, **trainer),
+                           lambda t: h5feed_worker_stats(dataset.counters, t))
+    if name == ITEMS:
+        stream = s.stream()
+        return BuiltLoader(StreamLoader(stream, batch_size=None, num_workers=s.workers),
+                           lambda t: h5feed_worker_stats(stream.counters, t))
     raise ValueError(f"unknown loader {name!r}: one of {', '.join(LOADERS)}")
 
+
+def hidden_tensors(batch: Batch) -> list[torch.Tensor]:
+    """The hidden-state tensors of a batch or item, whatever the flavor calls them."""
+    return [v for k, v in batch.items() if isinstance(v, torch.Tensor) and ("hidden_state" in k or k == "target")]
+
+
+def digest(batch: Batch) -> dict[str, Any]:
+    """Each key's shape, dtype and crc32c of its bytes: batches compared without keeping them."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            raw = value.contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[key] = (tuple(value.shape), str(value.dtype), crc32c(raw))
+        else:
+            out[key] = value
+    return out
+
+
+def compare_digests(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> str:
+    """"equal", or where the first difference between two passes' batch digests lies."""
+    if len(got) != len(want):
+        return f"DIFFER: {len(got)} batches, not {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            keys = sorted(k for k in set(g) | set(w) if g.get(k) != w.get(k))
+            return f"DIFFER: batch {i} ({', '.join(keys)})"
+    return "equal"
