@@ -75,6 +75,27 @@ class WorkerStats:
     decode_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class WorkerCounts:
+    """A worker's running totals; a pass's figures are the difference of two (a loader serves every pass)."""
+
+    samples: int
+    bytes_read: int
+    busy_seconds: float
+    read_seconds: float | None = None
+    decode_seconds: float | None = None
+
+    def since(self, before: WorkerCounts | None, seconds: float, worker: int) -> WorkerStats:
+        def minus(a: float | None, b: float | None) -> float | None:
+            return None if a is None else a - (b or 0.0)
+
+        b = before or WorkerCounts(0, 0, 0.0)
+        samples, nbytes = self.samples - b.samples, self.bytes_read - b.bytes_read
+        return WorkerStats(worker, samples, samples / seconds, nbytes, nbytes / seconds / 1e9,
+                           self.busy_seconds - b.busy_seconds, minus(self.read_seconds, b.read_seconds),
+                           minus(self.decode_seconds, b.decode_seconds))
+
+
 class CountedBaseline(Dataset[Batch]):
     """Bench-side bookkeeping around the baseline (which has no counters): items and file bytes per worker.
 
@@ -99,28 +120,14 @@ class CountedBaseline(Dataset[Batch]):
         row[2] += elapsed
         return item
 
-    def worker_stats(self, seconds: float) -> list[WorkerStats]:
-        stats = []
-        for w, (samples, nbytes, busy) in enumerate(self.table.tolist()):
-            if samples:
-                stats.append(WorkerStats(w, int(samples), samples / seconds, int(nbytes), nbytes / seconds / 1e9, busy))
-        return stats
+    def counts(self) -> dict[int, WorkerCounts]:
+        return {w: WorkerCounts(int(samples), int(nbytes), busy) for w, (samples, nbytes, busy)
+                in enumerate(self.table.tolist()) if samples}
 
 
-def h5feed_worker_stats(counters: LoaderCounters, seconds: float) -> list[WorkerStats]:
-    return [
-        WorkerStats(
-            worker=w.worker,
-            samples=w.samples,
-            samples_per_s=w.samples / seconds,
-            bytes_read=w.bytes_read,
-            read_gb_per_s=w.bytes_read / seconds / 1e9,
-            busy_seconds=w.read_seconds + w.decode_seconds,
-            read_seconds=w.read_seconds,
-            decode_seconds=w.decode_seconds,
-        )
-        for w in counters.snapshot().workers
-    ]
+def h5feed_counts(counters: LoaderCounters) -> dict[int, WorkerCounts]:
+    return {w.worker: WorkerCounts(w.samples, w.bytes_read, w.read_seconds + w.decode_seconds, w.read_seconds,
+                                   w.decode_seconds) for w in counters.snapshot().workers}
 
 
 @dataclass
@@ -147,38 +154,46 @@ class Setup:
                                   shuffle=False, missing_loss_mask=self.missing_loss_mask, **kwargs)
 
 
-@dataclass
 class BuiltLoader:
-    """One pass's loader, and how to read its per-worker figures once the pass is over."""
+    """A loader built once and iterated once per pass, as a trainer iterates it once per epoch (what it builds
+    once, such as BatchLoader's ring of batch slots, is built once); `pass_stats` gives a pass's per-worker figures."""
 
-    batches: Iterable[Batch]
-    worker_stats: Callable[[float], list[WorkerStats]]
+    def __init__(self, batches: Iterable[Batch], counts: Callable[[], dict[int, WorkerCounts]]) -> None:
+        self.batches, self._counts = batches, counts
+        self._before: dict[int, WorkerCounts] = {}
+
+    def start_pass(self) -> None:
+        self._before = self._counts()
+
+    def pass_stats(self, seconds: float) -> list[WorkerStats]:
+        """Each worker's share of the pass since `start_pass`."""
+        stats = [now.since(self._before.get(w), seconds, w) for w, now in sorted(self._counts().items())]
+        return [w for w in stats if w.samples]
 
 
 def make_loader(name: str, s: Setup) -> BuiltLoader:
-    """A fresh loader for one pass (fresh counters, fresh workers)."""
+    """The loader `name`, with fresh counters."""
     trainer = {"batch_size": 1, "num_workers": s.workers, "collate_fn": s.trainer_collate(), "pin_memory": True}
     if name == BASELINE:
         assert s.baseline_files is not None
         baseline = CountedBaseline(Eagle3SampleFileDataset(s.max_len, file_list=s.baseline_files,
                                                            hidden_states_dtype=s.dtype))
-        return BuiltLoader(DataLoader(baseline, shuffle=False, **trainer), baseline.worker_stats)
+        return BuiltLoader(DataLoader(baseline, shuffle=False, **trainer), baseline.counts)
     if name in ("BatchLoader", "BatchLoader-threads"):
         threads = {"num_workers": s.workers} if name == "BatchLoader" else {"threads": max(s.workers, 1)}
         loader = BatchLoader(s.stream(), batch_size=1, **threads)
-        return BuiltLoader(loader, lambda seconds: h5feed_worker_stats(loader.dataset.counters, seconds))
+        return BuiltLoader(loader, lambda: h5feed_counts(loader.dataset.counters))
     if name == "StreamLoader":
         stream = s.stream()
-        return BuiltLoader(StreamLoader(stream, **trainer), lambda t: h5feed_worker_stats(stream.counters, t))
+        return BuiltLoader(StreamLoader(stream, **trainer), lambda: h5feed_counts(stream.counters))
     if name == "HiddenStatesDataset":
         dataset = HiddenStatesDataset(s.store, s.flavor, s.max_len, hidden_states_dtype=s.dtype,  # type: ignore[arg-type]
                                       missing_loss_mask=s.missing_loss_mask)  # type: ignore[arg-type]
-        return BuiltLoader(DataLoader(dataset, shuffle=False, **trainer),
-                           lambda t: h5feed_worker_stats(dataset.counters, t))
+        return BuiltLoader(DataLoader(dataset, shuffle=False, **trainer), lambda: h5feed_counts(dataset.counters))
     if name == ITEMS:
         stream = s.stream()
         return BuiltLoader(StreamLoader(stream, batch_size=None, num_workers=s.workers),
-                           lambda t: h5feed_worker_stats(stream.counters, t))
+                           lambda: h5feed_counts(stream.counters))
     raise ValueError(f"unknown loader {name!r}: one of {', '.join(LOADERS)}")
 
 

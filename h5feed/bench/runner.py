@@ -8,11 +8,13 @@ recycled batch slots; and the drop-in, a `HiddenStatesStream` in a `StreamLoader
 the same collate and `pin_memory=True`.  The old item path (`batch_size=None`, no
 collate) can run as an extra row, labelled as such, with no ratio.
 
-For each loader: a cold pass (page cache dropped first; root only), then an untimed
-checking pass that also warms the cache, then a warm pass.  The checking pass
-takes a digest of every batch (shape, dtype and crc32c of each tensor; the item path's
-items are collated by the trainer's collate first) and compares it with the
-baseline's, batch for batch: nothing is kept, so memory stays that of the loader.
+Each loader is built once and iterated once per pass, as a trainer iterates its loader
+once per epoch (so what it builds once, such as BatchLoader's ring of batch slots, is
+built once): first an untimed checking pass, then a cold pass (page cache dropped
+first; root only), then a warm pass (the cold pass left its files in the cache).  The
+checking pass takes a digest of every batch (shape, dtype and crc32c of each tensor;
+the item path's items are collated by the trainer's collate first) and compares it
+with the baseline's, batch for batch: nothing is kept, so memory stays that of the loader.
 A timed pass reads one element of each hidden tensor of every batch (the data must have
 arrived) and drops it; its time runs from the creation of the loader's iterator (worker
 start included) to the last batch.  CPU seconds are those of the bench's process and its
@@ -48,6 +50,7 @@ from h5feed.bench.loaders import (
     ITEMS,
     LOADER_LABELS,
     LOADERS,
+    BuiltLoader,
     Setup,
     compare_digests,
     digest,
@@ -163,10 +166,10 @@ class MemorySampler:
 
 
 
-def _timed_pass(name: str, cache: str, s: Setup, sampler: MemorySampler) -> PassResult:
+def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySampler) -> PassResult:
     """One timed pass over every batch: one element of each hidden tensor is read, the batch is dropped."""
-    built = make_loader(name, s)
     samples = hidden_bytes = 0
+    built.start_pass()
     with sampler:
         t0 = time.perf_counter()
         for batch in built.batches:  # batch_size 1: a batch (or an item) per sample
@@ -178,7 +181,7 @@ def _timed_pass(name: str, cache: str, s: Setup, sampler: MemorySampler) -> Pass
             del batch
         seconds = time.perf_counter() - t0
         # the loader's iterator ran out: its workers are joined (reaped), so their CPU is in os.times
-    workers = built.worker_stats(seconds)
+    workers = built.pass_stats(seconds)
     return PassResult(
         loader=name, cache=cache, samples=samples, seconds=seconds, samples_per_s=samples / seconds,
         hidden_bytes=hidden_bytes, gb_per_s=hidden_bytes / seconds / 1e9,
@@ -188,12 +191,12 @@ def _timed_pass(name: str, cache: str, s: Setup, sampler: MemorySampler) -> Pass
     )
 
 
-def _checking_pass(name: str, s: Setup) -> list[dict[str, Any]]:
-    """An untimed pass (it also warms the page cache): the digest of every batch, in order.  The item
-    path's items are first collated by the trainer's collate, as a trainer would."""
+def _checking_pass(built: BuiltLoader, name: str, s: Setup) -> list[dict[str, Any]]:
+    """An untimed first pass: the digest of every batch, in order.  The item path's items are first collated
+    by the trainer's collate, as a trainer would."""
     collate = s.trainer_collate() if name == ITEMS else None
     digests = []
-    for batch in make_loader(name, s).batches:
+    for batch in built.batches:
         digests.append(digest(collate([batch]) if collate is not None else batch))
         del batch
     return digests
@@ -342,24 +345,25 @@ def run_bench(
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # said once, in the notes
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # more workers than cores: asked for
         for name in active:
-            if "cold" in caches:
-                problem = drop_page_cache()
-                if problem is not None:
-                    raise H5feedError(problem)
-                result.passes.append(_timed_pass(name, "cold", setup, sampler))
-                report(result.passes[-1])
+            built = make_loader(name, setup)
             t0 = time.perf_counter()
-            digests = _checking_pass(name, setup)
+            digests = _checking_pass(built, name, setup)
             if reference is None:
                 reference, result.checks[name] = digests, "reference"
             else:
                 result.checks[name] = compare_digests(digests, reference)
             del digests
-            say(f"{LOADER_LABELS[name]}: checking pass (untimed, warms the cache) in {time.perf_counter() - t0:.2f} s: "
+            say(f"{LOADER_LABELS[name]}: checking pass (untimed) in {time.perf_counter() - t0:.2f} s: "
                 f"batches {result.checks[name]}")
-            if "warm" in caches:
-                result.passes.append(_timed_pass(name, "warm", setup, sampler))
+            for cache in caches:
+                if cache == "cold":
+                    problem = drop_page_cache()
+                    if problem is not None:
+                        raise H5feedError(problem)
+                # warm: the pass before (cold, or the checking pass) left every file it read in the page cache
+                result.passes.append(_timed_pass(built, name, cache, sampler))
                 report(result.passes[-1])
+            del built
     machine["load_average"]["end"] = os.getloadavg()[0]
     _judge(result, len(opened), applies=info.hidden_size == 7168 and workers == 4 and max_len == 2048)
     return result
