@@ -1,9 +1,12 @@
-"""`h5feed bench` and its `.pt` baseline, on tiny synthetic sets (H=64, a handful of samples, warm only)."""
+"""`h5feed bench` and its `.pt` baseline, on tiny synthetic sets (H=64, a handful of samples, warm only).
+
+No timings are asserted: the loaders' batches, the counts and the report's shape are."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,12 +14,17 @@ import torch
 
 from h5feed import bench
 from h5feed.baseline import Eagle3SampleFileDataset, list_files
-from h5feed.bench import LOADERS, SyntheticSpec, ensure_default_set, run_bench
+from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_set, run_bench
+from h5feed.bench.loaders import BASELINE, ITEMS, compare_digests, digest
+from h5feed.bench.report import TABLE_COLUMNS
 from h5feed.cli import main
 from h5feed.datasets import HiddenStatesDataset
+from h5feed.store import Store
+from h5feed.synthetic import write_synthetic
 
 H, K = 64, 3
 LENGTHS = (30, 60)
+MAX_LEN = 48  # shorter than some samples: the collate cuts them
 
 
 @pytest.fixture(scope="module")
@@ -39,55 +47,108 @@ def test_baseline_items_equal_h5feed_items(tiny) -> None:
         Eagle3SampleFileDataset(2048, datapath=tiny.src, file_list=tiny.files)
 
 
-def test_run_bench_every_loader_exact_counts(tiny) -> None:
-    result = run_bench(tiny.path, workers=2, cold=False, progress=False)
-    assert [p.loader for p in result.passes] == list(LOADERS)
-    assert all(p.cache == "warm" for p in result.passes) and not result.cold
-    n = len(tiny.files)
-    tokens = sum(t - 1 for t in tiny.lengths)  # shifted items, none longer than max_len
-    base = result.get("pt-baseline", "warm")
+def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny) -> None:
+    """max_len 48 cuts the longer samples: every loader must cut them as speculators 0.4's collate does."""
+    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=LOADERS, progress=False)
+    assert [(p.loader, p.cache) for p in result.passes] == [(name, "warm") for name in LOADERS]
+    assert not result.cold and result.collate == f"speculators 0.4 create_collate_fn({MAX_LEN})"
+    assert result.checks == {name: "reference" if name == BASELINE else "equal" for name in LOADERS}
+    n, row_bytes = len(tiny.files), (K + 1) * H * 2  # bfloat16 hidden_states (K layers) + verifier state
+    base = result.get(BASELINE, "warm")
     assert base is not None and base.ratio == pytest.approx(1.0)
     assert base.bytes_read == sum(f.stat().st_size for f in tiny.files)
     for p in result.passes:
-        assert p.samples == n and p.tokens == tokens
-        assert p.hidden_bytes == tokens * (K + 1) * H * 2  # bfloat16
-        assert p.samples_per_s == pytest.approx(n / p.seconds)
-        assert p.ratio == pytest.approx(p.samples_per_s / base.samples_per_s)
-        assert p.peak_memory_bytes > 0 and p.memory_metric in ("pss", "rss")
-        processes = 1 if p.loader == "HiddenStatesStream-threads" else 2  # threads in the trainer's process
+        assert p.samples == n and p.samples_per_s == pytest.approx(n / p.seconds)
+        if p.loader == ITEMS:  # items, not batches: the rows read, no padding, and no ratio to the batches' baseline
+            assert p.hidden_bytes == sum(min(t - 1, MAX_LEN) for t in tiny.lengths) * row_bytes
+            assert p.ratio is None
+        else:  # one [1, max_len, ...] batch per sample
+            assert p.hidden_bytes == n * MAX_LEN * row_bytes
+            assert p.ratio == pytest.approx(p.samples_per_s / base.samples_per_s)
+        processes = 1 if p.loader == "BatchLoader-threads" else 2  # reader threads count as one worker
         assert sum(w.samples for w in p.workers) == n and len(p.workers) == processes
-        assert p.bytes_read > 0
-    assert len({p.check for p in result.passes}) == 1  # the same elements arrived from every loader
-    assert not any("differ" in note for note in result.notes)
-    assert "HiddenStatesStream" in result.table()
+        assert p.bytes_read > 0 and p.cpu_seconds > 0
+        assert p.peak_memory_bytes > 0 and p.memory_metric in ("pss", "rss")
+    assert [t["loader"] for t in result.targets] == [n for n in LOADERS if n not in (BASELINE, ITEMS)]
+    assert not any(t["applies"] for t in result.targets)  # not the Kimi shape: indicative only
+    assert not any("DIFFER" in note for note in result.notes)
+
+    rows = result.rows()
+    assert rows[0] == [c if c != "peak mem" else f"peak mem ({result.memory_metric.upper()})" for c in TABLE_COLUMNS]
+    assert [(r[0], r[1]) for r in rows[1:]] == [(LOADER_LABELS[name], "warm") for name in LOADERS]
+    assert [r[TABLE_COLUMNS.index("batches")] for r in rows[1:]] == ["reference"] + ["equal"] * (len(LOADERS) - 1)
+    assert rows[1][TABLE_COLUMNS.index("x baseline")] == "1.00x"
+    assert rows[-1][TABLE_COLUMNS.index("x baseline")] == "-"
+    table = result.table()
+    assert all(LOADER_LABELS[name] in table for name in LOADERS) and "load average" in table
+
+
+def test_a_loader_with_other_batches_is_caught(synthetic_store, tmp_path) -> None:
+    """A source file changed after conversion: the baseline reads it, h5feed the store; batch 2 differs."""
+    altered = synthetic_store("bench-altered", "speculators-legacy-pt", 4, H, LENGTHS, chunk_tokens=16)
+    other = write_synthetic(tmp_path / "other", "speculators-legacy-pt", 4, H, lengths=LENGTHS, seed=7)
+    shutil.copyfile(other[2], altered.files[2])
+    result = run_bench(altered.path, workers=0, max_len=MAX_LEN, cold=False,
+                       loaders=[BASELINE, "BatchLoader-threads", ITEMS], progress=False)
+    assert result.checks[BASELINE] == "reference"
+    assert result.checks["BatchLoader-threads"].startswith("DIFFER: batch 2 (")
+    assert "hidden_states" in result.checks["BatchLoader-threads"]
+    assert result.checks[ITEMS] == result.checks["BatchLoader-threads"]
+    assert any(note.startswith("BATCHES DIFFER") for note in result.notes)
+
+
+def test_digests_compare_batch_for_batch() -> None:
+    batch = {"hidden_states": torch.arange(12, dtype=torch.bfloat16).view(1, 3, 4),
+             "lengths": torch.tensor([3]), "records": ["a"]}
+    changed = {**batch, "hidden_states": batch["hidden_states"].clone()}
+    changed["hidden_states"][0, 2, 3] = 0
+    assert compare_digests([digest(batch)], [digest({**batch})]) == "equal"
+    assert compare_digests([digest(batch), digest(changed)], [digest(batch), digest(batch)]) == \
+        "DIFFER: batch 1 (hidden_states)"
+    assert compare_digests([digest(batch)], [digest(batch)] * 2) == "DIFFER: 1 batches, not 2"
+    assert compare_digests([digest({**batch, "lengths": torch.tensor([3], dtype=torch.int32)})],
+                           [digest(batch)]) == "DIFFER: batch 0 (lengths)"  # same value, other dtype
 
 
 def test_cli_json(tiny, capsys) -> None:
-    rc = main(["-q", "bench", str(tiny.path), "--workers", "2", "--no-cold", "--json",
-               "--loaders", "pt-baseline,HiddenStatesDataset"])
+    rc = main(["-q", "bench", str(tiny.path), "--workers", "2", "--max-len", str(MAX_LEN), "--no-cold", "--json",
+               "--loaders", "pt-baseline,BatchLoader-threads"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["num_samples"] == len(tiny.files) and out["workers"] == 2
+    assert out["num_samples"] == len(tiny.files) and out["workers"] == 2 and out["max_len"] == MAX_LEN
     assert [(p["loader"], p["cache"]) for p in out["passes"]] == [("pt-baseline", "warm"),
-                                                                  ("HiddenStatesDataset", "warm")]
+                                                                  ("BatchLoader-threads", "warm")]
+    assert out["checks"] == {"pt-baseline": "reference", "BatchLoader-threads": "equal"}
     assert out["passes"][1]["ratio"] == pytest.approx(out["passes"][1]["samples_per_s"] /
                                                       out["passes"][0]["samples_per_s"])
+    assert out["machine"]["load_average"].keys() == {"start", "end"}
+
+
+def test_max_len_must_be_given(tiny, capsys) -> None:
+    with pytest.raises(ValueError, match="max_len must be >= 1"):
+        run_bench(tiny.path, max_len=0, cold=False, progress=False)
+    with pytest.raises(SystemExit):
+        main(["-q", "bench", str(tiny.path), "--max-len", "0"])
+    assert "--max-len: must be >= 1, not 0" in capsys.readouterr().err
 
 
 def test_cold_impossible_says_so(tiny, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(bench, "DROP_CACHES", tmp_path)  # a folder: opening it for writing fails
-    result = run_bench(tiny.path, workers=0, cold=True, loaders=["HiddenStatesDataset"], progress=False)
+    monkeypatch.setattr(bench.synthetic_set, "DROP_CACHES", tmp_path)  # a folder: opening it for writing fails
+    result = run_bench(tiny.path, workers=0, cold=True, loaders=["BatchLoader-threads"], progress=False)
     assert not result.cold and [p.cache for p in result.passes] == ["warm"]
     assert any("cannot drop the page cache" in note for note in result.notes)
 
 
 def test_non_pt_store_benches_h5feed_alone(synthetic_store) -> None:
+    """No baseline for a SpecForge store: h5feed's loaders run SpecForge's collate, the first is the reference."""
     ckpt = synthetic_store("bench-ckpt", "specforge-ckpt", 3, H, LENGTHS, chunk_tokens=16)
-    result = run_bench(ckpt.path, workers=0, cold=False, loaders=["pt-baseline", "HiddenStatesDataset"],
-                       progress=False)
-    assert [p.loader for p in result.passes] == ["HiddenStatesDataset"] and result.flavor == "specforge"
+    result = run_bench(ckpt.path, workers=0, max_len=MAX_LEN, cold=False,
+                       loaders=[BASELINE, "BatchLoader-threads", "StreamLoader"], progress=False)
+    assert [p.loader for p in result.passes] == ["BatchLoader-threads", "StreamLoader"]
+    assert result.flavor == "specforge" and result.collate == f"h5feed.trainer_collate('specforge')({MAX_LEN})"
+    assert result.checks == {"BatchLoader-threads": "reference", "StreamLoader": "equal"}
     assert any("no baseline" in note and "specforge-ckpt" in note for note in result.notes)
-    assert result.passes[0].samples == 3 and result.passes[0].ratio is None
+    assert all(p.samples == 3 and p.ratio is None for p in result.passes) and not result.targets
 
 
 def test_default_set_built_once_and_rebuilt_when_incomplete(tmp_path: Path) -> None:
@@ -101,4 +162,4 @@ def test_default_set_built_once_and_rebuilt_when_incomplete(tmp_path: Path) -> N
     os.truncate(victim, 10)  # an interrupted write
     assert ensure_default_set(tmp_path, spec, convert_workers=0, progress=False) == store
     assert victim.stat().st_size > 10 and marker.stat().st_mtime_ns != stamp[0]
-    assert len(bench.Store(store)) == 3
+    assert len(Store(store)) == 3

@@ -269,3 +269,15 @@ def test_verify_and_inspect_take_a_url_and_storage_options(local, remote, s3, bu
 
     result = cli("inspect", remote, "--storage-option", "endpoint_url")
     assert result.status == 1 and "--storage-option 'endpoint_url': expected KEY=VALUE" in result.output
+
+
+def test_bench_reads_a_url(local, remote, s3, cli):
+    options = ["--storage-option", f"endpoint_url={s3.proxy.url}", "--storage-option", "key=testing",
+               "--storage-option", "secret=testing"]
+    result = cli("bench", remote, *options, "--loaders", "pt-baseline,StreamLoader", "--workers", "1",
+                 "--no-cold", "--json")
+    assert result.status == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["store"] == remote and report["store_bytes"] == Store(local.path).stored_nbytes()
+    assert [(p["loader"], p["samples"]) for p in report["passes"]] == [("pt-baseline", N), ("StreamLoader", N)]
+    assert report["checks"] == {"pt-baseline": "reference", "StreamLoader": "equal"}  # same batches from the bucket

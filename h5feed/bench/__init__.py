@@ -1,0 +1,31 @@
+"""`h5feed bench`: the trainer's path, h5feed's loaders against speculators 0.4's `.pt` loader (see `runner`).
+
+- `synthetic_set`: the embedded default data set (built once, reused) and dropping the page cache;
+- `loaders`: the loaders timed, their per-worker figures, and the digest their batches are compared by;
+- `runner`: the passes, cold and warm, with memory and CPU sampled;
+- `report`: the results, as a table or JSON;
+- `cli`: `h5feed bench`.
+"""
+
+from h5feed.bench.cli import add_bench_parser
+from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS, WorkerStats
+from h5feed.bench.report import BenchResult, PassResult, format_table
+from h5feed.bench.runner import MemorySampler, run_bench
+from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec, drop_page_cache, ensure_default_set
+
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "DEFAULT_LOADERS",
+    "LOADERS",
+    "LOADER_LABELS",
+    "BenchResult",
+    "MemorySampler",
+    "PassResult",
+    "SyntheticSpec",
+    "WorkerStats",
+    "add_bench_parser",
+    "drop_page_cache",
+    "ensure_default_set",
+    "format_table",
+    "run_bench",
+]

@@ -1,0 +1,85 @@
+"""`h5feed bench` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS
+from h5feed.bench.runner import run_bench
+from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from h5feed.cli import location_options
+
+    where = location_options(args)
+    spec = SyntheticSpec(num_samples=args.num_samples)
+    result = run_bench(
+        args.store,
+        workers=args.workers,
+        max_len=args.max_len,
+        cold=args.cold,
+        warm=args.warm,
+        loaders=args.loaders,
+        flavor=args.flavor,
+        cache_dir=args.cache_dir,
+        spec=spec,
+        progress=not args.quiet,
+        storage_options=where["storage_options"],
+        read_cache_dir=where["cache_dir"],
+        read_cache_limit=where["cache_limit"],
+    )
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _loader_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in LOADERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown loader(s) {bad}: choose from {', '.join(LOADERS)}")
+    return names
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `h5feed bench` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="the trainer's path: h5feed's loaders against the speculators 0.4 .pt loader, on the same samples",
+        description="Time, cold and warm, the batches a trainer takes (batch_size 1, the trainer's collate, "
+        "pin_memory=True) from speculators 0.4's .pt loader in a DataLoader and from h5feed's loaders, on the "
+        "same samples, and check that every loader delivers the same batches. With no STORE, a Kimi-shaped "
+        "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.",
+        epilog="loaders: " + "; ".join(f"{name} = {label}" for name, label in LOADER_LABELS.items()),
+    )
+    p.add_argument("store", nargs="?", help="an h5feed store (its source files are the baseline's input); "
+                   "default: the embedded synthetic set")
+    p.add_argument("--workers", type=int, default=4, help="DataLoader num_workers; BatchLoader-threads: reader threads (default: %(default)s)")
+    p.add_argument("--max-len", type=_positive, default=2048,
+                   help="the trainer's max_len, which its collate pads and cuts to (default: %(default)s)")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure with a cold page cache (needs root; default: when possible)")
+    p.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure with a warm page cache (default: on)")
+    p.add_argument("--loaders", type=_loader_list, default=list(DEFAULT_LOADERS),
+                   help=f"comma-separated subset of {','.join(LOADERS)} (default: {','.join(DEFAULT_LOADERS)})")
+    p.add_argument("--flavor", help="the trainer's flavor (default: speculators-legacy, specforge for post-norm stores)")
+    p.add_argument("--num-samples", type=int, default=SyntheticSpec.num_samples,
+                   help="samples of the embedded default set (default: %(default)s, ~100 MB each)")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                   help="where the embedded default set is kept (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    from h5feed.cli import add_location_options
+    add_location_options(p, cache_flag="--read-cache-dir")  # --cache-dir is where the default set is kept
+    p.set_defaults(func=_cmd_bench)
+    return p
