@@ -134,20 +134,32 @@ class CudaBatchLoader:
                     region = j % self._regions  # its last batch is decoded by now: its copy is queued or done
                     in_flight.append(pool.submit(self._stage, indices, region, self._copied[region]))
 
+            def decode_next_group() -> None:  # the staged batches at the head, up to decode_group of them
+                group = [in_flight.popleft().result()]
+                while (len(group) < self.decode_group and in_flight and in_flight[0].done()
+                       and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
+                    group.append(in_flight.popleft().result())
+                decoded.extend(zip(group, self._decode(group)))
+                for _ in group:
+                    submit_next()
+
+            decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event]]] = deque()
             try:
                 for _ in range(self.prefetch):
                     submit_next()
-                while in_flight:
-                    group = [in_flight.popleft().result()]
-                    while (len(group) < self.decode_group and in_flight and in_flight[0].done()
-                           and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
-                        group.append(in_flight.popleft().result())
-                    decoded = self._decode(group)
-                    for _ in group:
-                        submit_next()
-                    for staged, batch in zip(group, decoded):
-                        stream.note_consumed(len(staged.indices))
-                        yield batch
+                while in_flight or decoded:
+                    if not decoded:
+                        decode_next_group()
+                    staged, (batch, ready) = decoded.popleft()
+                    if not decoded and in_flight and in_flight[0].done():
+                        decode_next_group()  # queued now, it runs on the GPU while the trainer's step does
+                    consumer = torch.cuda.current_stream(self.device)
+                    consumer.wait_event(ready)  # the trainer's kernels start once this batch is decoded and placed
+                    for value in batch.values():
+                        if isinstance(value, torch.Tensor) and value.is_cuda:
+                            value.record_stream(consumer)  # made on the side stream, used on the trainer's
+                    stream.note_consumed(len(staged.indices))
+                    yield batch
             finally:
                 for future in in_flight:
                     future.cancel()
@@ -176,7 +188,8 @@ class CudaBatchLoader:
         return staged
 
     # --- the trainer's thread: one GPU decode per group, then the collate's placement -------------
-    def _decode(self, group: list[_Staged]) -> list[Batch]:
+    def _decode(self, group: list[_Staged]) -> list[tuple[Batch, torch.cuda.Event]]:
+        """Queue the group's decode and placement on the side stream: each batch with the event that says it is ready."""
         info = self.dataset.store.info
         c, side = info.chunk_tokens, self._decoder.stream
         with torch.cuda.stream(side):
@@ -191,13 +204,10 @@ class CudaBatchLoader:
             for staged in group:
                 self._copied[staged.region] = timing.copy_done
             self._pending_timings.append(timing)
-            batches = [self._place(staged.indices, staged.windows, rows) for staged, rows in zip(group, decoded)]
-        consumer = torch.cuda.current_stream(self.device)
-        consumer.wait_stream(side)  # the trainer's kernels start once the group is decoded and placed
-        for batch in batches:
-            for value in batch.values():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    value.record_stream(consumer)  # made on the side stream, used on the trainer's
+            batches = []
+            for staged, rows in zip(group, decoded):
+                batches.append((self._place(staged.indices, staged.windows, rows), torch.cuda.Event()))
+                batches[-1][1].record(side)
         self._collect_timings(wait=False)
         return batches
 
