@@ -233,4 +233,4 @@ def _object_info(found: dict[str, Any]) -> ObjectInfo:
     if isinstance(modified, datetime):
         modified = modified.timestamp()
     return ObjectInfo(int(found["size"]), str(etag) if etag else None,
-                      None if modified is None else int(round(float(modified) * 1e9)))
+                      None if modified is None else round(float(modified) * 1e9))
