@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 from h5feed.bucket_sources import BucketSources, SourceFetcher, naming
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
-from h5feed.io import is_remote
+from h5feed.io import ObjectError, is_remote
 from h5feed.lock import LOCK_FILE, WriterLock
 from h5feed.publish import BucketPublisher
 from h5feed.store import Store, read_ahead
@@ -197,7 +197,31 @@ def convert(
     chunk_codec(codec)  # validates the name before anything is written
     if last_state_norm not in (None, "pre", "post"):
         raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
-    options = dict(storage_options or {})
+    try:
+        return _convert_anywhere(src, dst, format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad,
+                                 overwrite, progress, durable, last_state_norm, dict(storage_options or {}), staging_dir)
+    except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
+        raise type(exc)(exc.path, f"{exc.problem}; then run the same command again to resume") from exc
+
+
+def _convert_anywhere(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str | None,
+    workers: int,
+    scheduler: str | None,
+    codec: str,
+    chunk_tokens: int,
+    shard_tokens: int | None,
+    skip_bad: bool,
+    overwrite: bool,
+    progress: bool,
+    durable: bool,
+    last_state_norm: LastStateNorm | None,
+    options: dict[str, Any],
+    staging_dir: str | os.PathLike[str] | None,
+) -> ConvertReport:
+    """A bucket SRC mirrored into a shadow folder, a bucket DST converted in its staging folder, then published."""
     with contextlib.ExitStack() as stack:
         publisher: BucketPublisher | None = None
         if is_remote(dst):
