@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from typing import Any
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.lock import LOCK_FILE, BucketLock
-from h5feed.store.layout import crc32c, object_key, read_info, write_atomically
+from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class BucketPublisher:
         if remove:
             path.unlink()
 
-    def _run_all(self, fn: Any, keys: list[str]) -> None:
+    def _run_all(self, fn: Callable[[str], object], keys: list[str]) -> None:
         """`fn(key)` for every key, concurrently; the first error is raised once all are done."""
         for future in [self._pool.submit(fn, key) for key in keys]:
             future.result()
@@ -180,7 +180,7 @@ class BucketPublisher:
         keys = [k for k in self._local_keys() if k != "zarr.json" and not k.startswith("index/")]
         self._run_all(lambda key: self._upload(key, remove=is_shard(key)), keys)
 
-    def sample_done(self, start: int, num_tokens: int, info: Any) -> None:
+    def sample_done(self, start: int, num_tokens: int, info: StoreInfo) -> None:
         """A sample was journaled: upload its shards in the background (blocking while too many are in flight)."""
         first, stop = start // info.shard_tokens, math.ceil((start + num_tokens) / info.shard_tokens)
         for name in info.array_names:
