@@ -40,6 +40,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         durable=not args.no_fsync,
         last_state_norm=args.last_state_norm,
+        storage_options=storage_options(args),
+        staging_dir=args.staging_dir,
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -88,11 +90,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_location_options(p: argparse.ArgumentParser, cache_flag: str = "--cache-dir") -> None:
-    """How a read command reaches a store in a bucket: the backend's options and the node cache."""
+def add_storage_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-option", metavar="KEY=VALUE", action="append", default=[],
                    help="an option of the URL's fsspec backend, e.g. endpoint_url=http://host:9000 or "
                    "client_kwargs.region_name=eu-west-1 (VALUE is JSON when it parses); repeatable")
+
+
+def add_location_options(p: argparse.ArgumentParser, cache_flag: str = "--cache-dir") -> None:
+    """How a read command reaches a store in a bucket: the backend's options and the node cache."""
+    add_storage_option(p)
     p.add_argument(cache_flag, dest="read_cache_dir", metavar="DIR",
                    help="node-local cache of a remote store's objects (later reads are local); default: none")
     p.add_argument(cache_flag.replace("-dir", "-limit"), dest="read_cache_limit", type=byte_count, metavar="BYTES",
@@ -109,15 +115,20 @@ def byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 500G)") from None
 
 
-def location_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`Store`'s storage_options, cache_dir and cache_limit, from the flags `add_location_options` adds."""
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--storage-option KEY=VALUE` flags as fsspec storage options."""
     from h5feed.io import parse_storage_options
 
     try:
-        options = parse_storage_options(args.storage_option)
+        return parse_storage_options(args.storage_option)
     except ValueError as exc:
         raise H5feedError(str(exc)) from None
-    return {"storage_options": options, "cache_dir": args.read_cache_dir, "cache_limit": args.read_cache_limit}
+
+
+def location_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Store`'s storage_options, cache_dir and cache_limit, from the flags `add_location_options` adds."""
+    return {"storage_options": storage_options(args), "cache_dir": args.read_cache_dir,
+            "cache_limit": args.read_cache_limit}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert per-sample .pt/.ckpt/.safetensors files (or a NeMo cache) into one Zarr store")
-    p.add_argument("src", help="folder of sample files (searched recursively)")
-    p.add_argument("dst", help="the store to write (a folder); an unfinished one is resumed, and new files in SRC "
-                   "are appended to a complete one")
+    p.add_argument("src", help="folder of sample files (searched recursively), or a URL (s3://bucket/prefix, ...)")
+    p.add_argument("dst", help="the store to write (a folder, or a URL: converted in --staging-dir, then uploaded); "
+                   "an unfinished one is resumed, and new files in SRC are appended to a complete one")
     p.add_argument("--format", choices=list(FORMATS), help="input format (default: detected)")
     p.add_argument("--last-state-norm", choices=["pre", "post"], default=None,
                    help="whether the files' last hidden state is taken before (pre) or after (post) the verifier's "
@@ -154,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the fsyncs that make journaled samples survive a power loss (faster on some disks)")
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable files and record them in the store")
     p.add_argument("--overwrite", action="store_true", help="delete DST first")
+    add_storage_option(p)
+    p.add_argument("--staging-dir", metavar="DIR",
+                   help="local folder where a bucket DST is converted before upload (keep it to resume; default: "
+                   "~/.cache/h5feed/staging/<digest of DST>), and where workers fetch a bucket SRC's files")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("verify", help="check a store's checksums, or compare it bit for bit with its sources")

@@ -46,7 +46,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -57,9 +57,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from h5feed.bucket_sources import BucketSources, SourceFetcher, naming
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
+from h5feed.io import ObjectError, is_remote
 from h5feed.lock import LOCK_FILE, WriterLock
+from h5feed.publish import BucketPublisher
 from h5feed.store import Store, read_ahead
 from h5feed.store.layout import (
     COMPANIONS_DIR,
@@ -102,7 +105,7 @@ class WorkerStats:
 class ConvertReport:
     """What a conversion did, for the CLI and for tests."""
 
-    store: Path
+    store: Path | str  # a folder, or a bucket's URL
     num_samples: int
     num_tokens: int
     converted_now: int
@@ -152,8 +155,14 @@ def convert(
     progress: bool = True,
     durable: bool = True,
     last_state_norm: LastStateNorm | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
+
+    `src` and `dst` may be folders or URLs (s3://, gs://, az://, ...): a bucket's sample files are read
+    by the workers (`h5feed.bucket_sources`); a store in a bucket is converted in a local staging folder
+    and published object by object, its completion marker last (`h5feed.publish`).
 
     Args:
         workers: worker processes (default: the machine's cores); 0 converts in this process.
@@ -167,8 +176,10 @@ def convert(
             rounded up, at most 8192), so that a sample is one object per array.
         durable: fsync each shard before its journal line, and the index before the status flip,
             so that a power loss loses no journaled sample (`--no-fsync` turns it off).
+        storage_options: fsspec options of a bucket SRC and DST (credentials, endpoint_url, ...).
+        staging_dir: local folder of a bucket DST's conversion (default: one per DST under
+            ~/.cache/h5feed/staging; keep it to resume), and of the sample files workers fetch from a bucket SRC.
     """
-    src_path, dst_path = Path(src).resolve(), Path(dst)
     if scheduler is not None and scheduler != "local" and workers is not None:
         raise ValueError(f"workers sets the size of the local pool or of scheduler='local'; the cluster at "
                          f"{scheduler} has the workers it has")
@@ -186,8 +197,74 @@ def convert(
     chunk_codec(codec)  # validates the name before anything is written
     if last_state_norm not in (None, "pre", "post"):
         raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
+    try:
+        return _convert_anywhere(src, dst, format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad,
+                                 overwrite, progress, durable, last_state_norm, dict(storage_options or {}), staging_dir)
+    except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
+        raise type(exc)(exc.path, f"{exc.problem}; then run the same command again to resume") from exc
+
+
+def _convert_anywhere(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str | None,
+    workers: int,
+    scheduler: str | None,
+    codec: str,
+    chunk_tokens: int,
+    shard_tokens: int | None,
+    skip_bad: bool,
+    overwrite: bool,
+    progress: bool,
+    durable: bool,
+    last_state_norm: LastStateNorm | None,
+    options: dict[str, Any],
+    staging_dir: str | os.PathLike[str] | None,
+) -> ConvertReport:
+    """A bucket SRC mirrored into a shadow folder, a bucket DST converted in its staging folder, then published."""
+    with contextlib.ExitStack() as stack:
+        publisher: BucketPublisher | None = None
+        if is_remote(dst):
+            publisher = stack.enter_context(BucketPublisher.open(os.fspath(dst).rstrip("/"), options, staging_dir,
+                                                                 overwrite))
+            stack.enter_context(naming(StoreError, {str(publisher.store): publisher.objects.url}))
+            dst, overwrite, staging_dir = publisher.store, False, publisher.root  # the publisher started over
+        sources: BucketSources | None = None
+        if is_remote(src):
+            sources = stack.enter_context(BucketSources.open(os.fspath(src), options, staging_dir))
+        report = _convert_locally(sources.shadow if sources else Path(src).resolve(), Path(dst), sources, publisher,
+                                  format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite,
+                                  progress, durable, last_state_norm)
+        if publisher is not None:
+            publisher.publish_end()
+            report.store = publisher.objects.url
+        return report
+
+
+def _convert_locally(
+    src_path: Path,
+    dst_path: Path,
+    sources: BucketSources | None,
+    publisher: BucketPublisher | None,
+    format: str | None,
+    workers: int,
+    scheduler: str | None,
+    codec: str,
+    chunk_tokens: int,
+    shard_tokens: int | None,
+    skip_bad: bool,
+    overwrite: bool,
+    progress: bool,
+    durable: bool,
+    last_state_norm: LastStateNorm | None,
+) -> ConvertReport:
+    """The conversion into a local folder (a bucket DST's staging store); SRC local or a bucket's shadow."""
     format = format or (None if overwrite else _planned_format(dst_path))  # a resume reads what the plan read
+    if sources is not None and not format:
+        sources.materialize_first()  # detection reads the keys of a file
     fmt = FORMATS[format] if format else detect_format(src_path, skip_bad)  # type: ignore[index]
+    if sources is not None:
+        sources.check_format(fmt)
     found = fmt.scan(src_path, skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
@@ -200,11 +277,12 @@ def convert(
     created = not dst_path.exists()
     try:
         with WriterLock.acquire(dst_path) as lock, _PoolMaker(workers, scheduler, lock) as pool:
-            return _convert(src_path, dst_path, fmt, found.files, [e.record() for e in found.skipped], options,
-                            pool, skip_bad, overwrite, progress, durable)
+            return _convert(src_path, sources.url if sources else str(src_path), dst_path, fmt, found.files,
+                            [e.record() for e in found.skipped], options, pool, skip_bad, overwrite, progress, durable,
+                            sources.fetcher if sources else None, publisher)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise StoreError(dst, "disk full: free space and run the same command to resume") from exc
+            raise StoreError(dst_path, "disk full: free space and run the same command to resume") from exc
         raise
     finally:
         if created:  # a run that failed before writing anything leaves no folder behind
@@ -214,6 +292,7 @@ def convert(
 
 def _convert(
     src_path: Path,
+    source_root: str,
     dst_path: Path,
     fmt: SourceFormat,
     sources: list[SourceFile],
@@ -224,6 +303,8 @@ def _convert(
     overwrite: bool,
     progress: bool,
     durable: bool,
+    fetcher: SourceFetcher | None,
+    publisher: BucketPublisher | None,
 ) -> ConvertReport:
     started = time.perf_counter()
     if overwrite:
@@ -236,7 +317,7 @@ def _convert(
     append: _Append | None = None
     if info is not None and info.status == "complete":
         _check_complete_matches(dst_path, info, options)
-        rerun = _plan_of_complete(src_path, dst_path, info, sources, unreadable, skip_bad)
+        rerun = _plan_of_complete(src_path, source_root, dst_path, info, sources, unreadable, skip_bad)
         if rerun is None:  # nothing new, nothing unfinished
             return _check_or_rebuild_index(dst_path, info, durable)
         plan, append = rerun
@@ -244,11 +325,14 @@ def _convert(
         plan = _read_plan(dst_path, sources, options, skip_bad)
 
     if plan is None:
-        plan = _make_plan(pool(), fmt, sources, unreadable, options, src_path, dst_path, skip_bad, progress, durable)
+        plan = _make_plan(pool(), fmt, sources, unreadable, options, src_path, source_root, dst_path, skip_bad,
+                          progress, durable, fetcher)
     elif append is not None and info is not None:
-        plan = _extend_plan(pool(), fmt, plan, append, info, dst_path, skip_bad, progress, durable)
+        plan = _extend_plan(pool(), fmt, plan, append, info, dst_path, skip_bad, progress, durable, fetcher)
     _remove_partial_writes(dst_path)
     _grow_arrays(dst_path, plan["total_rows"], durable)  # an append's new rows (a no-op otherwise)
+    if publisher is not None:
+        publisher.publish_start()
     samples = [_PlannedSample(**s) for s in plan["samples"]]
     done = _read_journal(dst_path)
     pending = [i for i in range(len(samples)) if i not in done]
@@ -257,7 +341,8 @@ def _convert(
         # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
         by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
         t0 = time.perf_counter()
-        _convert_pending(pool(), fmt, dst_path, samples, pending, by_relpath, skip_bad, progress, durable, report)
+        _convert_pending(pool(), fmt, dst_path, samples, pending, by_relpath, skip_bad, progress, durable, report,
+                         fetcher, publisher)
         report.seconds_converting = time.perf_counter() - t0
         done = _read_journal(dst_path)
     skipped = _skipped(plan, samples, done)
@@ -416,13 +501,15 @@ def _make_plan(
     unreadable: list[dict[str, str]],
     options: dict[str, Any],
     src_root: Path,
+    source_root: str,
     dst: Path,
     skip_bad: bool,
     progress: bool,
     durable: bool,
+    fetcher: SourceFetcher | None,
 ) -> dict[str, Any]:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
-    probed, skipped = _probe(pool, fmt, sources, None, skip_bad, progress)
+    probed, skipped = _probe(pool, fmt, sources, None, skip_bad, progress, fetcher)
     shapes = [(source, shape) for source, shape, _ in probed]
     if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
@@ -439,7 +526,7 @@ def _make_plan(
         codec=chunk_codec(options["codec"]),
         chunk_tokens=chunk_tokens,
         shard_tokens=shard_tokens,
-        source_root=str(src_root),
+        source_root=source_root,
         has_last_state=fmt.has_last_state,
         ids_shifted=fmt.ids_shifted,
         extra_arrays={extra.name: extra.record() for extra in reference.extras},
@@ -494,12 +581,13 @@ def _probe(
     reference: SampleShape | None,
     skip_bad: bool,
     progress: bool,
+    fetcher: SourceFetcher | None,
 ) -> tuple[list[tuple[SourceFile, SampleShape, os.stat_result]], list[dict[str, str]]]:
     """Shapes of the sources (each checked against `reference`, or the first one), with their stat
     as planned; and the skipped ones, with skip_bad."""
     probed: list[tuple[SourceFile, SampleShape, os.stat_result]] = []
     skipped: list[dict[str, str]] = []
-    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, chunksize=16)
+    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, [fetcher] * len(sources), chunksize=16)
     for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
         try:
             if isinstance(result, SourceError):
@@ -558,11 +646,17 @@ def _check_same_layout(source: SourceFile, shape: SampleShape, reference: Sample
                           "convert each set into its own store")
 
 
-def _probe_one(format_name: str, source: SourceFile) -> tuple[SampleShape, os.stat_result] | SourceError:
-    """The file's shape and its stat before reading (a change after it shows at conversion)."""
+def _probe_one(
+    format_name: str, source: SourceFile, fetcher: SourceFetcher | None = None
+) -> tuple[SampleShape, os.stat_result] | SourceError:
+    """The file's shape and its stat before reading (a change after it shows at conversion); a bucket's
+    file is stat'ed in the shadow (the object's size and mtime as listed) and fetched to be read."""
     try:
         fmt = FORMATS[format_name]  # type: ignore[index]
         stat = fmt.file_of(source.path).stat()
+        if fetcher is not None:
+            with fetcher.fetched(source) as local:
+                return fmt.probe(local), stat
         return fmt.probe(source), stat
     except SourceError as exc:
         return exc
@@ -616,6 +710,7 @@ class _Append:
 
 def _plan_of_complete(
     src: Path,
+    source_root: str,
     dst: Path,
     info: StoreInfo,
     sources: list[SourceFile],
@@ -630,8 +725,8 @@ def _plan_of_complete(
     if not (dst / PLAN_FILE).exists():
         return None  # a store without a plan can only be checked (or converted again with --overwrite)
     plan = json.loads((dst / PLAN_FILE).read_text())
-    if str(src) != info.source_root:
-        raise StoreError(dst, f"was converted from {info.source_root}, not {src}: run the command with that SRC "
+    if source_root != info.source_root:
+        raise StoreError(dst, f"was converted from {info.source_root}, not {source_root}: run the command with that SRC "
                          "(new files there are appended), or convert into another DST")
     samples = [_PlannedSample(**s) for s in plan["samples"]]
     done = _read_journal(dst)
@@ -695,10 +790,11 @@ def _extend_plan(
     skip_bad: bool,
     progress: bool,
     durable: bool,
+    fetcher: SourceFetcher | None,
 ) -> dict[str, Any]:
     """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
     reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.torch_dtype)
-    probed, skipped = _probe(pool, fmt, append.new, reference, skip_bad, progress)
+    probed, skipped = _probe(pool, fmt, append.new, reference, skip_bad, progress, fetcher)
     planned, row = _lay_out(probed, plan["total_rows"], info.shard_tokens)
     plan = {**plan, "samples": plan["samples"] + planned, "skipped": plan["skipped"] + append.skipped + skipped,
             "total_rows": row, "append_from": append.published}
@@ -744,13 +840,15 @@ def _convert_task(
     expected: SampleShape,
     info: StoreInfo,
     durable: bool,
+    fetcher: SourceFetcher | None = None,
 ) -> _Converted:
     """One sample, on a worker.  A bad source comes back as a value, not raised: Dask retries only
     what may pass on another try (a dead worker, a failed write), never a broken file."""
     t0 = time.perf_counter()
     record, error = None, None
     try:
-        record = _convert_one(format_name, dst, source, start, expected, info, durable)
+        with fetcher.fetched(source) if fetcher is not None else contextlib.nullcontext(source) as local:
+            record = _convert_one(format_name, dst, local, start, expected, info, durable)
     except SourceError as exc:
         error = exc
     return _Converted(record, error, _worker_name(), time.perf_counter() - t0)
@@ -767,8 +865,11 @@ def _convert_pending(
     progress: bool,
     durable: bool,
     report: ConvertReport,
+    fetcher: SourceFetcher | None,
+    publisher: BucketPublisher | None,
 ) -> None:
-    """Convert the samples not yet in the journal, twice as many in flight as the pool runs at once."""
+    """Convert the samples not yet in the journal, twice as many in flight as the pool runs at once;
+    each journaled sample is handed to the publisher of a bucket DST."""
     info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
                disable=not progress, smoothing=0.1)
@@ -786,10 +887,10 @@ def _convert_pending(
                     return
                 s = samples[i]
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
-                if pool.shares_page_cache:
+                if pool.shares_page_cache and fetcher is None:
                     read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
                 in_flight[pool.submit(_convert_task, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
-                                      info, durable)] = i
+                                      info, durable, fetcher)] = i
 
         submit_more()
         while in_flight:
@@ -800,6 +901,9 @@ def _convert_pending(
                     result = future.result()
                 except OSError as exc:
                     failure = failure or _disk_error(dst, samples[i], exc)
+                    continue
+                except H5feedError as exc:  # an object of a bucket SRC that cannot be fetched: names it
+                    failure = failure or exc
                     continue
                 except Exception as exc:  # a crashed worker: BrokenProcessPool, KilledWorker and the like
                     failure = failure or H5feedError(f"converting {samples[i].relpath} failed: {exc!r}")
@@ -815,6 +919,8 @@ def _convert_pending(
                 journal.flush()
                 if durable:  # after the worker's fsync of the shards: a journaled sample survives power loss
                     os.fsync(journal.fileno())
+                if publisher is not None and "checksum" in record:
+                    publisher.sample_done(samples[i].start, samples[i].num_tokens, info)
                 _count(report, record, result)
                 bar.update(1)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)

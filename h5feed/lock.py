@@ -9,22 +9,41 @@ writer can take it while the first lives.  The writer also records the named
 POSIX semaphores its process pool created, so that the next writer can remove
 the ones a SIGKILL left in /dev/shm: only those, and only when no process maps
 them any more.
+
+A store in a bucket has no flock: `BucketLock` is an object at the same key,
+created with a conditional PUT (If-None-Match: *, so of two writers starting
+together exactly one creates it) and rewritten by its holder every
+`HEARTBEAT_S` seconds (If-Match on its own ETag, so a holder whose lock was
+taken over learns it).  A lock whose last heartbeat is older than
+`STALE_AFTER_S` (by the server's clock of its last write, against this
+machine's clock), or whose holder is a process of this host that no longer
+runs (a converter killed with SIGKILL), is taken over, saying whose it was.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
+import threading
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from h5feed.errors import StoreError
 
+if TYPE_CHECKING:
+    from h5feed.io import FsspecStore
+
+log = logging.getLogger(__name__)
+
 LOCK_FILE = "h5feed-writer.lock"
+HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
+STALE_AFTER_S = 300.0  # a bucket lock not rewritten for this long is taken over
 _SHM = Path("/dev/shm")
 
 
@@ -88,6 +107,111 @@ class WriterLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class BucketLock:
+    """The writer's lock of a store in a bucket (see the module docstring); `release()` deletes it."""
+
+    def __init__(self, objects: FsspecStore, etag: str, info: dict[str, Any]) -> None:
+        self.objects, self._etag, self.info = objects, etag, info
+        self.lost: str | None = None  # why the lock is no longer ours, once the heartbeat found out
+        self._stop = threading.Event()
+        self._guard = threading.Lock()
+        self._thread = threading.Thread(target=self._beat, name="h5feed-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def acquire(cls, objects: FsspecStore) -> BucketLock:
+        """Create the lock object, or take over a stale one; else raise StoreError naming its holder."""
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": now, "token": uuid.uuid4().hex}
+        body = json.dumps(info).encode()
+        while True:
+            etag = objects.put_if(LOCK_FILE, body, None)
+            if etag is not None:
+                return cls(objects, etag, info)
+            try:
+                held = objects.info(LOCK_FILE)
+                holder = json.loads(objects.get(LOCK_FILE))
+            except Exception:  # noqa: BLE001 (released meanwhile, or unreadable: try to create it again)
+                if not objects.exists(LOCK_FILE):
+                    continue
+                holder, held = {}, objects.info(LOCK_FILE)
+            if holder.get("token") == info["token"]:  # our own PUT went through, its answer was lost
+                return cls(objects, held.etag or "", info)
+            why = _takeover_reason(holder, held.modified_ns)
+            if why is None:
+                raise StoreError(objects.url, f"another `h5feed convert` ({_describe(holder, held.modified_ns)}) is "
+                                 "writing this store; wait for it to finish, or stop it and run this command again "
+                                 f"(a lock not renewed for {STALE_AFTER_S:.0f} s is taken over)")
+            etag = objects.put_if(LOCK_FILE, body, held.etag)
+            if etag is not None:
+                log.warning("%s: taking over the writer's lock of %s: %s", objects.url,
+                            _describe(holder, held.modified_ns), why)
+                return cls(objects, etag, info)
+
+    def check(self) -> None:
+        """Raise if another converter took the lock over (this one's heartbeat stalled too long)."""
+        if self.lost is not None:
+            raise StoreError(self.objects.url, self.lost)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with self._guard:
+                if self._stop.is_set():
+                    return
+                try:
+                    etag = self.objects.put_if(LOCK_FILE, json.dumps(self.info).encode(), self._etag)
+                except Exception as exc:  # noqa: BLE001 (the next beat tries again; the lock may go stale)
+                    log.warning("%s: could not renew the writer's lock: %s", self.objects.url, exc)
+                    continue
+                if etag is None:
+                    self.lost = ("another `h5feed convert` took over this store's lock (this one did not renew it "
+                                 f"for {STALE_AFTER_S:.0f} s): stop this one; the other goes on")
+                    return
+                self._etag = etag
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lock object, if it is still ours."""
+        if self._stop.is_set():
+            return
+        with self._guard:
+            self._stop.set()
+        if self.lost is None:
+            try:
+                if self.objects.info(LOCK_FILE).etag == self._etag:
+                    self.objects.delete(LOCK_FILE)
+            except Exception as exc:  # noqa: BLE001 (a lock left behind is taken over as stale later)
+                log.warning("%s: could not delete the writer's lock: %s", self.objects.url, exc)
+
+    def __enter__(self) -> BucketLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _takeover_reason(holder: dict[str, Any], modified_ns: int | None) -> str | None:
+    """Why a bucket lock may be taken over (its holder is gone or silent), or None while it is held."""
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return "that process no longer runs"
+        except PermissionError:
+            pass  # it runs, as another user
+    if modified_ns is not None and time.time_ns() - modified_ns > STALE_AFTER_S * 1e9:
+        return f"its last heartbeat is {(time.time_ns() - modified_ns) / 1e9:.0f} s old"
+    if not holder:
+        return "it is unreadable"
+    return None
+
+
+def _describe(holder: dict[str, Any], modified_ns: int | None) -> str:
+    beat = "?" if modified_ns is None else datetime.fromtimestamp(modified_ns / 1e9, timezone.utc).isoformat(
+        timespec="seconds")
+    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started at {holder.get('started_at', '?')}, "
+            f"last heartbeat {beat}")
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -15,6 +15,7 @@ from h5feed.io.objects import (
     IOCounters,
     IOStats,
     ObjectError,
+    ObjectInfo,
     ObjectNotFound,
     ObjectStore,
     ObjectUnavailable,
@@ -28,7 +29,7 @@ from h5feed.io.urls import is_remote, open_url, parse_storage_options
 
 __all__ = [
     "PART_BYTES", "AccessDenied", "Buffer", "CacheState", "CachedObject", "CachedStore", "FsspecStore", "IOCounters",
-    "IOStats", "LocalStore", "NodeCache", "ObjectError", "ObjectNotFound", "ObjectStore", "ObjectUnavailable",
+    "IOStats", "LocalStore", "NodeCache", "ObjectError", "ObjectInfo", "ObjectNotFound", "ObjectStore", "ObjectUnavailable",
     "Range", "RetryPolicy", "S3Store", "cache_state", "is_remote", "open_url", "parse_storage_options",
     "part_ranges", "process_stats",
 ]

@@ -8,17 +8,20 @@ backends (s3fs, gcsfs, adlfs, http), or from a thread pool for the others, `conc
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any, TypeVar
 
-from h5feed.io.objects import Buffer, ObjectNotFound, ObjectStore, Range, check_length
+from h5feed.io.objects import Buffer, ObjectInfo, ObjectNotFound, ObjectStore, Range, check_length
 from h5feed.io.retry import DEFAULT_RETRY, RetryPolicy
 
 T = TypeVar("T")
+log = logging.getLogger("h5feed")
 
 # Where a single PUT is atomic (the object appears whole on completion); elsewhere write, then move.
 _OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
@@ -130,6 +133,10 @@ class FsspecStore(ObjectStore):
         return int(info["size"])
 
     def list(self, prefix: str = "") -> dict[str, int]:
+        return {key: info.size for key, info in self.list_info(prefix).items()}
+
+    def list_info(self, prefix: str = "") -> dict[str, ObjectInfo]:
+        """Every object under the folder `prefix`, with its size, ETag and modification time, in key order."""
         fs, root = self._client()
         top = self._path(prefix)
         fs.invalidate_cache(top)
@@ -137,7 +144,16 @@ class FsspecStore(ObjectStore):
             found = self._call(prefix, lambda: fs.find(top, detail=True))
         except ObjectNotFound:
             return {}
-        return {p[len(root) + 1:] if root else p: int(info["size"]) for p, info in sorted(found.items())}
+        return {p[len(root) + 1:] if root else p: _object_info(info) for p, info in sorted(found.items())}
+
+    def info(self, key: str) -> ObjectInfo:
+        """The object's size, ETag and modification time (one HEAD); ObjectNotFound when there is none."""
+        fs, path = self._client()[0], self._path(key)
+        fs.invalidate_cache(path)
+        found = self._call(key, lambda: fs.info(path))
+        if found.get("type") == "directory":
+            raise ObjectNotFound(self.key_url(key), "a folder (prefix), not an object")
+        return _object_info(found)
 
     # --- writes ------------------------------------------------------------------------------
     def put_atomic(self, key: str, data: bytes | memoryview) -> None:
@@ -151,6 +167,39 @@ class FsspecStore(ObjectStore):
         self._call(key, lambda: fs.pipe_file(tmp, data))
         self._call(key, lambda: fs.mv(tmp, path))
 
+    def put_if(self, key: str, data: bytes, etag: str | None) -> str | None:
+        """A conditional PUT: create the object only if there is none (`etag` None: If-None-Match: *), or
+        replace it only if it still has `etag` (If-Match).  Returns the new object's ETag, or None when the
+        condition failed (someone else wrote first).  S3 honours both conditions atomically; on other
+        backends this is a check, then a write (another writer can slip in between), said once in the log."""
+        self._check_writable(key)
+        fs, path = self._client()[0], self._path(key)
+        if self.protocol not in ("s3", "s3a"):
+            if not _warned_unconditional:
+                _warned_unconditional.append(self.protocol)
+                log.warning("%s: %s has no conditional writes here: the writer's lock is checked, then written, "
+                            "so two writers starting the same instant could both proceed", self.url, self.protocol)
+            try:
+                current = self.info(key).etag
+            except ObjectNotFound:
+                current = None
+            if current != etag:
+                return None
+            self.put_atomic(key, data)
+            return self.info(key).etag
+        bucket, object_key, _ = fs.split_path(path)
+        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+
+        def put() -> str | None:
+            try:
+                return fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=data, **condition)["ETag"]
+            except OSError as exc:
+                if _precondition_failed(exc) or (etag is not None and isinstance(exc, FileNotFoundError)):
+                    return None  # written (or, for If-Match, deleted) by someone else meanwhile
+                raise
+
+        return self._call(key, put)
+
     def delete(self, key: str) -> None:
         self._check_writable(key)
         fs, path = self._client()[0], self._path(key)
@@ -158,3 +207,30 @@ class FsspecStore(ObjectStore):
             self._call(key, lambda: fs.rm_file(path))
         except ObjectNotFound:
             pass
+
+
+_warned_unconditional: list[str] = []
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether S3 answered 412 Precondition Failed (s3fs raises it as FileExistsError or as an OSError)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileExistsError):
+            return True
+        if getattr(seen, "response", {}).get("Error", {}).get("Code") == "PreconditionFailed":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _object_info(found: dict[str, Any]) -> ObjectInfo:
+    """fsspec's `info` of an object as an ObjectInfo, whichever backend's keys it uses."""
+    etag = found.get("ETag") or found.get("etag") or found.get("md5Hash")
+    modified = next((found[k] for k in ("LastModified", "last_modified", "mtime", "updated") if found.get(k)), None)
+    if isinstance(modified, str):
+        modified = datetime.fromisoformat(modified.replace("Z", "+00:00"))
+    if isinstance(modified, datetime):
+        modified = modified.timestamp()
+    return ObjectInfo(int(found["size"]), str(etag) if etag else None,
+                      None if modified is None else round(float(modified) * 1e9))

@@ -41,6 +41,15 @@ class ObjectUnavailable(ObjectError):
     """Transient failures (resets, timeouts, 5xx, throttling) outlasted every retry."""
 
 
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing or HEAD says of one object: enough to tell that it changed."""
+
+    size: int
+    etag: str | None  # None where the backend has none
+    modified_ns: int | None  # last modified, by the server's clock (ns since the epoch)
+
+
 class IOCounters(Protocol):
     """What an ObjectStore reports to: `IOStats` in this process, or a shared-memory row the monitor reads."""
 
