@@ -26,6 +26,9 @@ then, once per added delay:
   "download the set, then train" waits before its first batch;
 - HiddenStatesStream (StreamLoader) and BatchLoader over the s3:// URL: time to the first item,
   samples/s, GB/s fetched (from the loader's own counters) against the ceiling, requests per sample;
+- h5feed's fetch path alone (no decoding), in this process: each sample's objects asked for
+  `--prefetch` samples ahead, as the stream asks, then taken: what the loaders' I/O can do when
+  decoding does not share the box's cores with the server;
 - the cache: the Stream with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
 
     python bench/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
@@ -57,7 +60,7 @@ from s3_server import CREDENTIALS, REGION, boto3_client
 
 from h5feed import BatchLoader, HiddenStatesStream, Store, StreamLoader
 from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_table
-from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges
+from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
 from h5feed.store.layout import CHECKSUMMED, object_key
 
 BUCKET = "remote-bench"
@@ -203,6 +206,7 @@ class LoaderRun:
     requests: int
     retries: int = 0
     client_cpu_s: float = 0.0  # CPU of this process and its workers (not the server's)
+    server_cpu_s: float = 0.0  # CPU of moto and the proxy: on this box they share the cores with the client
     other_cpu_share: float = 0.0  # of the machine's CPUs, used by processes outside this bench meanwhile
 
     @property
@@ -244,7 +248,8 @@ class Meter:
             t0 = time.perf_counter()
             count, nbytes, first = run()
             seconds = time.perf_counter() - t0
-        client_cpu = self.sampler.cpu_seconds - (self._server_cpu() - server0)
+        server_cpu = self._server_cpu() - server0
+        client_cpu = self.sampler.cpu_seconds - server_cpu
         requests = retries = 0
         if counters is not None:
             after = counters.snapshot()
@@ -252,7 +257,7 @@ class Meter:
             requests = int(after.total("requests") - before.total("requests"))
             retries = int(after.total("retries") - before.total("retries"))
         result = LoaderRun(delay * 1000, what, count, seconds, first, nbytes, requests, retries, client_cpu,
-                           self.sampler.other_cpu_share)
+                           server_cpu, self.sampler.other_cpu_share)
         print(f"delay {delay * 1000:.0f} ms, {what}: {count / seconds:.2f} samples/s, {result.gb_per_s:.3f} GB/s, "
               f"first after {first or 0:.2f} s, {requests} requests, other CPU {100 * result.other_cpu_share:.0f}%",
               file=sys.stderr, flush=True)
@@ -271,6 +276,33 @@ def iterate(loader: Iterable[dict[str, Any]]) -> Callable[[], tuple[int, int, fl
             count += 1
             del batch
         return count, 0, first
+
+    return run
+
+
+def fetch_only(store: Store, samples: list[int], ahead: int) -> Callable[[], tuple[int, int, float | None]]:
+    """A pass of the reader's fetch path without decoding: each sample's objects asked for `ahead` samples
+    early (`Store.will_need`, as the stream asks), then taken from the source and dropped:
+    (items, bytes fetched, seconds to the first sample).  Reaches into the reader's internals: bench only."""
+    stats = process_stats()
+
+    def take(i: int) -> None:
+        chunks = range(-(-int(store.sample_lengths[i]) // store.info.chunk_tokens))
+        for name in store._arrays_to_read(None):
+            for key, inner, whole in store._objects_of(i, name, chunks):
+                with store._source.open(key, inner, whole):
+                    pass
+
+    def run() -> tuple[int, int, float | None]:
+        bytes0, t0, first = stats.bytes, time.perf_counter(), None
+        for i in samples[:ahead]:
+            store.will_need(i)
+        for j, i in enumerate(samples):
+            if j + ahead < len(samples):
+                store.will_need(samples[j + ahead])
+            take(i)
+            first = first if first is not None else time.perf_counter() - t0
+        return len(samples), stats.bytes - bytes0, first
 
     return run
 
@@ -315,6 +347,8 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
         def fetch_all(k: int) -> Callable[[], tuple[int, int, float | None]]:
             return lambda: (n, plain[k](ranges), None)
 
+        remote = Store(url, **options)
+        fetch_only(remote, samples[:2], 0)()  # warm: connections, the arrays' listings
         trials: dict[str, list[LoaderRun]] = {}
         for _ in range(args.trials):  # interleaved, so a busy moment of the shared box hits every client alike
             for k in plain:
@@ -329,9 +363,14 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
                                   samples=samples, shuffle=False, prefetch=args.prefetch, **options)
             trials.setdefault("batches", []).append(meter.measure(
                 delay, f"BatchLoader, {args.workers} workers", n, iterate(batches), batches.dataset.counters))
+            requests = process_stats().requests
+            run = meter.measure(delay, "h5feed fetch path alone (no decoding), 1 process", n,
+                                fetch_only(remote, samples, args.prefetch))
+            run.requests = process_stats().requests - requests
+            trials.setdefault("fetch", []).append(run)
         ceiling = best([best(trials["plain 16"]), best(trials["plain 32"])])
         ceiling.what = f"ceiling: {ceiling.what}"
-        runs = [ceiling, best(trials["stream"]), best(trials["batches"])]
+        runs = [ceiling, best(trials["stream"]), best(trials["batches"]), best(trials["fetch"])]
 
         pt_keys = [f"pt/{p.name}" for p in sources]
         pt_ranges = [(key, a, b) for key, p in zip(pt_keys, sources) for a, b in part_ranges(p.stat().st_size)]
@@ -361,14 +400,14 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
 def loader_report(runs: list[LoaderRun]) -> list[str]:
     ceiling = {r.delay_ms: r.gb_per_s for r in runs if r.what.startswith("ceiling")}
     rows = [["delay", "what", "samples/s", "GB/s", "of ceiling", "first item s", "seconds", "requests/sample",
-             "retries", "client CPU s/sample", "other CPU"]]
+             "retries", "client CPU s/sample", "server CPU s/sample", "other CPU"]]
     for r in runs:
         rows.append([f"{r.delay_ms:.0f} ms", r.what, f"{r.samples / r.seconds:.2f}", f"{r.gb_per_s:.3f}",
                      f"{100 * r.gb_per_s / ceiling[r.delay_ms]:.0f}%" if r.nbytes else "-",
                      f"{r.first_s:.2f}" if r.first_s is not None else "-", f"{r.seconds:.2f}",
                      f"{r.requests / r.samples:.1f}", str(r.retries), f"{r.client_cpu_s / r.samples:.2f}",
-                     f"{100 * r.other_cpu_share:.0f}%"])
-    return format_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10})
+                     f"{r.server_cpu_s / r.samples:.2f}", f"{100 * r.other_cpu_share:.0f}%"])
+    return format_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
 
 
 def main() -> None:
