@@ -26,7 +26,7 @@ then, once per added delay:
   "download the set, then train" waits before its first batch;
 - HiddenStatesStream (StreamLoader) and BatchLoader over the s3:// URL: time to the first item,
   samples/s, GB/s fetched (from the loader's own counters) against the ceiling, requests per sample;
-- h5feed's fetch path alone (no decoding), in this process: each sample's objects asked for
+- h5feed's fetch path alone (no decoding), in a forked process: each sample's objects asked for
   `--prefetch` samples ahead, as the stream asks, then taken: what the loaders' I/O can do when
   decoding does not share the box's cores with the server;
 - the cache: the Stream with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
@@ -37,6 +37,7 @@ then, once per added delay:
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -280,31 +281,44 @@ def iterate(loader: Iterable[dict[str, Any]]) -> Callable[[], tuple[int, int, fl
     return run
 
 
-def fetch_only(store: Store, samples: list[int], ahead: int) -> Callable[[], tuple[int, int, float | None]]:
-    """A pass of the reader's fetch path without decoding: each sample's objects asked for `ahead` samples
-    early (`Store.will_need`, as the stream asks), then taken from the source and dropped:
-    (items, bytes fetched, seconds to the first sample).  Reaches into the reader's internals: bench only."""
-    stats = process_stats()
+class FetchPass:
+    """A pass of the reader's fetch path without decoding, in a child forked for it: each sample's objects
+    asked for `ahead` samples early (`Store.will_need`, as the stream asks), then taken from the source and
+    dropped.  A child, so that this process never reads through obstore (its DataLoader workers, forked
+    later, could not).  Reaches into the reader's internals: bench only."""
 
-    def take(i: int) -> None:
+    def __init__(self, store: Store, samples: list[int], ahead: int) -> None:
+        self.store, self.samples, self.ahead = store, samples, ahead
+        self.requests = 0  # of the last pass
+
+    def _take(self, i: int) -> None:
+        store = self.store
         chunks = range(-(-int(store.sample_lengths[i]) // store.info.chunk_tokens))
         for name in store._arrays_to_read(None):
             for key, inner, whole in store._objects_of(i, name, chunks):
                 with store._source.open(key, inner, whole):
                     pass
 
-    def run() -> tuple[int, int, float | None]:
-        bytes0, t0, first = stats.bytes, time.perf_counter(), None
-        for i in samples[:ahead]:
-            store.will_need(i)
+    def _in_child(self, results: Any) -> None:
+        t0, first, samples = time.perf_counter(), None, self.samples
+        for i in samples[: self.ahead]:
+            self.store.will_need(i)
         for j, i in enumerate(samples):
-            if j + ahead < len(samples):
-                store.will_need(samples[j + ahead])
-            take(i)
+            if j + self.ahead < len(samples):
+                self.store.will_need(samples[j + self.ahead])
+            self._take(i)
             first = first if first is not None else time.perf_counter() - t0
-        return len(samples), stats.bytes - bytes0, first
+        stats = process_stats()  # a forked child's counts start from zero
+        results.put((stats.bytes, stats.requests, first))
 
-    return run
+    def __call__(self) -> tuple[int, int, float | None]:
+        context = multiprocessing.get_context("fork")
+        results = context.SimpleQueue()
+        child = context.Process(target=self._in_child, args=(results,))
+        child.start()
+        nbytes, self.requests, first = results.get()
+        child.join()
+        return len(self.samples), nbytes, first
 
 
 def stream(location: str | Path, samples: list[int], args: argparse.Namespace, **options: Any) -> HiddenStatesStream:
@@ -347,8 +361,7 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
         def fetch_all(k: int) -> Callable[[], tuple[int, int, float | None]]:
             return lambda: (n, plain[k](ranges), None)
 
-        remote = Store(url, **options)
-        fetch_only(remote, samples[:2], 0)()  # warm: connections, the arrays' listings
+        fetch_pass = FetchPass(Store(url, **options), samples, args.prefetch)
         trials: dict[str, list[LoaderRun]] = {}
         for _ in range(args.trials):  # interleaved, so a busy moment of the shared box hits every client alike
             for k in plain:
@@ -363,10 +376,8 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
                                   samples=samples, shuffle=False, prefetch=args.prefetch, **options)
             trials.setdefault("batches", []).append(meter.measure(
                 delay, f"BatchLoader, {args.workers} workers", n, iterate(batches), batches.dataset.counters))
-            requests = process_stats().requests
-            run = meter.measure(delay, "h5feed fetch path alone (no decoding), 1 process", n,
-                                fetch_only(remote, samples, args.prefetch))
-            run.requests = process_stats().requests - requests
+            run = meter.measure(delay, "h5feed fetch path alone (no decoding), 1 process", n, fetch_pass)
+            run.requests = fetch_pass.requests
             trials.setdefault("fetch", []).append(run)
         ceiling = best([best(trials["plain 16"]), best(trials["plain 32"])])
         ceiling.what = f"ceiling: {ceiling.what}"
