@@ -26,6 +26,9 @@ then, once per added delay:
   "download the set, then train" waits before its first batch;
 - HiddenStatesStream (StreamLoader) and BatchLoader over the s3:// URL: time to the first item,
   samples/s, GB/s fetched (from the loader's own counters) against the ceiling, requests per sample;
+- h5feed's fetch path alone (no decoding), in a forked process: each sample's objects asked for
+  `--prefetch` samples ahead, as the stream asks, then taken: what the loaders' I/O can do when
+  decoding does not share the box's cores with the server;
 - the cache: the Stream with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
 
     python bench/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
@@ -34,6 +37,7 @@ then, once per added delay:
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -57,7 +61,7 @@ from s3_server import CREDENTIALS, REGION, boto3_client
 
 from h5feed import BatchLoader, HiddenStatesStream, Store, StreamLoader
 from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_table
-from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges
+from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
 from h5feed.store.layout import CHECKSUMMED, object_key
 
 BUCKET = "remote-bench"
@@ -203,6 +207,7 @@ class LoaderRun:
     requests: int
     retries: int = 0
     client_cpu_s: float = 0.0  # CPU of this process and its workers (not the server's)
+    server_cpu_s: float = 0.0  # CPU of moto and the proxy: on this box they share the cores with the client
     other_cpu_share: float = 0.0  # of the machine's CPUs, used by processes outside this bench meanwhile
 
     @property
@@ -244,7 +249,8 @@ class Meter:
             t0 = time.perf_counter()
             count, nbytes, first = run()
             seconds = time.perf_counter() - t0
-        client_cpu = self.sampler.cpu_seconds - (self._server_cpu() - server0)
+        server_cpu = self._server_cpu() - server0
+        client_cpu = self.sampler.cpu_seconds - server_cpu
         requests = retries = 0
         if counters is not None:
             after = counters.snapshot()
@@ -252,7 +258,7 @@ class Meter:
             requests = int(after.total("requests") - before.total("requests"))
             retries = int(after.total("retries") - before.total("retries"))
         result = LoaderRun(delay * 1000, what, count, seconds, first, nbytes, requests, retries, client_cpu,
-                           self.sampler.other_cpu_share)
+                           server_cpu, self.sampler.other_cpu_share)
         print(f"delay {delay * 1000:.0f} ms, {what}: {count / seconds:.2f} samples/s, {result.gb_per_s:.3f} GB/s, "
               f"first after {first or 0:.2f} s, {requests} requests, other CPU {100 * result.other_cpu_share:.0f}%",
               file=sys.stderr, flush=True)
@@ -273,6 +279,46 @@ def iterate(loader: Iterable[dict[str, Any]]) -> Callable[[], tuple[int, int, fl
         return count, 0, first
 
     return run
+
+
+class FetchPass:
+    """A pass of the reader's fetch path without decoding, in a child forked for it: each sample's objects
+    asked for `ahead` samples early (`Store.will_need`, as the stream asks), then taken from the source and
+    dropped.  A child, so that this process never reads through obstore (its DataLoader workers, forked
+    later, could not).  Reaches into the reader's internals: bench only."""
+
+    def __init__(self, store: Store, samples: list[int], ahead: int) -> None:
+        self.store, self.samples, self.ahead = store, samples, ahead
+        self.requests = 0  # of the last pass
+
+    def _take(self, i: int) -> None:
+        store = self.store
+        chunks = range(-(-int(store.sample_lengths[i]) // store.info.chunk_tokens))
+        for name in store._arrays_to_read(None):
+            for key, inner, whole in store._objects_of(i, name, chunks):
+                with store._source.open(key, inner, whole):
+                    pass
+
+    def _in_child(self, results: Any) -> None:
+        t0, first, samples = time.perf_counter(), None, self.samples
+        for i in samples[: self.ahead]:
+            self.store.will_need(i)
+        for j, i in enumerate(samples):
+            if j + self.ahead < len(samples):
+                self.store.will_need(samples[j + self.ahead])
+            self._take(i)
+            first = first if first is not None else time.perf_counter() - t0
+        stats = process_stats()  # a forked child's counts start from zero
+        results.put((stats.bytes, stats.requests, first))
+
+    def __call__(self) -> tuple[int, int, float | None]:
+        context = multiprocessing.get_context("fork")
+        results = context.SimpleQueue()
+        child = context.Process(target=self._in_child, args=(results,))
+        child.start()
+        nbytes, self.requests, first = results.get()
+        child.join()
+        return len(self.samples), nbytes, first
 
 
 def stream(location: str | Path, samples: list[int], args: argparse.Namespace, **options: Any) -> HiddenStatesStream:
@@ -315,6 +361,7 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
         def fetch_all(k: int) -> Callable[[], tuple[int, int, float | None]]:
             return lambda: (n, plain[k](ranges), None)
 
+        fetch_pass = FetchPass(Store(url, **options), samples, args.prefetch)
         trials: dict[str, list[LoaderRun]] = {}
         for _ in range(args.trials):  # interleaved, so a busy moment of the shared box hits every client alike
             for k in plain:
@@ -329,9 +376,12 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
                                   samples=samples, shuffle=False, prefetch=args.prefetch, **options)
             trials.setdefault("batches", []).append(meter.measure(
                 delay, f"BatchLoader, {args.workers} workers", n, iterate(batches), batches.dataset.counters))
+            run = meter.measure(delay, "h5feed fetch path alone (no decoding), 1 process", n, fetch_pass)
+            run.requests = fetch_pass.requests
+            trials.setdefault("fetch", []).append(run)
         ceiling = best([best(trials["plain 16"]), best(trials["plain 32"])])
         ceiling.what = f"ceiling: {ceiling.what}"
-        runs = [ceiling, best(trials["stream"]), best(trials["batches"])]
+        runs = [ceiling, best(trials["stream"]), best(trials["batches"]), best(trials["fetch"])]
 
         pt_keys = [f"pt/{p.name}" for p in sources]
         pt_ranges = [(key, a, b) for key, p in zip(pt_keys, sources) for a, b in part_ranges(p.stat().st_size)]
@@ -361,14 +411,14 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
 def loader_report(runs: list[LoaderRun]) -> list[str]:
     ceiling = {r.delay_ms: r.gb_per_s for r in runs if r.what.startswith("ceiling")}
     rows = [["delay", "what", "samples/s", "GB/s", "of ceiling", "first item s", "seconds", "requests/sample",
-             "retries", "client CPU s/sample", "other CPU"]]
+             "retries", "client CPU s/sample", "server CPU s/sample", "other CPU"]]
     for r in runs:
         rows.append([f"{r.delay_ms:.0f} ms", r.what, f"{r.samples / r.seconds:.2f}", f"{r.gb_per_s:.3f}",
                      f"{100 * r.gb_per_s / ceiling[r.delay_ms]:.0f}%" if r.nbytes else "-",
                      f"{r.first_s:.2f}" if r.first_s is not None else "-", f"{r.seconds:.2f}",
                      f"{r.requests / r.samples:.1f}", str(r.retries), f"{r.client_cpu_s / r.samples:.2f}",
-                     f"{100 * r.other_cpu_share:.0f}%"])
-    return format_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10})
+                     f"{r.server_cpu_s / r.samples:.2f}", f"{100 * r.other_cpu_share:.0f}%"])
+    return format_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
 
 
 def main() -> None:
