@@ -188,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.scheduler and args.workers is not None:
+        parser.error(f"--workers sets the size of the local pool or of --dask; the cluster at {args.scheduler} "
+                     "has the workers it has")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return int(args.func(args))

@@ -157,3 +157,16 @@ def test_workers_are_the_clusters_own(tmp_path):
         convert(tmp_path, tmp_path / "store", scheduler="tcp://127.0.0.1:8786", workers=4)
     with pytest.raises(ValueError, match="workers=0 converts in this process; with a scheduler, give 1 or more"):
         convert(tmp_path, tmp_path / "store", scheduler="local", workers=0)
+
+
+def test_the_cli_refuses_workers_with_a_scheduler_without_a_traceback(tmp_path, capsys):
+    from h5feed.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", str(tmp_path), str(tmp_path / "store"), "--scheduler", "tcp://127.0.0.1:8786",
+              "--workers", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith("error: --workers sets the size of the local pool or of --dask; the cluster at "
+                        "tcp://127.0.0.1:8786 has the workers it has\n")
+    assert "Traceback" not in err and not (tmp_path / "store").exists()
