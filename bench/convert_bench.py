@@ -45,8 +45,8 @@ from h5feed.bench import (
     ensure_default_set,
     format_table,
 )
-from h5feed.cluster import local_cluster
-from h5feed.convert import convert
+from h5feed.conversion import convert
+from h5feed.conversion.cluster import local_cluster
 from h5feed.store import Store, chunk_encoder
 from h5feed.synthetic import write_synthetic
 
@@ -122,7 +122,7 @@ def run_on_dask(src: Path, dst: Path, scheduler: str, workers: int, cold: bool, 
         return run(src, dst, threads, cold, fsync, scheduler)
     t0 = time.perf_counter()
     with local_cluster(workers, dashboard_address=None) as cluster, distributed.Client(cluster) as client:
-        client.run(importlib.import_module, "h5feed.convert")  # the workers' imports, before the clock starts
+        client.run(importlib.import_module, "h5feed.conversion.converter")  # the workers' imports, before the clock starts
         started = time.perf_counter() - t0
         return run(src, dst, workers, cold, fsync, cluster.scheduler_address, started)
 

@@ -2,7 +2,7 @@
 
 from h5feed.batching import BatchLoader
 from h5feed.collate import TrainerCollate, trainer_collate
-from h5feed.convert import ConvertReport, convert
+from h5feed.conversion import ConvertReport, convert
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.metrics import LoaderCounters, LoaderSnapshot

@@ -131,7 +131,7 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
 
     With workers=0 and after=2 the journal holds exactly samples 0 and 1.
     """
-    module = sys.modules["h5feed.convert"]
+    module = sys.modules["h5feed.conversion.converter"]
 
     def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, dict[str, Any]]:
         original = module._convert_one

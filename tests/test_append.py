@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from h5feed import HiddenStatesDataset
-from h5feed.convert import PLAN_FILE, _read_journal, convert
+from h5feed.conversion.converter import PLAN_FILE, _read_journal, convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
@@ -143,7 +143,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     old_items = [HiddenStatesDataset(dst)[i] for i in range(4)]
     arrive(staged, src, SECOND)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)  # an uninterrupted append
-    module = sys.modules["h5feed.convert"]
+    module = sys.modules["h5feed.conversion.converter"]
     if where == "planned":  # the plan holds the new samples; the arrays are not resized yet
         monkeypatch.setattr(module, "_grow_arrays", _raise_interrupt)
     elif where == "converting":  # two of the four new samples converted
@@ -266,7 +266,7 @@ def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypa
         convert(src, store, workers=0, chunk_tokens=CHUNK, progress=False)
     shutil.copytree(staging / "rows_4-8", src / "rows_4-8")
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    module = sys.modules["h5feed.convert"]
+    module = sys.modules["h5feed.conversion.converter"]
     monkeypatch.setattr(module, "_grow_arrays", _raise_interrupt)  # planned, then killed
     with pytest.raises(KeyboardInterrupt):
         convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)

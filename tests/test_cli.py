@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import inner_chunk_span
 
-from h5feed.convert import _read_journal, convert
+from h5feed.conversion.converter import _read_journal, convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic

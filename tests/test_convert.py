@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h5feed.convert import JOURNAL_FILE, PLAN_FILE, _read_journal, convert
+from h5feed.conversion.converter import JOURNAL_FILE, PLAN_FILE, _read_journal, convert
 from h5feed.errors import StoreError
 from h5feed.store import ReadStats, Store
 from h5feed.store.layout import EMPTY, decode_shard_index
@@ -256,7 +256,7 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    module = sys.modules["h5feed.convert"]
+    module = sys.modules["h5feed.conversion.converter"]
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
@@ -278,7 +278,7 @@ def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, asser
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    module = sys.modules["h5feed.convert"]
+    module = sys.modules["h5feed.conversion.converter"]
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt

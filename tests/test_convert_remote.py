@@ -22,10 +22,10 @@ import torch
 from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 import h5feed
+from h5feed.conversion.lock import LOCK_FILE, BucketLock
+from h5feed.conversion.publish import UPLOADS_FILE, is_shard
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import AccessDenied, open_url
-from h5feed.lock import LOCK_FILE, BucketLock
-from h5feed.publish import UPLOADS_FILE, is_shard
 from h5feed.synthetic import write_synthetic
 
 N = 8
@@ -222,9 +222,9 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(src_url, s3, bucket, 
     with pytest.raises(StoreError, match=r"another `h5feed convert` \(host trainer-7, pid 4242, started at "
                                          r"2026-11-30T08:00:00\+00:00, last heartbeat 20"):
         h5feed.convert(src_url, dst, **kwargs)
-    monkeypatch.setattr("h5feed.lock.STALE_AFTER_S", 0.0)
+    monkeypatch.setattr("h5feed.conversion.lock.STALE_AFTER_S", 0.0)
     time.sleep(0.01)
-    with caplog.at_level(logging.WARNING, logger="h5feed.lock"):
+    with caplog.at_level(logging.WARNING, logger="h5feed.conversion.lock"):
         assert h5feed.convert(src_url, dst, **kwargs).num_samples == N
     assert any("taking over the writer's lock of host trainer-7, pid 4242" in m and "s old" in m
                for m in caplog.messages)
@@ -232,7 +232,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(src_url, s3, bucket, 
 
 
 def test_a_holder_whose_lock_was_taken_over_learns_it_from_its_heartbeat(s3, bucket, monkeypatch):
-    monkeypatch.setattr("h5feed.lock.HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("h5feed.conversion.lock.HEARTBEAT_S", 0.05)
     objects = open_url(f"s3://{bucket}/store", s3.storage_options)
     with BucketLock.acquire(objects) as lock:
         lock.check()

@@ -17,7 +17,7 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-from h5feed.convert import _read_journal, convert
+from h5feed.conversion.converter import _read_journal, convert
 from h5feed.errors import H5feedError, StoreError
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
@@ -33,7 +33,7 @@ def cluster():
     """Two worker processes of one thread each, as `h5feed convert --dask --workers 2` starts them."""
     with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as c:
         with distributed.Client(c) as client:
-            client.run(importlib.import_module, "h5feed.convert")  # torch's import, once, outside the tests
+            client.run(importlib.import_module, "h5feed.conversion.converter")  # torch's import, once, outside the tests
         yield c
 
 

@@ -1060,7 +1060,8 @@ print(json.dumps(result))
     }
     code = f"""
 import sys
-from h5feed.cli import main
+from h5feed.cli import build_parser, main
+build_parser()  # it imports the commands' modules (h5feed.bench lazily)
 # BECOME_NOBODY
 sys.exit(main(["-q", "convert", {str(src)!r}, {str(out / "store")!r}, "--workers", "0"]))
 """

@@ -17,9 +17,9 @@ import torch
 
 import h5feed
 from h5feed import HiddenStatesDataset, HiddenStatesStream, StreamLoader
+from h5feed.conversion.lock import LOCK_FILE
 from h5feed.errors import SourceError, StoreError
 from h5feed.flavors import FLAVORS
-from h5feed.lock import LOCK_FILE
 from h5feed.pipeline_collates import pipeline_collate
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic

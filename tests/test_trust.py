@@ -18,9 +18,9 @@ import torch
 from conftest import bits
 
 from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, StreamLoader, convert
-from h5feed.convert import JOURNAL_FILE
+from h5feed.conversion.converter import JOURNAL_FILE
+from h5feed.conversion.lock import LOCK_FILE
 from h5feed.errors import CorruptSampleError, SourceError, StoreError
-from h5feed.lock import LOCK_FILE
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import verify_store
 
@@ -283,7 +283,7 @@ def test_semaphores_left_by_a_killed_process_group_are_removed_by_the_next_run(t
 
 
 def test_clean_runs_leave_nothing_in_dev_shm(tmp_path):
-    from h5feed.lock import _mapped_shm_inodes
+    from h5feed.conversion.lock import _mapped_shm_inodes
 
     before = set(os.listdir("/dev/shm"))
     _, dst = make_store(tmp_path)

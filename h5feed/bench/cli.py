@@ -10,11 +10,10 @@ from typing import Any
 from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS
 from h5feed.bench.runner import run_bench
 from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec
+from h5feed.cli.options import add_location_options, location_options
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from h5feed.cli import location_options
-
     where = location_options(args)
     spec = SyntheticSpec(num_samples=args.num_samples)
     result = run_bench(
@@ -79,7 +78,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where the embedded default set is kept (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    from h5feed.cli import add_location_options
     add_location_options(p, cache_flag="--read-cache-dir")  # --cache-dir is where the default set is kept
     p.set_defaults(func=_cmd_bench)
     return p

@@ -87,7 +87,7 @@ def ensure_default_set(
     log: Callable[[str], None] | None = None,
 ) -> Path:
     """The store of the embedded default set, writing and converting it first unless a complete one is cached."""
-    from h5feed.convert import convert
+    from h5feed.conversion import convert
 
     say = log or (lambda message: None)
     folder = Path(cache_dir).expanduser() / spec.name

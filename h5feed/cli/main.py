@@ -1,4 +1,4 @@
-"""The `h5feed` command: a thin layer over the Python API."""
+"""The `h5feed` command's parser and its commands: each a thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from h5feed.bench import add_bench_parser
+from h5feed.cli.options import add_location_options, add_storage_option, location_options, storage_options
 from h5feed.errors import H5feedError
 from h5feed.formats import FORMATS
 from h5feed.observe.watch import add_watch_parser
@@ -20,7 +19,7 @@ log = logging.getLogger("h5feed")
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from h5feed.convert import convert
+    from h5feed.conversion import convert
 
     if args.dask or args.scheduler:
         with contextlib.suppress(ImportError):  # convert() says what to install
@@ -90,47 +89,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_storage_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-option", metavar="KEY=VALUE", action="append", default=[],
-                   help="an option of the URL's fsspec backend, e.g. endpoint_url=http://host:9000 or "
-                   "client_kwargs.region_name=eu-west-1 (VALUE is JSON when it parses); repeatable")
-
-
-def add_location_options(p: argparse.ArgumentParser, cache_flag: str = "--cache-dir") -> None:
-    """How a read command reaches a store in a bucket: the backend's options and the node cache."""
-    add_storage_option(p)
-    p.add_argument(cache_flag, dest="read_cache_dir", metavar="DIR",
-                   help="node-local cache of a remote store's objects (later reads are local); default: none")
-    p.add_argument(cache_flag.replace("-dir", "-limit"), dest="read_cache_limit", type=byte_count, metavar="BYTES",
-                   help="the cache's size limit, e.g. 500G (least recently used objects are evicted)")
-
-
-def byte_count(text: str) -> int:
-    """`500G`, `1.5T`, `123456`: bytes (K, M, G, T are powers of 1000)."""
-    units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    scale = units.get(text[-1:].upper(), 1)
-    try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 500G)") from None
-
-
-def storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The `--storage-option KEY=VALUE` flags as fsspec storage options."""
-    from h5feed.io import parse_storage_options
-
-    try:
-        return parse_storage_options(args.storage_option)
-    except ValueError as exc:
-        raise H5feedError(str(exc)) from None
-
-
-def location_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`Store`'s storage_options, cache_dir and cache_limit, from the flags `add_location_options` adds."""
-    return {"storage_options": storage_options(args), "cache_dir": args.read_cache_dir,
-            "cache_limit": args.read_cache_limit}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h5feed", description="Feed large per-sample hidden states to a GPU trainer.")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -182,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_location_options(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_inspect)
+    from h5feed.bench.cli import add_bench_parser  # here: h5feed.bench's CLI imports this package's options
+
     add_bench_parser(sub)
     add_watch_parser(sub)
     return parser

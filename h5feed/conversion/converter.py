@@ -10,7 +10,7 @@ Conversion runs in three steps, each safe to kill:
    never touch the same file, and each shard is written atomically (temporary
    name, fsync, rename).  The main process (the driver) appends each finished
    sample to a journal (fsynced after the sample's shards are).  The workers are
-   a local process pool, or the processes of a Dask cluster (`h5feed.cluster`).
+   a local process pool, or the processes of a Dask cluster (`h5feed.conversion.cluster`).
 3. *Finalize*: write the sample index, then flip the store's status to
    "complete" (one atomic, fsynced write).  Readers refuse a store before that.
 
@@ -57,12 +57,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from h5feed.bucket_sources import BucketSources, SourceFetcher, naming
+from h5feed.conversion.bucket_sources import BucketSources, SourceFetcher, naming
+from h5feed.conversion.lock import LOCK_FILE, WriterLock
+from h5feed.conversion.publish import BucketPublisher
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
 from h5feed.io import ObjectError, is_remote
-from h5feed.lock import LOCK_FILE, WriterLock
-from h5feed.publish import BucketPublisher
 from h5feed.store import Store, read_ahead
 from h5feed.store.layout import (
     COMPANIONS_DIR,
@@ -161,8 +161,8 @@ def convert(
     """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
 
     `src` and `dst` may be folders or URLs (s3://, gs://, az://, ...): a bucket's sample files are read
-    by the workers (`h5feed.bucket_sources`); a store in a bucket is converted in a local staging folder
-    and published object by object, its completion marker last (`h5feed.publish`).
+    by the workers (`h5feed.conversion.bucket_sources`); a store in a bucket is converted in a local staging folder
+    and published object by object, its completion marker last (`h5feed.conversion.publish`).
 
     Args:
         workers: worker processes (default: the machine's cores); 0 converts in this process.
@@ -186,7 +186,7 @@ def convert(
     if scheduler is not None and workers == 0:
         raise ValueError("workers=0 converts in this process; with a scheduler, give 1 or more")
     if scheduler is not None:
-        from h5feed.cluster import require_distributed
+        from h5feed.conversion.cluster import require_distributed
 
         require_distributed()  # before anything is read or written
     workers = os.cpu_count() or 1 if workers is None else workers
@@ -414,7 +414,7 @@ class _PoolMaker:
     def __call__(self) -> TaskPool:
         if self._pool is None:
             if self.scheduler is not None:
-                from h5feed.cluster import DaskPool
+                from h5feed.conversion.cluster import DaskPool
 
                 self._pool = DaskPool(self.scheduler, self.workers).__enter__()
             else:

@@ -19,7 +19,7 @@ whose object the bucket lists with that size, and uploads the rest again (a PUT 
 same bytes is harmless).  A staging folder that is missing (another machine, a cleaned
 cache) is rebuilt from the bucket: every object but the token arrays' shards is fetched,
 so a complete store can be checked or appended to; an unfinished one is converted again
-(its journal is published only at the end).  One writer: `h5feed.lock.BucketLock`.
+(its journal is published only at the end).  One writer: `h5feed.conversion.lock.BucketLock`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from h5feed.conversion.lock import LOCK_FILE, BucketLock
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
-from h5feed.lock import LOCK_FILE, BucketLock
 from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info, write_atomically
 
 log = logging.getLogger(__name__)

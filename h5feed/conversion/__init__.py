@@ -1,0 +1,12 @@
+"""`h5feed convert` (`h5feed.convert`): per-sample source files into one store, bit for bit, crash-safe and resumable.
+
+- `converter`: plan, journal, shards, index, status flip (the local conversion, run by a pool);
+- `cluster`: the same per-sample tasks on a Dask cluster (`--scheduler`, `--dask`);
+- `bucket_sources`: sources listed and fetched from a bucket;
+- `publish`: a store in a bucket, converted in a local staging folder and published object by object;
+- `lock`: one writer at a time, on a folder (flock) or in a bucket (conditional PUT and heartbeat).
+"""
+
+from h5feed.conversion.converter import ConvertReport, convert
+
+__all__ = ["ConvertReport", "convert"]
