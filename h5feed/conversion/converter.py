@@ -63,6 +63,7 @@ from h5feed.conversion.publish import BucketPublisher
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
 from h5feed.io import ObjectError, is_remote
+from h5feed.io.local import fsync_dir, write_atomically
 from h5feed.store import Store, read_ahead
 from h5feed.store.layout import (
     COMPANIONS_DIR,
@@ -76,11 +77,9 @@ from h5feed.store.layout import (
     crc32c,
     create_arrays,
     encode_shard,
-    fsync_dir,
     object_key,
     read_info,
     storage_dtype,
-    write_atomically,
     write_info,
 )
 

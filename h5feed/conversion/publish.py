@@ -40,7 +40,8 @@ from typing import Any
 from h5feed.conversion.lock import LOCK_FILE, BucketLock
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
-from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info, write_atomically
+from h5feed.io.local import write_atomically
+from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from h5feed.io.objects import Buffer, ObjectError, ObjectNotFound, ObjectStore, Range, check_length
 
-_TMP_SUFFIX = ".h5feed-tmp"  # an object being written; never listed
+PARTIAL_SUFFIX = ".partial"  # a file being written under a temporary name; never listed
 
 
 class LocalStore(ObjectStore):
@@ -67,7 +67,7 @@ class LocalStore(ObjectStore):
         found = {}
         for folder, _, names in os.walk(top):
             for name in names:
-                if not name.endswith(_TMP_SUFFIX):
+                if not name.endswith(PARTIAL_SUFFIX):
                     path = Path(folder, name)
                     found[path.relative_to(self.root).as_posix()] = path.stat().st_size
         return dict(sorted(found.items()))
@@ -75,22 +75,35 @@ class LocalStore(ObjectStore):
     def put_atomic(self, key: str, data: bytes | memoryview) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_atomically(path, data, durable=True)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
                 raise ObjectError(self.key_url(key), "disk full; free space and run the same command again") from exc
             raise
-        fsync_dir(path.parent)
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, data: bytes | memoryview, *, durable: bool) -> None:
+    """Write under a temporary name, then rename: readers see the old bytes or the new, never a part.
+    `durable` also survives power loss: the bytes are flushed before the rename, the rename after.
+    The temporary name is unique (NAME.<id>.partial): two writers of the same file (a task Dask retried
+    while the first try still runs, on this machine or another) never share one; a failed write
+    removes it, a killed one leaves it for the next run to clean."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

@@ -35,8 +35,6 @@ and `index/checksum` holds crc32c of each sample's decoded bytes.
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,7 @@ import numpy as np
 import torch
 
 from h5feed.errors import StoreError
+from h5feed.io.local import write_atomically
 
 if TYPE_CHECKING:
     from h5feed.io import ObjectStore
@@ -343,26 +342,3 @@ def write_info(path: Path, info: StoreInfo, *, durable: bool) -> None:
     meta = json.loads(meta_path.read_text())
     meta["attributes"][ATTRS_KEY] = info.to_json()
     write_atomically(meta_path, json.dumps(meta, indent=2).encode(), durable=durable)
-
-
-def write_atomically(path: Path, data: bytes, *, durable: bool) -> None:
-    """Write under a temporary name, then rename: readers see the old bytes or the new, never a part.
-    `durable` also survives power loss: the bytes are flushed before the rename, the rename after.
-    The temporary name is unique: two writers of the same file (a task Dask retried while the first
-    try still runs, on this machine or another) never share one."""
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
