@@ -403,7 +403,7 @@ def test_verify_a_clean_store(tmp_path, cli):
 
 
 def test_verify_finds_a_flipped_byte(tmp_path, cli, flip_byte):
-    src, dst = converted(tmp_path, codec="none")
+    _src, dst = converted(tmp_path, codec="none")
     shard = flip_byte(dst, 3, "aux_hidden_states", chunk=1, at=1001)  # rows 16..31 of sample 3, stored raw
 
     with pytest.raises(CorruptSampleError) as err:

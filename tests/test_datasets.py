@@ -64,8 +64,8 @@ def assert_same_tensor(got: torch.Tensor, want: torch.Tensor, what: str = "") ->
 
 def assert_same_item(got: dict, want: dict) -> None:
     assert list(got) == list(want), "key set or key order differs"
-    for key in want:
-        assert_same_tensor(got[key], want[key], key)
+    for key, value in want.items():
+        assert_same_tensor(got[key], value, key)
 
 
 # --------------------------------------------------------------------------- speculators 0.4 (train/data.py)
@@ -363,7 +363,7 @@ def _groups(n: int) -> list[list[int]]:
 @pytest.mark.parametrize("transform", ["none", "add_position"])
 @pytest.mark.parametrize("max_len", [1, 16, 40, 299, 500])
 def test_speculators_legacy_max_len_gives_the_same_batches(legacy, max_len, transform):
-    kw = dict(transform=TRANSFORMS[transform], hidden_states_dtype=torch.bfloat16)
+    kw = {"transform": TRANSFORMS[transform], "hidden_states_dtype": torch.bfloat16}
     full = HiddenStatesDataset(legacy.path, "speculators-legacy", **kw)
     cut = HiddenStatesDataset(legacy.path, "speculators-legacy", max_len=max_len, **kw)
     n = len(full)

@@ -132,7 +132,7 @@ def test_locality_shuffle(small):
 @pytest.mark.parametrize("new_workers", [2, 1, 3, 0])
 def test_resume_mid_epoch(small, new_workers):
     s, by_key = small
-    kw = dict(seed=5, equal_per_rank=False)
+    kw = {"seed": 5, "equal_per_rank": False}
     full = epoch_samples(s, by_key, num_workers=2, **kw)
     assert sorted(full) == list(range(N))
     k = 3
@@ -205,7 +205,7 @@ def test_a_second_pass_of_an_epoch_saves_its_own_position(small):
 
 def test_resume_with_another_world_size(small):
     s, by_key = small
-    kw = dict(seed=8, equal_per_rank=False)
+    kw = {"seed": 8, "equal_per_rank": False}
     k = 2
     consumed, states = [], []
     for rank in range(2):
@@ -254,7 +254,7 @@ def assert_same_items(got: list[dict], want: list[dict]) -> None:
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawn_and_forkserver_workers_give_the_same_items(small, context):
     s, _ = small
-    kw = dict(flavor="speculators-legacy", seed=1, max_len=40)
+    kw = {"flavor": "speculators-legacy", "seed": 1, "max_len": 40}
     want = items_of(StreamLoader(stream(s, **kw), batch_size=2, num_workers=0, collate_fn=list))
     loader = StreamLoader(stream(s, **kw), batch_size=2, num_workers=2, multiprocessing_context=context,
                           collate_fn=list)

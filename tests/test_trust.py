@@ -53,7 +53,7 @@ def same_item(a: dict, b: dict) -> bool:
 @pytest.fixture
 def damaged(tmp_path, flip_byte):
     """A store whose sample 2 has one flipped byte in its second chunk of aux hidden states, and a sound copy."""
-    src, dst = make_store(tmp_path)
+    _src, dst = make_store(tmp_path)
     _, sound = make_store(tmp_path, "sound")
     shard = flip_byte(dst, 2, "aux_hidden_states", chunk=1, at=300)
     return dst, sound, shard
