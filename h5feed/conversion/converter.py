@@ -63,7 +63,7 @@ from h5feed.conversion.publish import BucketPublisher
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
 from h5feed.io import ObjectError, is_remote
-from h5feed.io.local import fsync_dir, write_atomically
+from h5feed.io.local import PARTIAL_SUFFIX, fsync_dir, write_atomically
 from h5feed.store import Store, read_ahead
 from h5feed.store.layout import (
     COMPANIONS_DIR,
@@ -196,27 +196,35 @@ def convert(
     chunk_codec(codec)  # validates the name before anything is written
     if last_state_norm not in (None, "pre", "post"):
         raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
+    settings = _Settings(format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite, progress,
+                         durable, last_state_norm)
     try:
-        return _convert_anywhere(src, dst, format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad,
-                                 overwrite, progress, durable, last_state_norm, dict(storage_options or {}), staging_dir)
+        return _convert_anywhere(src, dst, settings, dict(storage_options or {}), staging_dir)
     except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
         raise type(exc)(exc.path, f"{exc.problem}; then run the same command again to resume") from exc
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The caller's choices, as `convert` checked them, handed down whole."""
+
+    format: str | None
+    workers: int
+    scheduler: str | None
+    codec: str
+    chunk_tokens: int
+    shard_tokens: int | None
+    skip_bad: bool
+    overwrite: bool
+    progress: bool
+    durable: bool
+    last_state_norm: LastStateNorm | None
 
 
 def _convert_anywhere(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
-    format: str | None,
-    workers: int,
-    scheduler: str | None,
-    codec: str,
-    chunk_tokens: int,
-    shard_tokens: int | None,
-    skip_bad: bool,
-    overwrite: bool,
-    progress: bool,
-    durable: bool,
-    last_state_norm: LastStateNorm | None,
+    settings: _Settings,
     options: dict[str, Any],
     staging_dir: str | os.PathLike[str] | None,
 ) -> ConvertReport:
@@ -225,15 +233,15 @@ def _convert_anywhere(
         publisher: BucketPublisher | None = None
         if is_remote(dst):
             publisher = stack.enter_context(BucketPublisher.open(os.fspath(dst).rstrip("/"), options, staging_dir,
-                                                                 overwrite))
+                                                                 settings.overwrite))
             stack.enter_context(naming(StoreError, {str(publisher.store): publisher.objects.url}))
-            dst, overwrite, staging_dir = publisher.store, False, publisher.root  # the publisher started over
+            dst, staging_dir = publisher.store, publisher.root
+            settings = dataclasses.replace(settings, overwrite=False)  # the publisher started over
         sources: BucketSources | None = None
         if is_remote(src):
             sources = stack.enter_context(BucketSources.open(os.fspath(src), options, staging_dir))
         report = _convert_locally(sources.shadow if sources else Path(src).resolve(), Path(dst), sources, publisher,
-                                  format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite,
-                                  progress, durable, last_state_norm)
+                                  settings)
         if publisher is not None:
             publisher.publish_end()
             report.store = publisher.objects.url
@@ -245,40 +253,30 @@ def _convert_locally(
     dst_path: Path,
     sources: BucketSources | None,
     publisher: BucketPublisher | None,
-    format: str | None,
-    workers: int,
-    scheduler: str | None,
-    codec: str,
-    chunk_tokens: int,
-    shard_tokens: int | None,
-    skip_bad: bool,
-    overwrite: bool,
-    progress: bool,
-    durable: bool,
-    last_state_norm: LastStateNorm | None,
+    s: _Settings,
 ) -> ConvertReport:
     """The conversion into a local folder (a bucket DST's staging store); SRC local or a bucket's shadow."""
-    format = format or (None if overwrite else _planned_format(dst_path))  # a resume reads what the plan read
+    format = s.format or (None if s.overwrite else _planned_format(dst_path))  # a resume reads what the plan read
     if sources is not None and not format:
         sources.materialize_first()  # detection reads the keys of a file
-    fmt = FORMATS[format] if format else detect_format(src_path, skip_bad)  # type: ignore[index]
+    fmt = FORMATS[format] if format else detect_format(src_path, s.skip_bad)  # type: ignore[index]
     if sources is not None:
         sources.check_format(fmt)
-    found = fmt.scan(src_path, skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
+    found = fmt.scan(src_path, s.skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
-    options = {"format": fmt.name, "codec": codec, "chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}
-    if last_state_norm is not None:  # stated by the user: a resume must state the same
-        options["last_state_norm"] = last_state_norm
-    if dst_path.exists() and not overwrite and not (dst_path / "zarr.json").exists():
+    options = {"format": fmt.name, "codec": s.codec, "chunk_tokens": s.chunk_tokens, "shard_tokens": s.shard_tokens}
+    if s.last_state_norm is not None:  # stated by the user: a resume must state the same
+        options["last_state_norm"] = s.last_state_norm
+    if dst_path.exists() and not s.overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
     created = not dst_path.exists()
     try:
-        with WriterLock.acquire(dst_path) as lock, _PoolMaker(workers, scheduler, lock) as pool:
+        with WriterLock.acquire(dst_path) as lock, _PoolMaker(s.workers, s.scheduler, lock) as pool:
             return _convert(src_path, sources.url if sources else str(src_path), dst_path, fmt, found.files,
-                            [e.record() for e in found.skipped], options, pool, skip_bad, overwrite, progress, durable,
-                            sources.fetcher if sources else None, publisher)
+                            [e.record() for e in found.skipped], options, pool, s.skip_bad, s.overwrite, s.progress,
+                            s.durable, sources.fetcher if sources else None, publisher)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst_path, "disk full: free space and run the same command to resume") from exc
@@ -1142,5 +1140,5 @@ def _fsync_file(path: Path) -> None:
 
 def _remove_partial_writes(dst: Path) -> None:
     """Shards (and zarr's own files) are written as NAME.<id>.partial and renamed: a kill can leave one behind."""
-    for path in dst.rglob("*.partial"):
+    for path in dst.rglob(f"*{PARTIAL_SUFFIX}"):
         path.unlink()

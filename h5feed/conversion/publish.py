@@ -40,7 +40,7 @@ from typing import Any
 from h5feed.conversion.lock import LOCK_FILE, BucketLock
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
-from h5feed.io.local import write_atomically
+from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class BucketPublisher:
         keys = []
         for path in sorted(self.store.rglob("*")):
             key = path.relative_to(self.store).as_posix()
-            if path.is_file() and key != LOCK_FILE and not key.endswith(".partial"):
+            if path.is_file() and key != LOCK_FILE and not key.endswith(PARTIAL_SUFFIX):
                 keys.append(key)
         return keys
 
@@ -178,8 +178,12 @@ class BucketPublisher:
         file but the index (metadata, plan, companions, shards a killed run left)."""
         if read_info(self.store).status != "complete":
             self._upload("zarr.json")
-        keys = [k for k in self._local_keys() if k != "zarr.json" and not k.startswith("index/")]
-        self._run_all(lambda key: self._upload(key, remove=is_shard(key)), keys)
+        self._upload_body(self._local_keys())
+
+    def _upload_body(self, keys: list[str]) -> None:
+        """Every file of `keys` but the root and the index (shards removed locally once sent)."""
+        body = [k for k in keys if k != "zarr.json" and not k.startswith("index/")]
+        self._run_all(lambda key: self._upload(key, remove=is_shard(key)), body)
 
     def sample_done(self, start: int, num_tokens: int, info: StoreInfo) -> None:
         """A sample was journaled: upload its shards in the background (blocking while too many are in flight)."""
@@ -202,7 +206,6 @@ class BucketPublisher:
         wait(self._in_flight)
         self._raise_failed()
         keys = self._local_keys()
-        self._run_all(lambda key: self._upload(key, remove=is_shard(key)),
-                      [k for k in keys if k != "zarr.json" and not k.startswith("index/")])
+        self._upload_body(keys)
         self._run_all(self._upload, [k for k in keys if k.startswith("index/")])
         self._upload("zarr.json")
