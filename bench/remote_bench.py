@@ -24,12 +24,14 @@ then, once per added delay:
   8 MiB ranges, 16 and 32 in flight (the better counts);
 - `.pt` download: the plain client fetches the samples' `.pt` files to a local folder, the time
   "download the set, then train" waits before its first batch;
-- HiddenStatesStream (StreamLoader) and BatchLoader over the s3:// URL: time to the first item,
+- the trainer's batches over the s3:// URL (batch_size 1, speculators 0.4's collate at max_len 2048):
+  the drop-in `HiddenStatesStream` in a StreamLoader with that collate and pin_memory, and BatchLoader;
+  time to the first batch,
   samples/s, GB/s fetched (from the loader's own counters) against the ceiling, requests per sample;
 - h5feed's fetch path alone (no decoding), in a forked process: each sample's objects asked for
   `--prefetch` samples ahead, as the stream asks, then taken: what the loaders' I/O can do when
   decoding does not share the box's cores with the server;
-- the cache: the Stream with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
+- the cache: the StreamLoader with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
 
     python bench/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
 """
@@ -60,6 +62,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's h5feed and th
 from s3_server import CREDENTIALS, REGION, boto3_client
 
 from h5feed import BatchLoader, HiddenStatesStream, Store, StreamLoader
+from h5feed.baseline import create_collate_fn
 from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_table
 from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
 from h5feed.store.layout import CHECKSUMMED, object_key
@@ -326,6 +329,11 @@ def stream(location: str | Path, samples: list[int], args: argparse.Namespace, *
                               samples=samples, shuffle=False, prefetch=args.prefetch, **options)
 
 
+def trainer_loader(dataset: HiddenStatesStream, workers: int) -> StreamLoader:
+    """The drop-in as a trainer runs it: batch_size 1, speculators 0.4's own collate, pin_memory."""
+    return StreamLoader(dataset, batch_size=1, num_workers=workers, collate_fn=create_collate_fn(2048), pin_memory=True)
+
+
 def best(runs: list[LoaderRun]) -> LoaderRun:
     return min(runs, key=lambda r: r.seconds)
 
@@ -369,10 +377,11 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
                 run.requests = len(ranges)
                 trials.setdefault(f"plain {k}", []).append(run)
             dataset = stream(url, samples, args, **options)
-            loader = StreamLoader(dataset, batch_size=None, num_workers=args.workers)
+            loader = trainer_loader(dataset, args.workers)
             trials.setdefault("stream", []).append(meter.measure(
-                delay, f"HiddenStatesStream, {args.workers} workers", n, iterate(loader), dataset.counters))
-            batches = BatchLoader(url, flavor="speculators", max_len=2048, batch_size=1, num_workers=args.workers,
+                delay, f"StreamLoader + 0.4 collate, {args.workers} workers", n, iterate(loader), dataset.counters))
+            batches = BatchLoader(url, flavor="speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16,
+                                  batch_size=1, num_workers=args.workers,
                                   samples=samples, shuffle=False, prefetch=args.prefetch, **options)
             trials.setdefault("batches", []).append(meter.measure(
                 delay, f"BatchLoader, {args.workers} workers", n, iterate(batches), batches.dataset.counters))
@@ -394,14 +403,14 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
         shutil.rmtree(download)
 
         cached = stream(url, samples, args, cache_dir=scratch / "cache", **options)
-        cached_loader = StreamLoader(cached, batch_size=None, num_workers=args.workers)
+        cached_loader = trainer_loader(cached, args.workers)
         for epoch in (1, 2):
-            runs.append(meter.measure(delay, f"HiddenStatesStream + cache_dir, epoch {epoch}", n,
+            runs.append(meter.measure(delay, f"StreamLoader + cache_dir, epoch {epoch}", n,
                                       iterate(cached_loader), cached.counters))
         local_stream = stream(store_path, samples, args)
-        local_loader = StreamLoader(local_stream, batch_size=None, num_workers=args.workers)
-        meter.measure(delay, "HiddenStatesStream, local store (warm-up)", n, iterate(local_loader))
-        runs.append(meter.measure(delay, "HiddenStatesStream, local store (warm)", n, iterate(local_loader)))
+        local_loader = trainer_loader(local_stream, args.workers)
+        meter.measure(delay, "StreamLoader, local store (warm-up)", n, iterate(local_loader))
+        runs.append(meter.measure(delay, "StreamLoader, local store (warm)", n, iterate(local_loader)))
     finally:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
