@@ -124,8 +124,11 @@ def _damaged_companions(path: Path, info: StoreInfo) -> list[Mismatch]:
             continue
         try:
             data = regular_file(contained_path(path, record["copy"])).read_bytes()
-        except (UnsafeName, SourceError) as exc:
+        except UnsafeName as exc:
             problems.append(Mismatch(-1, record["copy"], f"{exc.problem}: not a file of the store, not read"))
+            continue
+        except SourceError as exc:  # a FIFO, socket or device
+            problems.append(Mismatch(-1, record["copy"], exc.problem))
             continue
         except OSError as exc:
             problems.append(Mismatch(-1, record["copy"], f"cannot be read ({exc.strerror or exc})"))

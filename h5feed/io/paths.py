@@ -74,5 +74,5 @@ def regular_file(path: str | os.PathLike[str]) -> Path:
         return path
     if not stat.S_ISREG(mode):
         kind = _SPECIAL_FILES.get(stat.S_IFMT(mode), "a special file")
-        raise SourceError(path, f"is {kind}, not a regular file: refused, never opened")
+        raise SourceError(path, f"is {kind}, not a regular file: refused without opening it")
     return path
