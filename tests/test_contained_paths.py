@@ -9,6 +9,7 @@ skip), nothing is written or read outside the folders h5feed owns, and nothing h
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -156,6 +157,20 @@ def test_with_skip_bad_the_traversal_keys_are_recorded_skips_and_the_rest_conver
         assert torch.equal(x.aux_hidden_states.view(torch.int16), y.aux_hidden_states.view(torch.int16))
 
 
+def test_folder_markers_in_a_source_bucket_are_passed_over(s3, bucket, tmp_path):
+    source = tmp_path / "src"
+    write_synthetic(source, "speculators-legacy-pt", 2, H, lengths=(10, 30), seed=8)
+    objects = open_url(f"s3://{bucket}/runs", s3.storage_options)
+    for path in sorted(source.iterdir()):
+        objects.put_atomic(f"sub/{path.name}", path.read_bytes())
+    for marker in ("runs/", "runs/sub/"):  # what an S3 console's "Create folder" leaves
+        s3.client.put_object(Bucket=bucket, Key=marker, Body=b"")
+    report = h5feed.convert(f"s3://{bucket}/runs", tmp_path / "dst", workers=0, progress=False,
+                            storage_options=s3.storage_options, staging_dir=tmp_path / "staging")
+    assert (report.num_samples, report.skipped) == (2, [])
+    assert h5feed.Store(tmp_path / "dst").source_paths == ["sub/data_0.pt", "sub/data_1.pt"]
+
+
 # =========================================================================== a hostile destination bucket
 
 
@@ -178,6 +193,21 @@ def test_a_destination_bucket_with_traversal_keys_is_refused_when_rebuilt_into_s
         "object from the bucket, or pass --overwrite to convert the store again from scratch")
     assert [t for t in targets.values() if t.exists()] == []
     assert tree(tmp_path) - before == {"second", "second/destination", "second/store"}  # nothing fetched
+
+
+def test_a_resumed_plan_naming_a_file_out_of_src_is_refused(tmp_path, interrupted_convert):
+    """An unfinished store's plan is the store's word (a bucket DST's plan comes from the bucket)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write_synthetic(src, "speculators-legacy-pt", 4, H, lengths=(10, 30), seed=9)
+    interrupted_convert(src, dst, after=2)
+    shutil.copy(src / "data_3.pt", tmp_path / "outside.pt")  # a resume that read it would convert it
+    plan_file = dst / "h5feed-plan.json"
+    plan = json.loads(plan_file.read_text())
+    plan["samples"][3]["relpath"] = "../outside.pt"
+    plan_file.write_text(json.dumps(plan))
+    with pytest.raises(UnsafeName, match=f"^'../outside.pt' has a '..' segment: refused as a path inside {src}$"):
+        h5feed.convert(src, dst, workers=0, progress=False, skip_bad=True)
+    assert read_info(dst).status != "complete"
 
 
 # =========================================================================== verify --against

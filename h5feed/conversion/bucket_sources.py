@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from h5feed.errors import SourceError, StoreError, _PathError
 from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import ObjectNotFound, ObjectStore, open_url
-from h5feed.io.paths import UnsafeName, contained_path
+from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 
 E = TypeVar("E", bound=_PathError)
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class BucketSources:
             raise SourceError(self.url, "holds no objects (or the bucket does not exist): check the URL and "
                               "--storage-option endpoint_url")
         for key, info in listed.items():
+            if is_folder_marker(key, info.size):
+                continue
             try:
                 path = contained_path(self.shadow, key)
             except UnsafeName as exc:

@@ -41,7 +41,7 @@ from h5feed.conversion.lock import LOCK_FILE, BucketLock
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
-from h5feed.io.paths import UnsafeName, contained_path
+from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class BucketPublisher:
     def _rebuild_staging(self, listed: dict[str, ObjectInfo]) -> None:
         """Fetch every object of the store in the bucket but the shards into an empty staging folder; every key
         is checked to be a path inside it before anything is fetched."""
-        paths = {key: self._staging_path(key) for key in listed if not is_shard(key)}
+        paths = {key: self._staging_path(key) for key, info in listed.items()
+                 if not is_shard(key) and not is_folder_marker(key, info.size)}
         log.info("%s: no staging folder at %s: fetching the store's %d metadata and index objects from the bucket",
                  self.objects.url, self.root, len(paths))
         lines = []

@@ -45,6 +45,12 @@ def contained_path(root: str | os.PathLike[str], name: str) -> Path:
     return root / name
 
 
+def is_folder_marker(key: str, size: int) -> bool:
+    """An empty object named like a folder (`runs/`, or the listed prefix itself): what S3 consoles create for
+    "Create folder".  It names no file, so it is passed over rather than refused."""
+    return size == 0 and (key == "" or key.endswith("/"))
+
+
 def _name_problem(name: str) -> str | None:
     if "\0" in name:
         return "holds a NUL byte"
