@@ -99,8 +99,8 @@ def test_a_fifo_is_refused_without_opening_it(tmp_path):
 
 @pytest.fixture
 def hostile_src(s3: S3, bucket: str, tmp_path: Path) -> dict[str, Path]:
-    """s3://BUCKET/runs: 3 sound samples, and 3 keys whose local paths would be (or collide with) files elsewhere;
-    returns the would-be target of each hostile key."""
+    """s3://BUCKET/runs: 3 sound samples, 2 keys whose local paths would be files outside every folder h5feed owns,
+    and `a//b.pt`, a second spelling of `a/b.pt`; returns the would-be target of each of the first two."""
     source = tmp_path / "src"
     write_synthetic(source, "speculators-legacy-pt", 3, H, lengths=(10, 30), seed=3)
     objects = open_url(f"s3://{bucket}/runs", s3.storage_options)
@@ -108,9 +108,8 @@ def hostile_src(s3: S3, bucket: str, tmp_path: Path) -> dict[str, Path]:
         objects.put_atomic(path.name, path.read_bytes())
     # the shadow is STAGING/h5feed-sources-XXXX/shadow: three levels below tmp_path
     targets = {"runs/../../../elsewhere/x.txt": tmp_path / "elsewhere" / "x.txt",
-               f"runs/{tmp_path}/abs/y.pt": tmp_path / "abs" / "y.pt",  # runs//tmp/...: an absolute key
-               "runs/a//b.pt": tmp_path / "staging" / "a" / "b.pt"}
-    for key in targets:
+               f"runs/{tmp_path}/abs/y.pt": tmp_path / "abs" / "y.pt"}  # runs//tmp/...: an absolute key
+    for key in [*targets, "runs/a//b.pt"]:
         s3.client.put_object(Bucket=bucket, Key=key, Body=b"planted by the bucket")
     (tmp_path / "staging").mkdir()
     return targets
