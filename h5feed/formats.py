@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from h5feed.errors import SourceError
+from h5feed.io.paths import regular_file
 from h5feed.store.layout import LastStateNorm, dtype_name
 
 __all__ = [
@@ -1286,7 +1287,7 @@ class NemoEagle3Cache(SourceFormat):
         for entry in sorted(os.scandir(root), key=lambda e: e.name):
             m = self._pattern.fullmatch(entry.name)
             if m:
-                shards[int(m.group(1))] = entry.name
+                shards[int(m.group(1))] = regular_file(entry.path).name  # a FIFO would block its reader for ever
             elif entry.name.endswith(".safetensors") and entry.name != _NEMO_EMBEDDINGS:
                 skipped.append(SkippedEntry(Path(entry.path), entry.name,
                                             f"has a sample file's extension but its name does not match {self._what}"))

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from h5feed.errors import H5feedError
-from h5feed.formats import FORMATS, SourceFile
+from h5feed.errors import H5feedError, SourceError
+from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import cache_state
+from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store, StoreInfo, checksums
 from h5feed.store.layout import INDEX_COLUMNS, crc32c
 
@@ -76,9 +77,8 @@ def verify_store(
             if int(want) != got:
                 report.mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
         if source_format is not None and against is not None:
-            source = SourceFile(Path(against) / relpath, int(store.source_indices[i]), relpath)
             try:
-                original = source_format.load(source)
+                original = source_format.load(_source_file(Path(against), relpath, int(store.source_indices[i])))
             except H5feedError as exc:
                 report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
                 continue
@@ -107,14 +107,29 @@ def _unreadable_arrays(store: Store) -> list[Mismatch]:
     return problems
 
 
+def _source_file(against: Path, relpath: str, source_index: int) -> SourceFile:
+    """The source file an index row names, if it is a regular file inside `against`: the index is the store's word,
+    and a store may come from anyone.  (A NeMo row names a sample of its shard: `shard-000000.safetensors#3`.)"""
+    path = contained_path(against, relpath)
+    regular_file(contained_path(against, SourceFormat.file_of(Path(relpath)).as_posix()))
+    return SourceFile(path, source_index, relpath)
+
+
 def _damaged_companions(path: Path, info: StoreInfo) -> list[Mismatch]:
-    """The files kept beside the samples must hold the bytes recorded at conversion."""
+    """The files kept beside the samples must hold the bytes recorded at conversion (and be files of the store:
+    the record is the store's word)."""
     problems = []
     for name, record in info.companions.items():
         if "copy" not in record:
             continue
         try:
-            data = (path / record["copy"]).read_bytes()
+            data = regular_file(contained_path(path, record["copy"])).read_bytes()
+        except UnsafeName as exc:
+            problems.append(Mismatch(-1, record["copy"], f"{exc.problem}: not a file of the store, not read"))
+            continue
+        except SourceError as exc:  # a FIFO, socket or device
+            problems.append(Mismatch(-1, record["copy"], exc.problem))
+            continue
         except OSError as exc:
             problems.append(Mismatch(-1, record["copy"], f"cannot be read ({exc.strerror or exc})"))
             continue

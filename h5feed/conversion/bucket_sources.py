@@ -19,6 +19,7 @@ what to do instead.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -31,8 +32,10 @@ from typing import Any, TypeVar
 from h5feed.errors import SourceError, StoreError, _PathError
 from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import ObjectNotFound, ObjectStore, open_url
+from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 
 E = TypeVar("E", bound=_PathError)
+log = logging.getLogger(__name__)
 
 # Objects that may be sample files: a placeholder in the shadow, fetched by the worker that reads it.
 SAMPLE_SUFFIXES = (".pt", ".ckpt", ".ckpt.gz", ".safetensors")
@@ -77,31 +80,45 @@ class BucketSources:
     def __init__(self, url: str, objects: ObjectStore, workdir: Path) -> None:
         self.url, self.objects = url, objects
         self.shadow = workdir / "shadow"
+        self.skipped: list[dict[str, str]] = []  # objects refused by `_mirror` with skip_bad, as a store records skips
         self.fetcher = SourceFetcher(objects, str(self.shadow), str(workdir / "fetched"))
 
     @classmethod
     @contextlib.contextmanager
     def open(cls, url: str, storage_options: dict[str, Any] | None,
-             workdir_parent: str | os.PathLike[str] | None) -> Iterator[BucketSources]:
+             workdir_parent: str | os.PathLike[str] | None, skip_bad: bool) -> Iterator[BucketSources]:
         url = url.rstrip("/")
         if workdir_parent is not None:
             Path(workdir_parent).mkdir(parents=True, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="h5feed-sources-", dir=workdir_parent))
         try:
             sources = cls(url, open_url(url, storage_options), workdir)
-            sources._mirror()
+            sources._mirror(skip_bad)
             with naming((SourceError, StoreError), {str(sources.shadow): url}):
                 yield sources
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _mirror(self) -> None:
+    def _mirror(self, skip_bad: bool) -> None:
+        """The shadow of every object whose key is a path inside it; a key that is not (`..`, absolute, `a//b`)
+        is an error, or with `skip_bad` a recorded skip: nothing is ever written outside the shadow."""
         listed = self.objects.list_info("")
         if not listed:
             raise SourceError(self.url, "holds no objects (or the bucket does not exist): check the URL and "
                               "--storage-option endpoint_url")
         for key, info in listed.items():
-            path = self.shadow / key
+            if is_folder_marker(key, info.size):
+                continue
+            try:
+                path = contained_path(self.shadow, key)
+            except UnsafeName as exc:
+                problem = f"its key {exc.problem}, so it cannot be read as a file under {self.url}"
+                if not skip_bad:
+                    raise SourceError(self.objects.key_url(key), f"{problem}: rename or delete the object, or pass "
+                                      "--skip-bad to convert the others and record it as skipped") from exc
+                log.warning("skipping %s: %s", self.objects.key_url(key), problem)
+                self.skipped.append({"path": key, "problem": problem})
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
             if key.endswith(SAMPLE_SUFFIXES) and path.name not in SIDE_FILES:
                 with open(path, "wb") as f:

@@ -64,6 +64,7 @@ from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, fsync_dir, write_atomically
+from h5feed.io.paths import contained_path
 from h5feed.store import Store, read_ahead
 from h5feed.store.layout import (
     COMPANIONS_DIR,
@@ -239,7 +240,7 @@ def _convert_anywhere(
             settings = dataclasses.replace(settings, overwrite=False)  # the publisher started over
         sources: BucketSources | None = None
         if is_remote(src):
-            sources = stack.enter_context(BucketSources.open(os.fspath(src), options, staging_dir))
+            sources = stack.enter_context(BucketSources.open(os.fspath(src), options, staging_dir, settings.skip_bad))
         report = _convert_locally(sources.shadow if sources else Path(src).resolve(), Path(dst), sources, publisher,
                                   settings)
         if publisher is not None:
@@ -272,10 +273,11 @@ def _convert_locally(
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
     created = not dst_path.exists()
+    unreadable = [*(sources.skipped if sources else []), *(e.record() for e in found.skipped)]  # bad keys, bad files
     try:
         with WriterLock.acquire(dst_path) as lock, _PoolMaker(s.workers, s.scheduler, lock) as pool:
             return _convert(src_path, sources.url if sources else str(src_path), dst_path, fmt, found.files,
-                            [e.record() for e in found.skipped], options, pool, s.skip_bad, s.overwrite, s.progress,
+                            unreadable, options, pool, s.skip_bad, s.overwrite, s.progress,
                             s.durable, sources.fetcher if sources else None, publisher)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -336,7 +338,8 @@ def _convert(
     report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
     if pending:
         # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
-        by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
+        by_relpath = {s.relpath: SourceFile(contained_path(src_path, s.relpath), s.sample_index, s.relpath)
+                      for s in samples}
         t0 = time.perf_counter()
         _convert_pending(pool(), fmt, dst_path, samples, pending, by_relpath, skip_bad, progress, durable, report,
                          fetcher, publisher)

@@ -41,6 +41,7 @@ from h5feed.conversion.lock import LOCK_FILE, BucketLock
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
+from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info
 
 log = logging.getLogger(__name__)
@@ -118,16 +119,26 @@ class BucketPublisher:
         self._uploaded = self._read_uploads(listed)
 
     def _rebuild_staging(self, listed: dict[str, ObjectInfo]) -> None:
-        """Fetch every object of the store in the bucket but the shards into an empty staging folder."""
-        keys = [key for key in listed if not is_shard(key)]
+        """Fetch every object of the store in the bucket but the shards into an empty staging folder; every key
+        is checked to be a path inside it before anything is fetched."""
+        paths = {key: self._staging_path(key) for key, info in listed.items()
+                 if not is_shard(key) and not is_folder_marker(key, info.size)}
         log.info("%s: no staging folder at %s: fetching the store's %d metadata and index objects from the bucket",
-                 self.objects.url, self.root, len(keys))
+                 self.objects.url, self.root, len(paths))
         lines = []
-        for key, data in zip(keys, self._pool.map(self.objects.get_large, keys)):
-            (self.store / key).parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(self.store / key, data, durable=False)
+        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, data, durable=False)
             lines.append(json.dumps({"key": key, "size": len(data), "crc32c": crc32c(data)}) + "\n")
         (self.root / UPLOADS_FILE).write_text("".join(lines))
+
+    def _staging_path(self, key: str) -> Path:
+        try:
+            return contained_path(self.store, key)
+        except UnsafeName as exc:
+            raise StoreError(self.objects.key_url(key), f"its key {exc.problem}, so it is not an object of the store "
+                             f"{self.objects.url}: delete that object from the bucket, or pass --overwrite to convert "
+                             "the store again from scratch") from exc
 
     def _read_uploads(self, listed: dict[str, ObjectInfo]) -> dict[str, tuple[int, int]]:
         """The journal's uploads whose objects the bucket still lists at the size sent (a line cut by a kill is ignored)."""
