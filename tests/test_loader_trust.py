@@ -93,7 +93,7 @@ def settle() -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_workers):
-    damaged, sound = stores
+    _damaged, sound = stores
 
     def use_one() -> None:
         loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=num_workers, threads=2)
@@ -193,7 +193,7 @@ def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(s
 
 
 def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
-    damaged, sound = stores
+    damaged, _sound = stores
     caplog.set_level(logging.ERROR, logger="h5feed")
     loader = BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, threads=2, on_corrupt="skip", shuffle=False)
     assert sum(1 for _ in loader) == N - len(DAMAGED)
@@ -207,7 +207,7 @@ def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
 
 
 def test_a_stream_read_directly_leaves_the_damaged_samples_out(stores):
-    damaged, sound = stores
+    damaged, _sound = stores
     stream = HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip", seed=4, threads=2)
     order = stream.rank_sequence()
     assert [len(item["input_ids"]) for item in stream] == [min(LENGTHS[i], MAX_LEN) for i in order
