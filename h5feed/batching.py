@@ -431,7 +431,11 @@ class BatchLoader:
         slots_per_worker: slots each worker (or the threads) may fill; the default,
             prefetch + 2, covers a trainer that holds the batch it is given.
         multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
-        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
+        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, on_corrupt, ...).
+
+    With on_corrupt="skip", a batch is its scheduled samples less the damaged ones (see `BatchWriter.write`).
+    A worker that dies raises a `WorkerDiedError` naming it, its pid and the sample it was reading.
+    `close()` (or the end of a `with` block) gives the ring's memory back; so does dropping the loader.
     """
 
     def __init__(

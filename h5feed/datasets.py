@@ -228,7 +228,10 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         on_corrupt: what to do with a sample whose stored bytes fail their checksums: "raise" (default) a
             `CorruptSampleError` naming the sample, its source file and the damaged object, or "skip" it,
             count it (`counters.snapshot()`, the monitor) and log it. The Dataset then serves the next
-            sound sample of its selection in its place; the Stream leaves it out.
+            sound sample of its selection in its place (an index must give an item); the Stream leaves
+            it out, and the batches of a StreamLoader or BatchLoader are the schedule's, each less its
+            damaged samples (smaller; none for a batch of damaged samples only): a skip moves no later
+            batch, and the resume position counts skipped samples as passed.
         shared_memory: decode into shared memory inside DataLoader workers. Right when items are
             handed on uncollated (batch_size=None): the hand-off then passes a file descriptor, not
             a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
