@@ -33,7 +33,7 @@ from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 SampleSelector = Sequence[int | str | os.PathLike[str]]
 OnCorrupt = Literal["raise", "skip"]
 log = logging.getLogger(__name__)
-_REAP_SECONDS = 2.0  # how long a worker whose pipe broke may take to show as dead
+_REAP_SECONDS = 1.0  # how long a worker whose pipe broke may take to show as dead
 
 
 @dataclass(frozen=True)
@@ -543,12 +543,14 @@ def dead_worker_error(iterator: Any, reader: _FlavoredReader) -> WorkerDiedError
 
 def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) -> WorkerDiedError:
     store = reader.store
-    how = (f"was killed by {signal.Signals(-exitcode).name}" if -exitcode in signal.valid_signals()
-           else f"exited with status {exitcode}")
     row = next((w for w in reader.counters.snapshot().workers if w.worker == worker), None)
     sample = row.current_sample if row is not None and row.current_sample is not None else -1
     doing = (f"while reading sample {sample} (converted from {store.source_paths[sample]})" if sample >= 0
              else "between samples")
-    return WorkerDiedError(store.path, f"DataLoader worker {worker} (pid {pid}) {how} {doing}; something outside "
-                           "h5feed ended it (often the kernel's out-of-memory killer: see `dmesg`); continue from the "
-                           "last state_dict() in a new loader", worker, pid, sample)
+    if -exitcode in signal.valid_signals():
+        how = (f"was killed by {signal.Signals(-exitcode).name} {doing}; something outside h5feed ended it (often "
+               "the kernel's out-of-memory killer: see `dmesg`)")
+    else:
+        how = f"exited with status {exitcode} {doing} (its output says why)"
+    return WorkerDiedError(store.path, f"DataLoader worker {worker} (pid {pid}) {how}; continue from the last "
+                           "state_dict() in a new loader", worker, pid, sample)

@@ -17,6 +17,7 @@ import torch
 
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, convert, trainer_collate
 from h5feed.errors import WorkerDiedError
+from h5feed.gpu_decode import why_unavailable
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 
@@ -154,15 +155,25 @@ def skipping_loader(kind: str, path: Path, seed: int, batch_size: int, workers: 
     stream = HiddenStatesStream(path, FLAVOR, MAX_LEN, on_corrupt="skip", seed=seed, threads=2)
     if kind == "batch":
         return BatchLoader(stream, batch_size=batch_size, num_workers=workers, threads=2)
+    if kind == "cuda":
+        from h5feed.gpu_loader import CudaBatchLoader
+
+        return CudaBatchLoader(stream, batch_size=batch_size, threads=2, prefetch=3, decode_group=2)
     collate = trainer_collate(FLAVOR, MAX_LEN, hidden_states_dtype=stream.hidden_states_dtype)
     return StreamLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=collate)
 
 
 def copied(batch: dict) -> dict:
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    """The batch's tensors copied out of the loader's memory, onto the CPU."""
+    return {key: value.clone().cpu() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
 
 
-@pytest.mark.parametrize("kind, workers", [("batch", 0), ("batch", 2), ("stream", 0), ("stream", 2), ("stream", 3)])
+needs_gpu_decode = pytest.mark.skipif(why_unavailable() is not None,
+                                      reason=f"GPU decode unavailable: {why_unavailable()}")
+
+
+@pytest.mark.parametrize("kind, workers", [("batch", 0), ("batch", 2), ("stream", 0), ("stream", 2), ("stream", 3),
+                                           pytest.param("cuda", 0, marks=needs_gpu_decode)])
 def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(stores, assert_same_batch, kind,
                                                                                workers):
     damaged, sound = stores
