@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -530,15 +531,30 @@ def naming_dead_workers(iterator: Any, reader: _FlavoredReader) -> Iterator[None
 
 def dead_worker_error(iterator: Any, reader: _FlavoredReader) -> WorkerDiedError | None:
     """The error for a worker of this DataLoader iterator that has died; None when none has (within a moment)."""
-    workers = list(enumerate(getattr(iterator, "_workers", [])))  # torch's worker processes, by worker id
-    deadline = time.monotonic() + (_REAP_SECONDS if workers else 0)
-    while True:
-        for worker, process in workers:
-            if process.exitcode not in (None, 0):
-                return _worker_died(reader, worker, process.pid, process.exitcode)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.01)
+    with _sigchld_held():
+        workers = list(enumerate(getattr(iterator, "_workers", [])))  # torch's worker processes, by worker id
+        deadline = time.monotonic() + (_REAP_SECONDS if workers else 0)
+        while True:
+            for worker, process in workers:
+                if process.exitcode not in (None, 0):
+                    return _worker_died(reader, worker, process.pid, process.exitcode)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+
+@contextmanager
+def _sigchld_held() -> Iterator[None]:
+    """torch's SIGCHLD handler raises its own error (a bare pid) wherever the trainer's thread is when a worker dies:
+    set aside while the death is looked into, it cannot replace the error that names the worker."""
+    if threading.current_thread() is not threading.main_thread():  # torch sets its handler in the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) -> WorkerDiedError:
