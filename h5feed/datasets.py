@@ -232,7 +232,8 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
             sound sample of its selection in its place (an index must give an item); the Stream leaves
             it out, and the batches of a StreamLoader or BatchLoader are the schedule's, each less its
             damaged samples (smaller; none for a batch of damaged samples only): a skip moves no later
-            batch, and the resume position counts skipped samples as passed.
+            batch, and the resume position counts skipped samples as passed.  (A plain DataLoader over
+            the Stream batches what its workers yield: after a skip its batches shift; use StreamLoader.)
         shared_memory: decode into shared memory inside DataLoader workers. Right when items are
             handed on uncollated (batch_size=None): the hand-off then passes a file descriptor, not
             a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
