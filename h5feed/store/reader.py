@@ -5,8 +5,11 @@ the shard (or chunk) objects itself, through an object source (`sources`: mapped
 local files, or bytes fetched from a bucket, directly or through the node cache),
 checks every inner chunk's crc32c and decodes it with numcodecs straight into the
 caller's buffer.  No byte that fails its checksum is ever decoded into a tensor a
-trainer sees: the read raises `CorruptSampleError` naming the sample, its source
-file and the object.
+trainer sees.  Bytes that fail are read once more, fresh (they may have been damaged
+on their way: a new request, a new download into the node cache, the file mapped
+again); when those fail too, the read raises `CorruptSampleError` naming the sample,
+its source file and the object.  A read from a bucket gives up at its deadline
+(`read_deadline`) with an `ObjectUnavailable` that says so.
 """
 
 from __future__ import annotations

@@ -102,13 +102,13 @@ class Deadline:
 
     def wait(self, future: Future[Any], where: str) -> Any:
         """The future's result; ObjectUnavailable once the deadline passes (what it fetches is closed when it comes)."""
-        try:
-            return future.result(timeout=max(0.0, self.at - time.monotonic()))
-        except concurrent.futures.TimeoutError:
+        concurrent.futures.wait([future], timeout=max(0.0, self.at - time.monotonic()))
+        if not future.done():
             future.add_done_callback(_close_result)
             raise ObjectUnavailable(
                 where, f"sample {self.sample} was not read within its deadline of {self.seconds:g} s: the bucket is "
-                "slow or unreachable; check the network, or give the Store a longer read_deadline") from None
+                "slow or unreachable; check the network, or give the Store a longer read_deadline")
+        return future.result()  # the fetch's own error, if it failed
 
 
 def _close_result(future: Future[Any]) -> None:
