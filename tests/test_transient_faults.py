@@ -6,6 +6,7 @@ sound objects and replaces a poisoned one; damage that is really in the bucket i
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -222,6 +223,23 @@ def test_with_skip_a_flip_in_transit_is_delivered_and_damage_is_a_counted_skip(l
         assert dataset.counters.snapshot().total("corrupt") == 0
         assert_same_batch(dataset[damaged], reference[(damaged + 1) % N])  # the next sound sample stands in
         assert dataset.counters.snapshot().total("corrupt") == 1
+
+
+def test_a_local_shard_that_fails_is_mapped_again_once_then_damage(local, tmp_path, flip_byte, caplog):
+    store_path = tmp_path / "store"
+    shutil.copytree(local.path, store_path)
+    store = Store(store_path)
+    i = max(range(N), key=lambda j: int(store.sample_lengths[j]))
+    shard = flip_byte(store_path, i, "aux_hidden_states", chunk=1, at=60)
+    with pytest.raises(CorruptSampleError) as err:
+        store.read_sample(i)
+    assert re.fullmatch(
+        rf"{re.escape(str(shard))}: sample {i} \(converted from {re.escape(store.source_paths[i])}\): inner chunk 1 "
+        r"fails its checksum \(crc32c 0x[0-9a-f]{8}, stored 0x[0-9a-f]{8}\), and again when read afresh; the store "
+        rf"is damaged: run `h5feed verify {re.escape(str(store_path))}`", str(err.value))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "h5feed.store.reader"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{shard}: inner chunk 1 fails its checksum")
+    assert warnings[0].endswith("; reading it again")
 
 
 # =========================================================================== a deadline per sample read

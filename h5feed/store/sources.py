@@ -391,7 +391,7 @@ class RemoteSource(_FetchingSource):
         super().__init__(objects, chunks_per_shard)
         self.small_arrays = small_arrays
 
-    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool = False) -> FetchedObject:
+    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool) -> FetchedObject:
         n = shard_index_nbytes(self.chunks_per_shard)
         if key.split("/", 1)[0] in self.small_arrays:
             data = self.objects.get(key)
@@ -482,7 +482,7 @@ class CachedSource(_FetchingSource):
         if chunks_per_shard:  # format 2: the store's own checksums say what a sound download is
             objects.verify = functools.partial(check_shard, chunks_per_shard)
 
-    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool = False) -> _Opened:
+    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool) -> _Opened:
         """The cached copy, opened; `fresh`: a new download in place of the copy unless this open made it."""
         cached = self.objects.open_cached(key)
         if fresh and not cached.downloaded:
