@@ -5,6 +5,8 @@ sound objects and replaces a poisoned one; damage that is really in the bucket i
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing as mp
 import re
 import shutil
 import time
@@ -150,6 +152,43 @@ def test_a_poisoned_cache_entry_is_replaced_once_and_later_epochs_read_it(local,
     sound_bodies = bucket_bodies(s3, bucket)
     assert all(body in sound_bodies for body in cached_bodies(cache))
     assert cache_state(cache).partial == 0
+
+
+def _read_in_race(store: Store, i: int, start, queue) -> None:
+    start.wait()
+    store.io_stats = IOStats()
+    queue.put((hashlib.sha256(store.read_sample(i).aux_hidden_states.view(torch.uint8).numpy()).hexdigest(),
+               store.io_stats.retries))
+
+
+def test_processes_racing_on_a_poisoned_cache_entry_all_read_it_exact(local, remote, s3, bucket, tmp_path):
+    """Three processes read the chunk of a poisoned cached copy at once: each replaces the copy at most once
+    (under the shared lock: nobody waits for another's readers), and all of them read the sample exact."""
+    reference = Store(local.path)
+    cache = tmp_path / "cache"
+    store = opened(remote, s3, cache)
+    i = max(range(N), key=lambda j: int(store.sample_lengths[j]))
+    store.read_sample(i)
+    shard, offset, _ = inner_chunk_span(local.path, i, "aux_hidden_states", 0)
+    sound = shard.read_bytes()
+    poisoned = next(path for path in (cache / "objects").iterdir() if path.read_bytes() == sound)
+    data = bytearray(sound)
+    data[offset + 50] ^= 0xFF
+    poisoned.write_bytes(bytes(data))
+    s3.proxy.reset()
+    ctx = mp.get_context("fork")
+    start, queue = ctx.Barrier(3), ctx.Queue()
+    processes = [ctx.Process(target=_read_in_race, args=(store, i, start, queue)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    results = [queue.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(10)
+        assert process.exitcode == 0
+    want = hashlib.sha256(reference.read_sample(i).aux_hidden_states.view(torch.uint8).numpy()).hexdigest()
+    assert [digest for digest, _ in results] == [want] * 3
+    assert 1 <= len(gets(s3, shard_key(store, i))) <= sum(retries for _, retries in results) <= 3  # downloads, failures
+    assert poisoned.read_bytes() == sound and cache_state(cache).partial == 0
 
 
 def test_a_dataloader_over_a_faulty_network_reads_exact_and_counts_the_refetches(local, remote, s3, bucket, tmp_path,

@@ -467,10 +467,10 @@ class Store:
                         todo = range(k + 1, inner.stop)
                     break
                 except ValueError as exc:
+                    where = getattr(exc, "object_path", self._source.where(key))
                     if fresh:
-                        raise object_error(getattr(exc, "object_path", self._source.where(key)),
-                                           f"{exc}, and again when read afresh") from None
-                    log.warning("%s: %s; reading it again", getattr(exc, "object_path", self._source.where(key)), exc)
+                        raise object_error(where, f"{exc}, and again when read afresh") from None
+                    log.warning("%s: %s; reading it again", where, exc)
                     if self.io_stats is not None:
                         self.io_stats.add_retry()
 
