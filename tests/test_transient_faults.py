@@ -294,5 +294,4 @@ def test_a_stalled_read_stops_at_its_deadline_which_the_error_states(remote, s3)
     assert str(err.value) == (
         f"{remote}/{shard_key(store, 0)}: sample 0 was not read within its deadline of 0.5 s: the bucket is slow or "
         "unreachable; check the network, or give the Store a longer read_deadline")
-    assert 0.5 <= elapsed < 3.0
-    s3.proxy.delay = 0.0
+    assert 0.5 <= elapsed < 3.0  # not the 5 s of the stalled request
