@@ -33,15 +33,14 @@ the store in the middle of an append sees the samples before it, consistently.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
+import io
 import json
 import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import sys
 import threading
@@ -49,7 +48,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from multiprocessing import get_context
+from multiprocessing import popen_spawn_posix, reduction, resource_tracker, spawn, util
+from multiprocessing.context import SpawnContext, SpawnProcess, set_spawning_popen
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -428,17 +428,75 @@ class _PoolMaker:
 
 
 class _ProcessPool(ProcessPoolExecutor):
-    """Spawned worker processes (safe whatever threads torch or zarr started here)."""
+    """Spawned worker processes (safe whatever threads torch or zarr started here), that die with the converter."""
 
     shares_page_cache = True
 
     def __init__(self, workers: int) -> None:
-        super().__init__(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
+        super().__init__(max_workers=workers, mp_context=_WorkerContext(), initializer=_init_worker,
                          initargs=(os.getpid(),))
         self._workers = workers
 
     def slots(self) -> int:
         return self._workers
+
+
+# The first lines a worker's interpreter runs, before it imports anything: Linux kills the worker when the converter
+# dies (PR_SET_PDEATHSIG; "the converter" is the thread that starts workers, the driver's, which lives as long as the
+# conversion), and a worker whose converter died before that exits.  Run any later, they would leave the worker an
+# orphan for seconds: a spawned worker imports h5feed and torch before its initializer (unpickling the initializer, and
+# re-running the `h5feed` script), and a SIGKILL then leaves it running, with the pool's semaphores.
+_DIE_WITH_CONVERTER = """\
+import ctypes, os, signal
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):  # not Linux: _exit_when_orphaned watches, once h5feed is imported
+    pass
+if os.getppid() != {converter}:
+    os._exit(1)
+"""
+
+
+class _WorkerPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn (its `_launch`, as of Python 3.10 to 3.13), with `_DIE_WITH_CONVERTER` run first."""
+
+    def _launch(self, process_obj: Any) -> None:
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        data = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(spawn.get_preparation_data(process_obj._name), data)
+            reduction.dump(process_obj, data)
+        finally:
+            set_spawning_popen(None)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        try:
+            command = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            if command[-3:-2] == ["-c"]:  # [python, flags..., "-c", program, "--multiprocessing-fork"]
+                command[-2] = _DIE_WITH_CONVERTER.format(converter=os.getpid()) + command[-2]
+            self._fds.extend([child_r, child_w])
+            self.pid = util.spawnv_passfds(spawn.get_executable(), command, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(data.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, (parent_r, parent_w))
+            os.close(child_r)
+            os.close(child_w)
+
+
+class _WorkerProcess(SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _WorkerPopen:
+        return _WorkerPopen(process_obj)
+
+
+class _WorkerContext(SpawnContext):
+    """The spawn start method, with workers that die with the converter (`_WorkerPopen`)."""
+
+    Process = _WorkerProcess
 
 
 class _InlinePool(Executor):
@@ -459,17 +517,13 @@ class _InlinePool(Executor):
 
 
 def _init_worker(parent: int) -> None:
-    """One core's worth of work per process (the processes are the parallelism), and no orphans:
-    a worker dies with the converter, even when that is SIGKILLed."""
+    """One core's worth of work per process (the processes are the parallelism); and where the kernel does not kill
+    a worker with the converter (`_DIE_WITH_CONVERTER`), a worker exits within a second of the converter's death."""
     from numcodecs import blosc
 
     torch.set_num_threads(1)
     blosc.set_nthreads(1)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (AttributeError, OSError):
-        pass
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()  # other systems, and races
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
 
 
 def _exit_when_orphaned(parent: int) -> None:
