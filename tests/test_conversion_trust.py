@@ -3,18 +3,24 @@ leave no semaphore behind; a code-carrying pickle of any protocol is refused as 
 
 from __future__ import annotations
 
+import gzip
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from h5feed.conversion.converter import convert
+from h5feed.errors import SourceError
+from h5feed.formats import FORMATS
 from h5feed.synthetic import write_synthetic
 
 H = 32
@@ -105,3 +111,92 @@ def test_a_sigkill_while_workers_start_leaves_no_process_and_no_semaphore(tmp_pa
     done = subprocess.run(command, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_tree(dst, ref)
+
+
+# --------------------------------------------------------------------------- code-carrying pickles, every protocol
+
+
+class RunsShell:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class RunsEval(RunsShell):
+    def __reduce__(self):
+        return (eval, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+PAYLOADS = {"os.system": (RunsShell, "posix.system"), "builtins.eval": (RunsEval, "eval")}  # and the name torch gives
+SERIALIZATIONS = {  # file name, torch.save's keyword arguments
+    "zip": ("data_0.pt", {}),
+    "pre-1.6": ("data_0.pt", {"_use_new_zipfile_serialization": False}),
+    "gzip": ("rows_0-2000/data_0.ckpt.gz", {}),
+}
+
+
+def _sample(t: int = 4) -> dict:
+    return {"input_ids": torch.arange(t), "loss_mask": torch.ones(t, dtype=torch.int64),
+            "hidden_states": torch.zeros(t, 3 * H), "target": torch.zeros(t, H)}
+
+
+def _save(path: Path, obj: dict, protocol: int, **kwargs) -> None:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch notes the protocol 4 and 5 it will not read
+        torch.save(obj, buffer, pickle_protocol=protocol, **kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(buffer.getvalue()) if path.suffix == ".gz" else buffer.getvalue())
+
+
+@pytest.mark.parametrize("serialization", SERIALIZATIONS)
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_a_code_carrying_pickle_is_refused_as_one_whatever_its_protocol(
+    tmp_path: Path, payload: str, serialization: str
+) -> None:
+    cls, named = PAYLOADS[payload]
+    name, kwargs = SERIALIZATIONS[serialization]
+    fmt = FORMATS["specforge-ckpt" if name.endswith(".gz") else "speculators-legacy-pt"]
+    marker = tmp_path / "ran"
+    expected = ("refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True): "
+                f"it references {named}, a class or function that is not a tensor or plain container; "
+                "re-save it holding only tensors, lists and dicts")
+    for protocol in (2, 3, 4, 5):
+        root = tmp_path / f"protocol{protocol}"
+        _save(root / name, {**_sample(), "meta": cls(marker)}, protocol, **kwargs)
+        source = fmt.discover(root)[0]
+        for read in (fmt.probe, fmt.load):
+            with warnings.catch_warnings(), pytest.raises(SourceError) as refused:
+                warnings.simplefilter("ignore")
+                read(source)
+            assert (refused.value.path, refused.value.problem) == (str(source.path), expected), protocol
+    assert not marker.exists()
+
+
+def test_the_real_command_refuses_a_protocol_5_pickle_that_runs_a_shell(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    _save(tmp_path / "src" / "data_0.pt", {**_sample(), "meta": RunsShell(marker)}, 5)
+    done = subprocess.run([sys.executable, "-m", "h5feed", "-q", "convert", str(tmp_path / "src"),
+                           str(tmp_path / "store"), "--workers", "0"], check=False, capture_output=True, text=True,
+                           timeout=120)
+    path = (tmp_path / "src" / "data_0.pt").resolve()
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"h5feed convert: error: {path}: refusing to load: the pickle needs code to run (h5feed always loads with "
+        "weights_only=True): it references posix.system, a class or function that is not a tensor or plain "
+        "container; re-save it holding only tensors, lists and dicts")
+    assert not marker.exists() and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_plain_protocol_5_pickle_is_still_named_as_a_protocol_torch_cannot_read(tmp_path: Path, protocol: int) -> None:
+    _save(tmp_path / "data_0.pt", _sample(), protocol)
+    fmt = FORMATS["speculators-legacy-pt"]
+    with warnings.catch_warnings(), pytest.raises(SourceError) as refused:
+        warnings.simplefilter("ignore")
+        fmt.load(fmt.discover(tmp_path)[0])
+    assert refused.value.problem == (
+        "its pickle uses the opcode FRAME of pickle protocol 4, which torch's weights-only loader cannot read; "
+        "re-save it with torch.save's default pickle protocol (2)")
