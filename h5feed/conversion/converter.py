@@ -221,6 +221,20 @@ class _Settings:
     last_state_norm: LastStateNorm | None
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One conversion into a local folder, as `_convert_locally` set it up; each step takes it whole."""
+
+    src: Path  # SRC, or a bucket SRC's shadow folder
+    source_root: str  # SRC as the store records it: the folder, or the bucket's URL
+    dst: Path
+    fmt: SourceFormat
+    options: dict[str, Any]  # what the plan records, and a resume or an append must ask for again
+    settings: _Settings
+    fetcher: SourceFetcher | None  # a bucket SRC's: fetches each sample file for the worker that reads it
+    publisher: BucketPublisher | None  # a bucket DST's: uploads each journaled sample
+
+
 def _convert_anywhere(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -271,12 +285,12 @@ def _convert_locally(
     if dst_path.exists() and not s.overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
+    job = _Job(src_path, sources.url if sources else str(src_path), dst_path, fmt, options, s,
+               sources.fetcher if sources else None, publisher)
     created = not dst_path.exists()
     try:
         with WriterLock.acquire(dst_path) as lock, _PoolMaker(s.workers, s.scheduler, lock) as pool:
-            return _convert(src_path, sources.url if sources else str(src_path), dst_path, fmt, found.files,
-                            [e.record() for e in found.skipped], options, pool, s.skip_bad, s.overwrite, s.progress,
-                            s.durable, sources.fetcher if sources else None, publisher)
+            return _convert(job, pool, found.files, [e.record() for e in found.skipped])
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst_path, "disk full: free space and run the same command to resume") from exc
@@ -287,24 +301,11 @@ def _convert_locally(
                 dst_path.rmdir()
 
 
-def _convert(
-    src_path: Path,
-    source_root: str,
-    dst_path: Path,
-    fmt: SourceFormat,
-    sources: list[SourceFile],
-    unreadable: list[dict[str, str]],
-    options: dict[str, Any],
-    pool: _PoolMaker,
-    skip_bad: bool,
-    overwrite: bool,
-    progress: bool,
-    durable: bool,
-    fetcher: SourceFetcher | None,
-    publisher: BucketPublisher | None,
-) -> ConvertReport:
+def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable: list[dict[str, str]]) -> ConvertReport:
+    """Plan (or resume, or extend the plan of an append), convert what the journal lacks, finalize."""
     started = time.perf_counter()
-    if overwrite:
+    dst_path, durable = job.dst, job.settings.durable
+    if job.settings.overwrite:
         _clear(dst_path)
     info = read_info(dst_path) if (dst_path / "zarr.json").exists() else None
     if info is not None and info.status != "complete" and not (dst_path / PLAN_FILE).exists():
@@ -313,38 +314,36 @@ def _convert(
     plan: dict[str, Any] | None = None
     append: _Append | None = None
     if info is not None and info.status == "complete":
-        _check_complete_matches(dst_path, info, options)
-        rerun = _plan_of_complete(src_path, source_root, dst_path, info, sources, unreadable, skip_bad)
+        _check_complete_matches(dst_path, info, job.options)
+        rerun = _plan_of_complete(job, info, sources, unreadable)
         if rerun is None:  # nothing new, nothing unfinished
             return _check_or_rebuild_index(dst_path, info, durable)
         plan, append = rerun
     elif info is not None:
-        plan = _read_plan(dst_path, sources, options, skip_bad)
+        plan = _read_plan(job, sources)
 
     if plan is None:
-        plan = _make_plan(pool(), fmt, sources, unreadable, options, src_path, source_root, dst_path, skip_bad,
-                          progress, durable, fetcher)
+        plan = _make_plan(job, pool(), sources, unreadable)
     elif append is not None and info is not None:
-        plan = _extend_plan(pool(), fmt, plan, append, info, dst_path, skip_bad, progress, durable, fetcher)
+        plan = _extend_plan(job, pool(), plan, append, info)
     _remove_partial_writes(dst_path)
     _grow_arrays(dst_path, plan["total_rows"], durable)  # an append's new rows (a no-op otherwise)
-    if publisher is not None:
-        publisher.publish_start()
+    if job.publisher is not None:
+        job.publisher.publish_start()
     samples = [_PlannedSample(**s) for s in plan["samples"]]
     done = _read_journal(dst_path)
     pending = [i for i in range(len(samples)) if i not in done]
     report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
     if pending:
         # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
-        by_relpath = {s.relpath: SourceFile(src_path / s.relpath, s.sample_index, s.relpath) for s in samples}
+        by_relpath = {s.relpath: SourceFile(job.src / s.relpath, s.sample_index, s.relpath) for s in samples}
         t0 = time.perf_counter()
-        _convert_pending(pool(), fmt, dst_path, samples, pending, by_relpath, skip_bad, progress, durable, report,
-                         fetcher, publisher)
+        _convert_pending(job, pool(), samples, pending, by_relpath, report)
         report.seconds_converting = time.perf_counter() - t0
         done = _read_journal(dst_path)
     skipped = _skipped(plan, samples, done)
     if not any("checksum" in r for r in done.values()):
-        raise SourceError(src_path, f"no sample could be converted: all {len(skipped)} were skipped "
+        raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
     _remove_partial_writes(dst_path)  # what a worker killed mid-write left (its sample was redone elsewhere)
     _finalize(dst_path, samples, done, skipped, durable, rebuild=info is not None and _damaged(dst_path))
@@ -546,21 +545,11 @@ def _worker_name() -> str:
 
 
 def _make_plan(
-    pool: TaskPool,
-    fmt: SourceFormat,
-    sources: list[SourceFile],
-    unreadable: list[dict[str, str]],
-    options: dict[str, Any],
-    src_root: Path,
-    source_root: str,
-    dst: Path,
-    skip_bad: bool,
-    progress: bool,
-    durable: bool,
-    fetcher: SourceFetcher | None,
+    job: _Job, pool: TaskPool, sources: list[SourceFile], unreadable: list[dict[str, str]]
 ) -> dict[str, Any]:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
-    probed, skipped = _probe(pool, fmt, sources, None, skip_bad, progress, fetcher)
+    fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.settings.durable
+    probed, skipped = _probe(job, pool, sources, None)
     shapes = [(source, shape) for source, shape, _ in probed]
     if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
@@ -577,7 +566,7 @@ def _make_plan(
         codec=chunk_codec(options["codec"]),
         chunk_tokens=chunk_tokens,
         shard_tokens=shard_tokens,
-        source_root=source_root,
+        source_root=job.source_root,
         has_last_state=fmt.has_last_state,
         ids_shifted=fmt.ids_shifted,
         extra_arrays={extra.name: extra.record() for extra in reference.extras},
@@ -626,19 +615,14 @@ def _file_crc32c(path: Path) -> tuple[int, int]:
 
 
 def _probe(
-    pool: TaskPool,
-    fmt: SourceFormat,
-    sources: list[SourceFile],
-    reference: SampleShape | None,
-    skip_bad: bool,
-    progress: bool,
-    fetcher: SourceFetcher | None,
+    job: _Job, pool: TaskPool, sources: list[SourceFile], reference: SampleShape | None
 ) -> tuple[list[tuple[SourceFile, SampleShape, os.stat_result]], list[dict[str, str]]]:
     """Shapes of the sources (each checked against `reference`, or the first one), with their stat
     as planned; and the skipped ones, with skip_bad."""
     probed: list[tuple[SourceFile, SampleShape, os.stat_result]] = []
     skipped: list[dict[str, str]] = []
-    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, [fetcher] * len(sources), chunksize=16)
+    results = pool.map(_probe_one, [job.fmt.name] * len(sources), sources, [job.fetcher] * len(sources), chunksize=16)
+    progress = job.settings.progress
     for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
         try:
             if isinstance(result, SourceError):
@@ -649,7 +633,7 @@ def _probe(
             _check_same_layout(source, shape, reference)
             probed.append((source, shape, stat))
         except SourceError as exc:
-            if not skip_bad:
+            if not job.settings.skip_bad:
                 raise
             log.warning("skipping %s", exc)
             skipped.append({"path": source.relpath, "problem": exc.problem})
@@ -728,8 +712,9 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any])
         )
 
 
-def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any], skip_bad: bool) -> dict[str, Any]:
+def _read_plan(job: _Job, sources: list[SourceFile]) -> dict[str, Any]:
     """The plan of an unfinished conversion, if this command is the same one that started it."""
+    dst, options = job.dst, job.options
     try:
         plan = json.loads((dst / PLAN_FILE).read_text())
     except (FileNotFoundError, json.JSONDecodeError) as exc:
@@ -740,7 +725,7 @@ def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any], sk
         )
     planned = {s["relpath"] for s in plan["samples"]} | {s["path"] for s in plan["skipped"]}
     missing = planned - {s.relpath for s in sources}
-    if missing and not skip_bad:
+    if missing and not job.settings.skip_bad:
         raise StoreError(
             dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}; pass --skip-bad to skip them"
         )
@@ -760,19 +745,14 @@ class _Append:
 
 
 def _plan_of_complete(
-    src: Path,
-    source_root: str,
-    dst: Path,
-    info: StoreInfo,
-    sources: list[SourceFile],
-    unreadable: list[dict[str, str]],
-    skip_bad: bool,
+    job: _Job, info: StoreInfo, sources: list[SourceFile], unreadable: list[dict[str, str]]
 ) -> tuple[dict[str, Any], _Append | None] | None:
     """What a rerun on a complete store has to do: None if nothing; else its plan, and what to append
     when SRC has files the plan has not seen (None: an append was killed before it finished).
 
     A converted file that changed since (size or mtime) is an error naming it, or with skip_bad a
     recorded skip: its samples in the store stay what they were."""
+    src, dst, source_root = job.src, job.dst, job.source_root
     if not (dst / PLAN_FILE).exists():
         return None  # a store without a plan can only be checked (or converted again with --overwrite)
     plan = json.loads((dst / PLAN_FILE).read_text())
@@ -786,7 +766,7 @@ def _plan_of_complete(
     known = {s.relpath for s in samples} | {s["path"] for s in plan["skipped"]}
     new_skips = [s for s in unreadable if s["path"] not in known]
     for changed, problem in _changed_since_planned(src, plan):
-        if not skip_bad:
+        if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
         record = {"path": changed, "problem": f"{problem}; the store keeps the samples converted before"}
@@ -831,25 +811,14 @@ def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
             f"modified {when(mtime_ns)} -> {when(stat.st_mtime_ns)})")
 
 
-def _extend_plan(
-    pool: TaskPool,
-    fmt: SourceFormat,
-    plan: dict[str, Any],
-    append: _Append,
-    info: StoreInfo,
-    dst: Path,
-    skip_bad: bool,
-    progress: bool,
-    durable: bool,
-    fetcher: SourceFetcher | None,
-) -> dict[str, Any]:
+def _extend_plan(job: _Job, pool: TaskPool, plan: dict[str, Any], append: _Append, info: StoreInfo) -> dict[str, Any]:
     """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
     reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.torch_dtype)
-    probed, skipped = _probe(pool, fmt, append.new, reference, skip_bad, progress, fetcher)
+    probed, skipped = _probe(job, pool, append.new, reference)
     planned, row = _lay_out(probed, plan["total_rows"], info.shard_tokens)
     plan = {**plan, "samples": plan["samples"] + planned, "skipped": plan["skipped"] + append.skipped + skipped,
             "total_rows": row, "append_from": append.published}
-    write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)  # from here a rerun resumes it
+    write_atomically(job.dst / PLAN_FILE, json.dumps(plan).encode(), durable=job.settings.durable)  # a rerun resumes it
     return plan
 
 
@@ -906,24 +875,19 @@ def _convert_task(
 
 
 def _convert_pending(
+    job: _Job,
     pool: TaskPool,
-    fmt: SourceFormat,
-    dst: Path,
     samples: list[_PlannedSample],
     pending: list[int],
     by_relpath: dict[str, SourceFile],
-    skip_bad: bool,
-    progress: bool,
-    durable: bool,
     report: ConvertReport,
-    fetcher: SourceFetcher | None,
-    publisher: BucketPublisher | None,
 ) -> None:
     """Convert the samples not yet in the journal, twice as many in flight as the pool runs at once;
     each journaled sample is handed to the publisher of a bucket DST."""
+    dst, fetcher, publisher, durable = job.dst, job.fetcher, job.publisher, job.settings.durable
     info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
-               disable=not progress, smoothing=0.1)
+               disable=not job.settings.progress, smoothing=0.1)
     failure: BaseException | None = None
     todo = iter(pending)
     in_flight: dict[Future[_Converted], int] = {}
@@ -940,7 +904,7 @@ def _convert_pending(
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
                 if pool.shares_page_cache and fetcher is None:
                     read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
-                in_flight[pool.submit(_convert_task, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
+                in_flight[pool.submit(_convert_task, job.fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
                                       info, durable, fetcher)] = i
 
         submit_more()
@@ -961,7 +925,7 @@ def _convert_pending(
                     continue
                 record = result.record
                 if result.error is not None:
-                    if not skip_bad:
+                    if not job.settings.skip_bad:
                         failure = failure or result.error
                         continue
                     log.warning("skipping %s", result.error)
