@@ -45,7 +45,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import popen_spawn_posix, reduction, resource_tracker, spawn, util
@@ -119,12 +119,52 @@ class ConvertReport:
 
 @dataclass(frozen=True)
 class _PlannedSample:
+    """One sample file's place in the store: its first row, fixed when it was planned."""
+
     relpath: str
     sample_index: int
     num_tokens: int
     start: int
     size: int | None = None  # the file's size and mtime when planned (None in plans written before appending)
     mtime_ns: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As the plan file records it: an entry of a plan written before appending stays without size and mtime."""
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the plan file (`PLAN_FILE`) holds: every sample's place, decided before the first one is converted."""
+
+    options: dict[str, Any]  # what the conversion was asked for: a resume or an append must ask for the same
+    samples: tuple[_PlannedSample, ...]  # in plan order: a sample's journal records name its position here
+    skipped: tuple[dict[str, str], ...]  # the files planning skipped: {"path": relpath, "problem": why}
+    total_rows: int  # the token arrays' rows, to the last sample's last shard
+    append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
+
+    @classmethod
+    def read(cls, dst: Path) -> _Plan:
+        """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
+        plan = json.loads((dst / PLAN_FILE).read_text())
+        return cls(plan["options"], tuple(_PlannedSample(**s) for s in plan["samples"]), tuple(plan["skipped"]),
+                   plan["total_rows"], plan.get("append_from"))
+
+    def write(self, dst: Path, durable: bool) -> None:
+        plan = {"options": self.options, "samples": [s.to_json() for s in self.samples], "skipped": list(self.skipped),
+                "total_rows": self.total_rows}
+        if self.append_from is not None:
+            plan["append_from"] = self.append_from
+        write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
+
+    @property
+    def published(self) -> int:
+        """The plan positions a finished run published: all of them, until an append extends the plan."""
+        return len(self.samples) if self.append_from is None else self.append_from
+
+    def known(self) -> set[str]:
+        """The files the plan has seen: planned or skipped."""
+        return {s.relpath for s in self.samples} | {s["path"] for s in self.skipped}
 
 
 class TaskPool(Protocol):
@@ -311,7 +351,7 @@ def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable:
     if info is not None and info.status != "complete" and not (dst_path / PLAN_FILE).exists():
         _clear(dst_path)  # killed while planning: nothing was converted yet
         info = None
-    plan: dict[str, Any] | None = None
+    plan: _Plan | None = None
     append: _Append | None = None
     if info is not None and info.status == "complete":
         _check_complete_matches(dst_path, info, job.options)
@@ -327,10 +367,10 @@ def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable:
     elif append is not None and info is not None:
         plan = _extend_plan(job, pool(), plan, append, info)
     _remove_partial_writes(dst_path)
-    _grow_arrays(dst_path, plan["total_rows"], durable)  # an append's new rows (a no-op otherwise)
+    _grow_arrays(dst_path, plan.total_rows, durable)  # an append's new rows (a no-op otherwise)
     if job.publisher is not None:
         job.publisher.publish_start()
-    samples = [_PlannedSample(**s) for s in plan["samples"]]
+    samples = plan.samples
     done = _read_journal(dst_path)
     pending = [i for i in range(len(samples)) if i not in done]
     report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
@@ -341,7 +381,7 @@ def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable:
         _convert_pending(job, pool(), samples, pending, by_relpath, report)
         report.seconds_converting = time.perf_counter() - t0
         done = _read_journal(dst_path)
-    skipped = _skipped(plan, samples, done)
+    skipped = _skipped(plan, done)
     if not any("checksum" in r for r in done.values()):
         raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
@@ -355,7 +395,7 @@ def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable:
 
 def _planned_format(dst: Path) -> str | None:
     try:
-        return json.loads((dst / PLAN_FILE).read_text())["options"]["format"]
+        return _Plan.read(dst).options["format"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -378,9 +418,7 @@ def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> Conver
             raise StoreError(dst, f"is complete but damaged ({exc.problem}), and has no plan and journal to rebuild "
                              "its index from: pass --overwrite to convert again") from exc
         log.warning("%s: rebuilding the damaged sample index from the plan and journal (%s)", dst, exc.problem)
-        plan = json.loads((dst / PLAN_FILE).read_text())
-        samples = [_PlannedSample(**s) for s in plan["samples"]]
-        _finalize(dst, samples, _read_journal(dst), info.skipped, durable, rebuild=True)
+        _finalize(dst, _Plan.read(dst).samples, _read_journal(dst), info.skipped, durable, rebuild=True)
         Store(dst)  # the rebuilt index must open
         info = read_info(dst)
     return ConvertReport(dst, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
@@ -546,7 +584,7 @@ def _worker_name() -> str:
 
 def _make_plan(
     job: _Job, pool: TaskPool, sources: list[SourceFile], unreadable: list[dict[str, str]]
-) -> dict[str, Any]:
+) -> _Plan:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
     fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.settings.durable
     probed, skipped = _probe(job, pool, sources, None)
@@ -578,8 +616,8 @@ def _make_plan(
     create_arrays(dst, info, total_rows=row)
     if durable:
         _fsync_tree(dst)
-    plan = {"options": options, "samples": planned, "skipped": unreadable + skipped, "total_rows": row}
-    write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
+    plan = _Plan(options, tuple(planned), tuple(unreadable + skipped), row)
+    plan.write(dst, durable)
     return plan
 
 
@@ -642,12 +680,12 @@ def _probe(
 
 def _lay_out(
     probed: list[tuple[SourceFile, SampleShape, os.stat_result]], row: int, shard_tokens: int
-) -> tuple[list[dict[str, Any]], int]:
+) -> tuple[list[_PlannedSample], int]:
     """Plan entries for the probed samples from row `row` on, each on a shard boundary; and the row after them."""
     planned = []
     for source, shape, stat in probed:
         planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row, stat.st_size,
-                                      stat.st_mtime_ns).__dict__)
+                                      stat.st_mtime_ns))
         row += math.ceil(shape.num_tokens / shard_tokens) * shard_tokens
     return planned, row
 
@@ -712,19 +750,18 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any])
         )
 
 
-def _read_plan(job: _Job, sources: list[SourceFile]) -> dict[str, Any]:
+def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:
     """The plan of an unfinished conversion, if this command is the same one that started it."""
     dst, options = job.dst, job.options
     try:
-        plan = json.loads((dst / PLAN_FILE).read_text())
+        plan = _Plan.read(dst)
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise StoreError(dst, f"unfinished store without a readable plan ({exc}); pass --overwrite to start again") from exc
-    if plan["options"] != options:
+    if plan.options != options:
         raise StoreError(
-            dst, f"was started with {plan['options']}, not {options}: repeat that command to resume, or pass --overwrite"
+            dst, f"was started with {plan.options}, not {options}: repeat that command to resume, or pass --overwrite"
         )
-    planned = {s["relpath"] for s in plan["samples"]} | {s["path"] for s in plan["skipped"]}
-    missing = planned - {s.relpath for s in sources}
+    missing = plan.known() - {s.relpath for s in sources}
     if missing and not job.settings.skip_bad:
         raise StoreError(
             dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}; pass --skip-bad to skip them"
@@ -746,7 +783,7 @@ class _Append:
 
 def _plan_of_complete(
     job: _Job, info: StoreInfo, sources: list[SourceFile], unreadable: list[dict[str, str]]
-) -> tuple[dict[str, Any], _Append | None] | None:
+) -> tuple[_Plan, _Append | None] | None:
     """What a rerun on a complete store has to do: None if nothing; else its plan, and what to append
     when SRC has files the plan has not seen (None: an append was killed before it finished).
 
@@ -755,27 +792,27 @@ def _plan_of_complete(
     src, dst, source_root = job.src, job.dst, job.source_root
     if not (dst / PLAN_FILE).exists():
         return None  # a store without a plan can only be checked (or converted again with --overwrite)
-    plan = json.loads((dst / PLAN_FILE).read_text())
+    plan = _Plan.read(dst)
     if source_root != info.source_root:
         raise StoreError(dst, f"was converted from {info.source_root}, not {source_root}: run the command with that SRC "
                          "(new files there are appended), or convert into another DST")
-    samples = [_PlannedSample(**s) for s in plan["samples"]]
+    samples = plan.samples
     done = _read_journal(dst)
-    published = plan.get("append_from", len(samples))  # plan positions a finished run published
+    published = plan.published
     journal_sound = all(i in done for i in range(published))
-    known = {s.relpath for s in samples} | {s["path"] for s in plan["skipped"]}
+    known = plan.known()
     new_skips = [s for s in unreadable if s["path"] not in known]
     for changed, problem in _changed_since_planned(src, plan):
         if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
         record = {"path": changed, "problem": f"{problem}; the store keeps the samples converted before"}
-        if record not in plan["skipped"] and record not in new_skips:
+        if record not in plan.skipped and record not in new_skips:
             log.warning("skipping %s: %s", src / changed, record["problem"])
             new_skips.append(record)
     new = [s for s in sources if s.relpath not in known]
     kept = sum("checksum" in r for r in done.values())
-    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, samples, done))
+    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
     if new or new_skips:
         if not journal_sound:
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
@@ -787,12 +824,12 @@ def _plan_of_complete(
     return plan, None  # an append killed before it published its index: finish it
 
 
-def _changed_since_planned(src: Path, plan: dict[str, Any]) -> list[tuple[str, str]]:
+def _changed_since_planned(src: Path, plan: _Plan) -> list[tuple[str, str]]:
     """(relpath, what changed) of the planned files whose size or mtime differ now; a file gone is left alone
     (its samples are in the store), as is one planned before plans recorded them."""
     changed = []
-    for relpath, (size, mtime_ns) in {s["relpath"]: (s.get("size"), s.get("mtime_ns")) for s in plan["samples"]}.items():
-        if size is None:
+    for relpath, (size, mtime_ns) in {s.relpath: (s.size, s.mtime_ns) for s in plan.samples}.items():
+        if size is None or mtime_ns is None:
             continue
         try:
             stat = SourceFormat.file_of(src / relpath).stat()
@@ -811,14 +848,15 @@ def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
             f"modified {when(mtime_ns)} -> {when(stat.st_mtime_ns)})")
 
 
-def _extend_plan(job: _Job, pool: TaskPool, plan: dict[str, Any], append: _Append, info: StoreInfo) -> dict[str, Any]:
+def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: StoreInfo) -> _Plan:
     """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
     reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.torch_dtype)
     probed, skipped = _probe(job, pool, append.new, reference)
-    planned, row = _lay_out(probed, plan["total_rows"], info.shard_tokens)
-    plan = {**plan, "samples": plan["samples"] + planned, "skipped": plan["skipped"] + append.skipped + skipped,
-            "total_rows": row, "append_from": append.published}
-    write_atomically(job.dst / PLAN_FILE, json.dumps(plan).encode(), durable=job.settings.durable)  # a rerun resumes it
+    planned, row = _lay_out(probed, plan.total_rows, info.shard_tokens)
+    plan = dataclasses.replace(plan, samples=plan.samples + tuple(planned),
+                               skipped=plan.skipped + tuple(append.skipped + skipped), total_rows=row,
+                               append_from=append.published)
+    plan.write(job.dst, job.settings.durable)  # from here a rerun resumes it
     return plan
 
 
@@ -877,7 +915,7 @@ def _convert_task(
 def _convert_pending(
     job: _Job,
     pool: TaskPool,
-    samples: list[_PlannedSample],
+    samples: Sequence[_PlannedSample],
     pending: list[int],
     by_relpath: dict[str, SourceFile],
     report: ConvertReport,
@@ -1068,15 +1106,15 @@ def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
     return done
 
 
-def _skipped(plan: dict[str, Any], samples: list[_PlannedSample], done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     """The store's `skipped`: what planning skipped, then the files that failed to convert, in plan order."""
-    return list(plan["skipped"]) + [
-        {"path": samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
+    return list(plan.skipped) + [
+        {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
     ]
 
 
 def _finalize(
-    dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
+    dst: Path, samples: Sequence[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
     durable: bool, rebuild: bool = False,
 ) -> None:
     """Write the index (checksummed by zarr's crc32c codec) and the journal in plan order, then flip the
