@@ -134,10 +134,28 @@ class _PlannedSample:
 
 
 @dataclass(frozen=True)
+class _Options:
+    """What a store is converted with, as its plan records them: a resume or an append must ask for the same."""
+
+    format: str
+    codec: str
+    chunk_tokens: int
+    shard_tokens: int | None  # None: the default, from the longest sample
+    last_state_norm: LastStateNorm | None = None  # recorded only where the user stated it
+
+    def to_json(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"format": self.format, "codec": self.codec, "chunk_tokens": self.chunk_tokens,
+                                   "shard_tokens": self.shard_tokens}
+        if self.last_state_norm is not None:
+            options["last_state_norm"] = self.last_state_norm
+        return options
+
+
+@dataclass(frozen=True)
 class _Plan:
     """What the plan file (`PLAN_FILE`) holds: every sample's place, decided before the first one is converted."""
 
-    options: dict[str, Any]  # what the conversion was asked for: a resume or an append must ask for the same
+    options: _Options
     samples: tuple[_PlannedSample, ...]  # in plan order: a sample's journal records name its position here
     skipped: tuple[dict[str, str], ...]  # the files planning skipped: {"path": relpath, "problem": why}
     total_rows: int  # the token arrays' rows, to the last sample's last shard
@@ -147,12 +165,12 @@ class _Plan:
     def read(cls, dst: Path) -> _Plan:
         """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
         plan = json.loads((dst / PLAN_FILE).read_text())
-        return cls(plan["options"], tuple(_PlannedSample(**s) for s in plan["samples"]), tuple(plan["skipped"]),
-                   plan["total_rows"], plan.get("append_from"))
+        return cls(_Options(**plan["options"]), tuple(_PlannedSample(**s) for s in plan["samples"]),
+                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"))
 
     def write(self, dst: Path, durable: bool) -> None:
-        plan = {"options": self.options, "samples": [s.to_json() for s in self.samples], "skipped": list(self.skipped),
-                "total_rows": self.total_rows}
+        plan = {"options": self.options.to_json(), "samples": [s.to_json() for s in self.samples],
+                "skipped": list(self.skipped), "total_rows": self.total_rows}
         if self.append_from is not None:
             plan["append_from"] = self.append_from
         write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
@@ -269,7 +287,7 @@ class _Job:
     source_root: str  # SRC as the store records it: the folder, or the bucket's URL
     dst: Path
     fmt: SourceFormat
-    options: dict[str, Any]  # what the plan records, and a resume or an append must ask for again
+    options: _Options
     settings: _Settings
     fetcher: SourceFetcher | None  # a bucket SRC's: fetches each sample file for the worker that reads it
     publisher: BucketPublisher | None  # a bucket DST's: uploads each journaled sample
@@ -319,9 +337,7 @@ def _convert_locally(
     found = fmt.scan(src_path, s.skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
-    options = {"format": fmt.name, "codec": s.codec, "chunk_tokens": s.chunk_tokens, "shard_tokens": s.shard_tokens}
-    if s.last_state_norm is not None:  # stated by the user: a resume must state the same
-        options["last_state_norm"] = s.last_state_norm
+    options = _Options(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm)
     if dst_path.exists() and not s.overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
@@ -395,7 +411,7 @@ def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable:
 
 def _planned_format(dst: Path) -> str | None:
     try:
-        return _Plan.read(dst).options["format"]
+        return _Plan.read(dst).options.format
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -592,16 +608,16 @@ def _make_plan(
     if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
     reference = probed[0][1]
-    chunk_tokens = options["chunk_tokens"]
-    shard_tokens = options["shard_tokens"] or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
+    chunk_tokens = options.chunk_tokens
+    shard_tokens = options.shard_tokens or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
     planned, row = _lay_out(probed, 0, shard_tokens)
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
         num_aux_layers=reference.num_aux_layers,
         dtype=str(reference.dtype).removeprefix("torch."),
-        last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.get("last_state_norm")),  # type: ignore[arg-type]
-        codec=chunk_codec(options["codec"]),
+        last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.last_state_norm),
+        codec=chunk_codec(options.codec),
         chunk_tokens=chunk_tokens,
         shard_tokens=shard_tokens,
         source_root=job.source_root,
@@ -737,16 +753,18 @@ def _probe_one(
         return SourceError(source.path, f"cannot be read ({exc.strerror or exc})")
 
 
-def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any]) -> None:
+def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> None:
     """A rerun on a complete store asking for another codec, chunk size or format must not pass as done."""
     have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens,
             "shard_tokens": info.shard_tokens}
-    if "last_state_norm" in options:
+    if options.last_state_norm is not None:
         have["last_state_norm"] = info.last_state_norm
-    asked = {**options, "codec": chunk_codec(options["codec"]), "shard_tokens": options["shard_tokens"] or info.shard_tokens}
+    asked = {**options.to_json(), "codec": chunk_codec(options.codec),
+             "shard_tokens": options.shard_tokens or info.shard_tokens}
     if have != asked:
         raise StoreError(
-            dst, f"is complete but was converted with {have}, not {options}: choose another DST or pass --overwrite"
+            dst, f"is complete but was converted with {have}, not {options.to_json()}: choose another DST or pass "
+            "--overwrite"
         )
 
 
@@ -759,7 +777,8 @@ def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:
         raise StoreError(dst, f"unfinished store without a readable plan ({exc}); pass --overwrite to start again") from exc
     if plan.options != options:
         raise StoreError(
-            dst, f"was started with {plan.options}, not {options}: repeat that command to resume, or pass --overwrite"
+            dst, f"was started with {plan.options.to_json()}, not {options.to_json()}: repeat that command to resume, "
+            "or pass --overwrite"
         )
     missing = plan.known() - {s.relpath for s in sources}
     if missing and not job.settings.skip_bad:
