@@ -495,10 +495,10 @@ class _ProcessPool(ProcessPoolExecutor):
 
 
 # The first lines a worker's interpreter runs, before it imports anything: Linux kills the worker when the converter
-# dies (PR_SET_PDEATHSIG; "the converter" is the thread that starts workers, the driver's, which lives as long as the
-# conversion), and a worker whose converter died before that exits.  Run any later, they would leave the worker an
-# orphan for seconds: a spawned worker imports h5feed and torch before its initializer (unpickling the initializer, and
-# re-running the `h5feed` script), and a SIGKILL then leaves it running, with the pool's semaphores.
+# dies (PR_SET_PDEATHSIG, which fires when the thread that started the worker ends: the driver's, which submits every
+# task and lives as long as the conversion), and a worker whose converter died before that exits.  Any later (in the
+# initializer) is seconds too late: a spawned worker imports h5feed and torch first (unpickling the initializer, and
+# re-running the `h5feed` script), and a converter SIGKILLed meanwhile left it running, with the pool's semaphores.
 _DIE_WITH_CONVERTER = """\
 import ctypes, os, signal
 try:
