@@ -99,6 +99,7 @@ def test_a_sigkill_while_workers_start_leaves_no_process_and_no_semaphore(tmp_pa
             children.update(converter.children())
             time.sleep(0.002)
         semaphores = _mapped_shm_inodes(proc.pid)
+        assert semaphores  # the pool's queues made theirs before its first process started
         children.update(converter.children())
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
