@@ -1,11 +1,14 @@
 """Trusting `h5feed convert`: its worker processes die with it however it is killed, even while they start, and
-leave no semaphore behind; a code-carrying pickle of any protocol is refused as what it is."""
+leave no semaphore behind; a code-carrying pickle of any protocol is refused as what it is; plans of older
+versions still read and extend."""
 
 from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +21,10 @@ import psutil
 import pytest
 import torch
 
-from h5feed.conversion.converter import convert
+from h5feed.conversion.converter import PLAN_FILE, convert
 from h5feed.errors import SourceError
 from h5feed.formats import FORMATS
+from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 
 H = 32
@@ -201,3 +205,31 @@ def test_a_plain_protocol_5_pickle_is_still_named_as_a_protocol_torch_cannot_rea
     assert refused.value.problem == (
         "its pickle uses the opcode FRAME of pickle protocol 4, which torch's weights-only loader cannot read; "
         "re-save it with torch.save's default pickle protocol (2)")
+
+
+# --------------------------------------------------------------------------- the plan file
+
+
+def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as_they_were(tmp_path: Path) -> None:
+    """Plans of older versions record no file size and mtime: an append reads them and writes their entries back
+    without inventing any, and the new entries get theirs."""
+    src, dst, staged = tmp_path / "src", tmp_path / "store", tmp_path / "staged"
+    write_synthetic(staged, "speculators-legacy-pt", 5, H, lengths=(5, 40), seed=7)
+    src.mkdir()
+    for name in ("data_0.pt", "data_1.pt", "data_2.pt"):
+        shutil.copy2(staged / name, src / name)
+    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    old = json.loads((dst / PLAN_FILE).read_text())
+    for entry in old["samples"]:
+        del entry["size"], entry["mtime_ns"]
+    (dst / PLAN_FILE).write_text(json.dumps(old))
+    for name in ("data_3.pt", "data_4.pt"):
+        shutil.copy2(staged / name, src / name)
+    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    assert (report.num_samples, report.converted_now, report.resumed) == (5, 2, 3)
+    plan = json.loads((dst / PLAN_FILE).read_text())
+    assert list(plan) == ["options", "samples", "skipped", "total_rows", "append_from"]
+    assert plan["samples"][:3] == old["samples"] and plan["append_from"] == 3
+    assert [sorted(entry) for entry in plan["samples"][3:]] == [
+        ["mtime_ns", "num_tokens", "relpath", "sample_index", "size", "start"]] * 2
+    assert Store(dst).source_paths == [f"data_{i}.pt" for i in range(5)]
