@@ -388,9 +388,9 @@ _PUT_OPCODES = {"PUT", "BINPUT", "LONG_BINPUT"}
 
 
 def _refused_global(pickle: BinaryIO) -> str | None:
-    """What the first class or function of one pickle that torch's weights-only unpickler refuses is, or None:
-    read from its opcodes (pickletools), never unpickled.  Only the strings pushed and memoized are followed,
-    enough to name the module and name that a GLOBAL, INST or STACK_GLOBAL imports."""
+    """Why torch's weights-only unpickler refuses one pickle, or None: the first class or function it imports that
+    torch does not allow.  Read from its opcodes (pickletools), never unpickled; only the strings pushed and memoized
+    are followed, which is enough to name what a GLOBAL, INST or STACK_GLOBAL imports."""
     allowed = {**torch._weights_only_unpickler._get_allowed_globals(),
                **torch._weights_only_unpickler._get_user_allowed_globals()}
     pushed: list[str | None] = []  # what each opcode pushed: a string, or None for anything else
@@ -435,8 +435,8 @@ def _code_in_pickle(loaded: Path | bytes) -> str | None:
                 refused = _refused_global(file)
                 if refused:
                     return refused
-    except (OSError, ValueError, EOFError, IndexError, struct.error, zipfile.BadZipFile):
-        pass  # a pickle damaged past the point torch read: its error says what it can
+    except (OSError, ValueError, EOFError, IndexError, MemoryError, struct.error, zipfile.BadZipFile, AttributeError):
+        pass  # damaged past the point torch read (or a length no file holds), or a torch without these tables
     return None
 
 
