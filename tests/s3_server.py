@@ -1,5 +1,5 @@
 """A real S3 API on loopback for the tests and the remote bench: moto's server in its own process,
-behind a small TCP proxy that can delay, cut or refuse requests on demand.
+behind a small TCP proxy that can delay, stall, cut, alter or refuse requests on demand.
 
 Tests import the fixtures (`from s3_server import s3_fixture, bucket_fixture` gives them `s3` and
 `bucket`); the bench starts the same pieces as processes (`python tests/s3_server.py --delay 0.02`
@@ -73,17 +73,32 @@ class Fault:
 
     `status`: answer with this HTTP status and S3 error `code` instead of forwarding the request.
     `drop_after`: forward the request, then close the connection after this many bytes of the response.
+    `stall`: hold the request this many seconds before forwarding it (a server that does not answer).
+    `flip_request_byte`: forward the request with this byte of its body inverted (an upload changed on the way).
+    `short_body`: answer a range GET with only this many bytes (zeros), said consistently in its headers.
     """
 
     status: int | None = None
     code: str = ""
     drop_after: int | None = None
+    stall: float = 0.0
+    flip_request_byte: int | None = None
+    short_body: int | None = None
     method: str | None = "GET"
     path: str = ""  # a substring of the request path, e.g. the object key
     times: int | None = 1
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or self.method == method) and self.path in path
+
+    @property
+    def kind(self) -> str:
+        """What the request log records for a request this fault hit."""
+        if self.status is not None:
+            return "status"
+        if self.short_body is not None:
+            return "short"
+        return "stall" if self.stall else "flip" if self.flip_request_byte is not None else "drop"
 
 
 @dataclass
@@ -123,7 +138,7 @@ class Gate:
 class Request:
     method: str
     path: str  # without the query string
-    fault: str  # "", "status", "drop"
+    fault: str  # "", or the kind of the Fault that hit it: "status", "short", "drop", "stall", "flip"
 
 
 class FaultProxy:
@@ -252,13 +267,25 @@ class FaultProxy:
                         client_writer.write(_error_response(fault.status, fault.code, method))
                         await client_writer.drain()
                         return  # the error response says Connection: close
-                    self._record(method, path, "drop" if fault is not None else "")
+                    if fault is not None and fault.short_body is not None:
+                        self._record(method, path, fault.kind)
+                        client_writer.write(_short_response(headers.get("range", ""), fault.short_body))
+                        await client_writer.drain()
+                        return
+                    self._record(method, path, fault.kind if fault is not None else "")
+                    if fault is not None and fault.stall:
+                        await asyncio.sleep(fault.stall)
                     if upstream is None or upstream[1].is_closing():
                         upstream = await asyncio.open_connection(HOST, self.upstream_port)
                         pump = asyncio.create_task(_copy_response(upstream[0], client_writer, cut))
                     cut.remaining = fault.drop_after if fault is not None else None
+                    flip = fault.flip_request_byte if fault is not None else None
                     upstream[1].write(head)
+                    sent = 0
                     async for piece in _body(client_reader, headers):
+                        if flip is not None and sent <= flip < sent + len(piece):
+                            piece = piece[:flip - sent] + bytes([piece[flip - sent] ^ 0xFF]) + piece[flip - sent + 1:]
+                        sent += len(piece)
                         upstream[1].write(piece)
                         await upstream[1].drain()
                     await upstream[1].drain()
@@ -342,6 +369,18 @@ def _error_response(status: int, code: str, method: str) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     return head if method == "HEAD" else head + body
+
+
+def _short_response(range_header: str, nbytes: int) -> bytes:
+    """206 Partial Content with `nbytes` zeros from the start of the range asked for (`bytes=START-STOP`), as S3
+    answers a range that runs past the end of the object."""
+    start = int(range_header.removeprefix("bytes=").split("-")[0] or 0)
+    head = (
+        f"HTTP/1.1 206 Partial Content\r\nContent-Type: binary/octet-stream\r\n"
+        f"Content-Range: bytes {start}-{start + nbytes - 1}/{start + nbytes}\r\nContent-Length: {nbytes}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    return head + bytes(nbytes)
 
 
 # --- what the tests use ---------------------------------------------------------------------------

@@ -1,15 +1,21 @@
 """Failures of a real S3 API, injected by the test proxy: transient ones are retried and counted,
-permanent ones raise at once naming the object, and a cut body is never returned as data."""
+permanent ones raise at once naming the object, a cut or short body is never returned as data, a stalled
+request fails in the time the retry policy states, and an upload changed on the way is never stored."""
 
 from __future__ import annotations
+
+import hashlib
+import re
+import time
 
 import numpy as np
 import pytest
 from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
-from h5feed.io import AccessDenied, IOStats, ObjectNotFound, ObjectUnavailable, RetryPolicy, S3Store
+from h5feed.io import AccessDenied, IOStats, ObjectNotFound, ObjectUnavailable, RetryPolicy, S3Store, TransferMismatch
 
 FAST = RetryPolicy(attempts=4, base=0.001, cap=0.01)
+STALLED = RetryPolicy(attempts=4, base=0.001, cap=0.01, timeout=1.0)
 READERS = ("obstore", "s3fs")
 DATA = np.random.default_rng(0).bytes(3_000_000)
 RANGES = [(0, 1_000_000), (1_000_000, 3_000_000)]
@@ -110,3 +116,79 @@ def test_an_unreachable_endpoint_says_so() -> None:
                     retry=RetryPolicy(attempts=2, base=0.001))
     with pytest.raises(ObjectUnavailable, match=r"^s3://bucket/hs.zarr/x: still failing after 2 attempts"):
         store.get_ranges("x", [(0, 1)])
+
+
+# =========================================================================== short bodies, deadlines, uploads
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_short_body_is_fetched_again_not_called_damage(s3: S3, bucket: str, reader: str) -> None:
+    """A range answered with fewer bytes than asked (said consistently in its headers) is a fresh request;
+    only an object that is short every time is reported as not the size expected."""
+    store = opened(s3, bucket, reader)
+    s3.proxy.add(Fault(short_body=1000, path="/shard", times=2))
+    assert [bytes(b) for b in store.get_ranges("shard", RANGES)] == [DATA[a:b] for a, b in RANGES]
+    assert retries(store) == 2
+    assert [r.fault for r in s3.proxy.requests("GET", "/shard")].count("short") == 2
+
+    s3.proxy.add(Fault(short_body=1000, path="/shard", times=None))
+    with pytest.raises(TransferMismatch) as err:
+        store.get_ranges("shard", [(0, 2_000_000)])
+    assert str(err.value) == (f"s3://{bucket}/shard: asked for bytes [0, 2000000) but got 1000: the object is not the "
+                              "size expected, so the store is damaged or another store's object is in its place; "
+                              "run `h5feed verify`")
+    assert len(s3.proxy.requests("GET", "/shard")) == 2 + 2 + FAST.attempts
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_stalled_read_fails_in_the_stated_time(s3: S3, bucket: str, reader: str) -> None:
+    store = opened(s3, bucket, reader, retry=STALLED)
+    s3.proxy.add(Fault(stall=20, path="/shard", times=None))
+    for read in (lambda: store.get_ranges("shard", RANGES), lambda: store.get("shard")):
+        started = time.monotonic()
+        with pytest.raises(ObjectUnavailable) as err:
+            read()
+        assert time.monotonic() - started < STALLED.timeout + 1.5
+        assert str(err.value) == (f"s3://{bucket}/shard: no answer in 1 s; check the endpoint and the network, or "
+                                  "raise H5FEED_REQUEST_TIMEOUT (seconds) for a slow link")
+
+
+def test_a_stalled_upload_fails_in_the_stated_time(s3: S3, bucket: str) -> None:
+    store = opened(s3, bucket, "s3fs", retry=STALLED)
+    s3.proxy.add(Fault(stall=20, method="PUT", path="/new", times=None))
+    for write in (lambda: store.put_atomic("new", DATA), lambda: store.put_if("new", DATA, None)):
+        started = time.monotonic()
+        with pytest.raises(ObjectUnavailable, match=f"^s3://{bucket}/new: no answer in 1 s; check the endpoint"):
+            write()
+        assert time.monotonic() - started < STALLED.timeout + 1.5
+
+
+def test_the_request_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("H5FEED_REQUEST_TIMEOUT", "2.5")
+    assert RetryPolicy().timeout == 2.5
+    monkeypatch.setenv("H5FEED_REQUEST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="^H5FEED_REQUEST_TIMEOUT='soon': expected the seconds one request may take"):
+        RetryPolicy()
+
+
+def test_an_upload_changed_on_the_way_is_sent_again(s3: S3, bucket: str) -> None:
+    """A PUT body changed on the way is refused by a server that checks its Content-MD5, or (moto, which does
+    not) stored under an ETag that is not the MD5 of the bytes sent: either way it is sent again, a conditional
+    PUT replacing exactly its own garbled object, and a body garbled every time is an error naming the object."""
+    store = opened(s3, bucket, "s3fs")
+    s3.proxy.add(Fault(flip_request_byte=1234, method="PUT", path="/new", times=2))
+    store.put_atomic("new", DATA)
+    assert s3.client.get_object(Bucket=bucket, Key="new")["Body"].read() == DATA
+    assert retries(store) == 2
+    s3.proxy.add(Fault(flip_request_byte=5, method="PUT", path="/lock", times=1))
+    etag = store.put_if("lock", b'{"holder": "me"}', None)
+    assert etag == s3.client.head_object(Bucket=bucket, Key="lock")["ETag"]
+    assert [r.fault for r in s3.proxy.requests("PUT")] == ["flip", "flip", "", "flip", ""]
+
+    s3.proxy.add(Fault(flip_request_byte=1234, method="PUT", path="/other", times=None))
+    with pytest.raises(TransferMismatch) as err:
+        store.put_atomic("other", DATA)
+    assert re.fullmatch(f"s3://{bucket}/other: the server stored other bytes than the 3000000 sent "
+                        f'\\(its ETag "[0-9a-f]{{32}}", their MD5 {hashlib.md5(DATA).hexdigest()}\\); check the '
+                        "endpoint and the network between", str(err.value))
+    assert len(s3.proxy.requests("PUT", "/other")) == FAST.attempts
