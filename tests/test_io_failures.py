@@ -192,3 +192,25 @@ def test_an_upload_changed_on_the_way_is_sent_again(s3: S3, bucket: str) -> None
                         f'\\(its ETag "[0-9a-f]{{32}}", their MD5 {hashlib.md5(DATA).hexdigest()}\\); check the '
                         "endpoint and the network between", str(err.value))
     assert len(s3.proxy.requests("PUT", "/other")) == FAST.attempts
+
+
+def test_a_store_converted_through_garbled_uploads_holds_the_bytes_of_a_clean_run(s3: S3, bucket: str, tmp_path):
+    """Shards, index and metadata PUT bodies changed on the way: the bucket's store is object for object the
+    local conversion's, and every garbled upload was sent again."""
+    import h5feed
+    from h5feed.synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "src", "speculators-legacy-pt", 4, 32, lengths=(10, 40), seed=3)
+    kwargs = {"workers": 0, "chunk_tokens": 16, "progress": False}
+    h5feed.convert(tmp_path / "src", tmp_path / "clean", **kwargs)
+    for part in ("/aux_hidden_states/c/", "/index/", "/zarr.json"):
+        s3.proxy.add(Fault(flip_request_byte=5, method="PUT", path=f"/store{part}", times=2))
+    report = h5feed.convert(tmp_path / "src", f"s3://{bucket}/store", storage_options=s3.storage_options,
+                            staging_dir=tmp_path / "staging", **kwargs)
+    assert report.num_samples == 4
+    assert [r.fault for r in s3.proxy.requests("PUT")].count("flip") == 6
+    keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket=bucket, Prefix="store/")["Contents"]]
+    published = {k[len("store/"):]: s3.client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+    clean = {p.relative_to(tmp_path / "clean").as_posix(): p.read_bytes()
+             for p in (tmp_path / "clean").rglob("*") if p.is_file()}
+    assert {k: v for k, v in published.items() if k in clean} == clean
