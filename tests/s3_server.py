@@ -143,7 +143,8 @@ class Request:
 
 class FaultProxy:
     """A TCP proxy for HTTP/1.1 on 127.0.0.1 that can add a delay to every request, answer chosen
-    requests with an error status, or cut chosen responses after some bytes.
+    requests with an error status or a short body, hold them, alter their bodies, or cut chosen
+    responses after some bytes (see `Fault`).
 
     It frames requests (head, then a Content-Length or chunked body) so that faults hit whole
     requests; responses are copied through as bytes.  It runs in a thread with its own event loop.

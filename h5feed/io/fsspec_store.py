@@ -1,8 +1,10 @@
 """Objects under any fsspec URL: s3://, gs://, az://, https:// (read-only), chained URLs, ...
 
 Credentials and endpoints come the way each fsspec backend takes them (environment, config
-files) plus `storage_options`.  Ranges are fetched as coroutines on fsspec's I/O loop for async
-backends (s3fs, gcsfs, adlfs, http), or from a thread pool for the others, `concurrency` at a time.
+files) plus `storage_options` (for s3://, as `S3Settings` resolves them).  Requests run as coroutines
+on fsspec's I/O loop for async backends (s3fs, gcsfs, adlfs, http), where the retry policy's timeout
+cancels a try that gets no answer, or from a thread pool for the others, `concurrency` at a time.
+Every write is checked: on S3 by the server (Content-MD5) and the ETag it answers, elsewhere read back.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from h5feed.io.objects import (
     Buffer,
@@ -32,7 +34,6 @@ from h5feed.io.objects import (
 )
 from h5feed.io.retry import DEFAULT_RETRY, RetryPolicy
 
-T = TypeVar("T")
 log = logging.getLogger("h5feed")
 
 # Where a single PUT is atomic (the object appears whole on completion); elsewhere write, then move.
@@ -60,11 +61,13 @@ class FsspecStore(ObjectStore):
 
     def _filesystem_options(self) -> dict[str, Any]:
         """The user's options, plus for S3: a connection pool as large as the concurrency, botocore's
-        silent retries off (every retry is ours, and counted), one GET per whole-object read
-        (`get_large` splits large ones itself), and no listings cache (another process may have written)."""
+        silent retries off (every retry is ours, and counted), its timeouts the retry policy's, one GET per
+        whole-object read (`get_large` splits large ones itself), and no listings cache (another process
+        may have written)."""
         options = dict(self.storage_options)
         if self.protocol in ("s3", "s3a"):
-            config = {"max_pool_connections": self.concurrency, "retries": {"total_max_attempts": 1}}
+            config = {"max_pool_connections": self.concurrency, "retries": {"total_max_attempts": 1},
+                      "connect_timeout": self.retry.timeout, "read_timeout": self.retry.timeout}
             options["config_kwargs"] = {**config, **options.get("config_kwargs", {})}
             options.setdefault("max_concurrency", 1)
             options.setdefault("use_listings_cache", False)
@@ -90,15 +93,16 @@ class FsspecStore(ObjectStore):
         return "/".join(part for part in (root, key) if part)
 
     def _call(self, key: str, method: str, *args: Any, check: Callable[[Any], Any] = lambda result: result,
-              nbytes: Callable[[Any], int] = lambda _: 0, **kwargs: Any) -> Any:
+              nbytes: Callable[[Any], int] = lambda _: 0, size: int = 0, **kwargs: Any) -> Any:
         """`fs.<method>(*args, **kwargs)` as one request with retries, counted.  `check` sees each answer and
-        raises TransferMismatch for one that went wrong on the way (retried).  On an async backend the
-        attempts run on its I/O loop, where the retry policy's timeout cancels one that gets no answer."""
+        raises TransferMismatch for one that went wrong on the way (retried); `size` is what the request moves
+        (a range's length, a PUT's body).  On an async backend the attempts run on its I/O loop, where the
+        retry policy cancels one that outlasts its deadline."""
         fs = self._client()[0]
         if getattr(fs, "async_impl", False) and hasattr(fs, f"_{method}"):
             from fsspec.asyn import sync
 
-            return sync(fs.loop, self._call_async, fs, key, method, args, kwargs, check, nbytes)
+            return sync(fs.loop, self._call_async, fs, key, method, args, kwargs, check, nbytes, size)
         stats = self.stats
 
         def attempt() -> Any:
@@ -110,7 +114,7 @@ class FsspecStore(ObjectStore):
         return self.retry.call(attempt, self.key_url(key), stats)
 
     async def _call_async(self, fs: Any, key: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                          check: Callable[[Any], Any], nbytes: Callable[[Any], int]) -> Any:
+                          check: Callable[[Any], Any], nbytes: Callable[[Any], int], size: int = 0) -> Any:
         stats = self.stats
 
         async def attempt() -> Any:
@@ -120,7 +124,7 @@ class FsspecStore(ObjectStore):
             return result
 
         async with self._client_slots:
-            return await self.retry.call_async(attempt, self.key_url(key), stats)
+            return await self.retry.call_async(attempt, self.key_url(key), stats, size)
 
     # --- reads -------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -135,12 +139,14 @@ class FsspecStore(ObjectStore):
             async def fetch_all() -> list[Buffer]:
                 return list(await asyncio.gather(*(
                     self._call_async(fs, key, "cat_file", (path,), {"start": start, "end": stop},
-                                     partial(check_length, url, start, stop), len) for start, stop in wanted)))
+                                     partial(check_length, url, start, stop), len, stop - start)
+                    for start, stop in wanted)))
 
             fetched = iter(sync(fs.loop, fetch_all))
         else:
             fetched = iter(self._client_pool.map(lambda r: self._call(
-                key, "cat_file", path, start=r[0], end=r[1], check=partial(check_length, url, *r), nbytes=len), wanted))
+                key, "cat_file", path, start=r[0], end=r[1], check=partial(check_length, url, *r), nbytes=len,
+                size=r[1] - r[0]), wanted))
         return [b"" if start == stop else next(fetched) for start, stop in ranges]
 
     def size(self, key: str) -> int:
@@ -183,10 +189,10 @@ class FsspecStore(ObjectStore):
     def _put_and_read_back(self, key: str, data: bytes) -> None:
         path = self._path(key)
         if self.protocol in _OBJECT_STORE_PROTOCOLS:
-            self._call(key, "pipe_file", path, data)
+            self._call(key, "pipe_file", path, data, size=len(data))
         else:
             tmp = f"{path}.{uuid.uuid4().hex[:8]}.h5feed-tmp"
-            self._call(key, "pipe_file", tmp, data)
+            self._call(key, "pipe_file", tmp, data, size=len(data))
             self._call(key, "mv", tmp, path)
         if self.get(key) != data:
             raise TransferMismatch(self.key_url(key), f"reads back other bytes than the {len(data)} written; "
@@ -217,7 +223,8 @@ class FsspecStore(ObjectStore):
                                             "between")
             return etag
 
-        return sync(fs.loop, self._call_async, fs, key, "call_s3", ("put_object",), request, stored, lambda _: 0)
+        return sync(fs.loop, self._call_async, fs, key, "call_s3", ("put_object",), request, stored, lambda _: 0,
+                    len(data))
 
     def put_if(self, key: str, data: bytes, etag: str | None) -> str | None:
         """A conditional PUT: create the object only if there is none (`etag` None: If-None-Match: *), or

@@ -6,9 +6,10 @@ and full jitter, a bounded number of times, and counted.  Permanent ones (403, 4
 or bucket) raise at once an ObjectError that names the object and what to do.  The libraries' own
 silent retries are switched off where they can be (see `fsspec_store`), so that every retry is counted here.
 
-Each attempt has `timeout` seconds (H5FEED_REQUEST_TIMEOUT, 30 by default) from its first byte sent to
-its last byte received: one with no answer by then fails the request at once, saying so, rather than
-being retried (a server that does not answer would multiply the wait).
+A try may wait `timeout` seconds (H5FEED_REQUEST_TIMEOUT, 30 by default) for an answer: the clients'
+connect and read timeouts are set to it, and on an async backend a whole try is cancelled after
+`deadline(nbytes)`.  A try that timed out fails the request at once, saying so, rather than being
+retried: a server that does not answer would multiply the wait.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import itertools
+import math
 import os
 import random
 import re
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from h5feed.io.objects import (
+    PART_BYTES,
     AccessDenied,
     IOCounters,
     ObjectError,
@@ -113,6 +116,12 @@ def _is_obstore_connection_error(exc: BaseException) -> bool:
     return type(exc).__name__ == "GenericError" and "HTTP error" in str(exc)
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    """A try that waited out a timeout (ours or a client's): no answer, rather than a wrong one."""
+    return any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__
+               or (type(e).__module__.startswith("obstore") and "TimedOut" in str(e)) for e in _chain(exc))
+
+
 def classify(exc: BaseException) -> Kind | None:
     """"transient", "missing", "denied", or None for a failure that is none of these (not retried)."""
     for e in _chain(exc):
@@ -161,13 +170,18 @@ def _timeout_from_environment() -> float:
 @dataclass(frozen=True)
 class RetryPolicy:
     """Up to `attempts` tries; before try n+1 a random wait in [0, min(cap, base * 2**n)] seconds
-    ("full jitter": clients that failed together do not retry together).  Each try has `timeout` seconds
-    (H5FEED_REQUEST_TIMEOUT when the policy is made): a try that used them all ends the request."""
+    ("full jitter": clients that failed together do not retry together).  A try may wait `timeout` seconds
+    for an answer (H5FEED_REQUEST_TIMEOUT when the policy is made); one that timed out ends the request."""
 
     attempts: int = 10
     base: float = 0.05
     cap: float = 5.0
     timeout: float = field(default_factory=_timeout_from_environment)
+
+    def deadline(self, nbytes: int = 0) -> float:
+        """Seconds a whole try that moves `nbytes` may take: `timeout` for each PART_BYTES, at least `timeout`
+        (a large body on a slow link takes its time; a server that does not answer fails in `timeout`)."""
+        return self.timeout * max(1, math.ceil(nbytes / PART_BYTES))
 
     def wait_after(self, exc: BaseException, attempt: int, url: str, stats: IOCounters, elapsed: float = 0.0) -> float:
         """Seconds to wait before retrying after failed try `attempt` (0-based) that took `elapsed` seconds,
@@ -178,7 +192,7 @@ class RetryPolicy:
         if isinstance(exc, ObjectError):
             raise exc
         kind = classify(exc)
-        if kind == "transient" and elapsed >= self.timeout:
+        if kind == "transient" and elapsed >= self.timeout and _is_timeout(exc):
             raise ObjectUnavailable(url, f"no answer in {self.timeout:g} s; check the endpoint and the network, or "
                                          f"raise {TIMEOUT_VARIABLE} (seconds) for a slow link") from exc
         if kind != "transient" or attempt + 1 >= self.attempts:
@@ -187,8 +201,7 @@ class RetryPolicy:
         return random.uniform(0, min(self.cap, self.base * 2**attempt))
 
     def call(self, fn: Callable[[], T], url: str, stats: IOCounters) -> T:
-        """`fn()` until it succeeds or fails for good.  The client must bound each try by `timeout` itself
-        (obstore's does, from this policy); `call_async` bounds them here."""
+        """`fn()` until it succeeds or fails for good; the client bounds each try with its own timeouts."""
         for attempt in itertools.count():
             started = time.monotonic()
             try:
@@ -197,12 +210,13 @@ class RetryPolicy:
                 time.sleep(self.wait_after(exc, attempt, url, stats, time.monotonic() - started))
         raise AssertionError("unreachable")
 
-    async def call_async(self, fn: Callable[[], Awaitable[T]], url: str, stats: IOCounters) -> T:
-        """`await fn()` until it succeeds or fails for good, each try cancelled after `timeout` seconds."""
+    async def call_async(self, fn: Callable[[], Awaitable[T]], url: str, stats: IOCounters, nbytes: int = 0) -> T:
+        """`await fn()` until it succeeds or fails for good, each try (moving `nbytes`) cancelled after its
+        `deadline`: a client's read timeout does not cover a body the server stopped reading."""
         for attempt in itertools.count():
             started = time.monotonic()
             try:
-                return await asyncio.wait_for(fn(), self.timeout)
+                return await asyncio.wait_for(fn(), self.deadline(nbytes))
             except Exception as exc:  # noqa: BLE001 (wait_after re-raises what is not worth a retry)
                 await asyncio.sleep(self.wait_after(exc, attempt, url, stats, time.monotonic() - started))
         raise AssertionError("unreachable")

@@ -177,8 +177,8 @@ class S3Store(FsspecStore):
             bucket, region=settings.region or self._bucket_region(bucket),
             client_options={"allow_http": bool(endpoint and endpoint.startswith("http://")),
                             "pool_max_idle_per_host": str(self.concurrency),
-                            "timeout": timeout, "connect_timeout": timeout},
-            retry_config={"max_retries": 0, "retry_timeout": timeout, "backoff": {  # ours retry, counted
+                            "connect_timeout": timeout, "read_timeout": timeout},  # no answer: fails in `timeout`
+            retry_config={"max_retries": 0, "retry_timeout": timedelta(minutes=3), "backoff": {  # ours retry, counted
                 "init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2.0}},
             **config,
         )
