@@ -107,3 +107,28 @@ def test_the_settings_are_resolved_once_and_travel(two_copies, s3: S3, other_s3:
     from_env = S3Store(url, {"key": "testing", "secret": "testing"})
     assert from_env.settings == S3Settings(endpoint_url=other_s3.proxy.url, region="eu-west-3", key="testing",
                                            secret="testing")
+
+
+def test_explicit_options_win_over_the_environment_and_the_rest_comes_from_it(caplog) -> None:
+    env = {"AWS_ENDPOINT_URL": "http://general:1", "AWS_ENDPOINT_URL_S3": "http://s3-only:2",
+           "AWS_DEFAULT_REGION": "eu-north-1", "AWS_REGION": "eu-west-3", "AWS_PROFILE": "theirs"}
+    caplog.set_level(logging.WARNING, "h5feed")
+    assert S3Settings.resolve("s3://b/x", {}, env) == S3Settings(endpoint_url="http://s3-only:2", region="eu-west-3")
+    assert S3Settings.resolve("s3://b/x", {}, {"AWS_ENDPOINT_URL": "http://general:1"}).endpoint_url == \
+        "http://general:1"
+    assert caplog.records == []  # nothing to choose between
+    options = {"client_kwargs": {"endpoint_url": "http://mine:3", "region_name": "ap-south-1"}, "profile": "mine",
+               "anon": True}
+    assert S3Settings.resolve("s3://b/y", options, env) == S3Settings(
+        endpoint_url="http://mine:3", region="ap-south-1", profile="mine", anon=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        ("s3://b/y: storage_options' endpoint_url http://mine:3 wins over AWS_ENDPOINT_URL_S3=http://s3-only:2 from "
+        "the environment; unset one of them to silence this"),
+        ("s3://b/y: storage_options' profile mine wins over AWS_PROFILE=theirs from the environment; unset one of "
+        "them to silence this"),
+        ("s3://b/y: storage_options' client_kwargs.region_name ap-south-1 wins over AWS_REGION=eu-west-3 from the "
+        "environment; unset one of them to silence this"),
+    ]
+    S3Settings.resolve("s3://b/y", options, env)
+    assert len(caplog.records) == 3  # once
+    assert "testing" not in repr(S3Settings(key="k", secret="testing", token="testing"))

@@ -68,13 +68,15 @@ class S3Settings:
 
     @classmethod
     def resolve(cls, url: str, options: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> S3Settings:
-        """The storage options' settings, and the environment's for what they leave open; a setting given in
-        both, differently, is said once in the log (the storage options win)."""
+        """The storage options' settings, and `environ`'s for what they leave open (a region in the profile's
+        config file as botocore finds it); a setting given in both, differently, is said once in the log
+        (the storage options win)."""
         client_kwargs = options.get("client_kwargs", {})
         endpoint = _explicit_or_environment(url, "endpoint_url", options.get("endpoint_url")
                                             or client_kwargs.get("endpoint_url"),
                                             environ, ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
-        profile = options.get("profile")
+        profile = options.get("profile")  # else botocore takes AWS_PROFILE itself, in every client alike
+        _explicit_or_environment(url, "profile", profile, environ, ("AWS_PROFILE",))
         region = _explicit_or_environment(url, "client_kwargs.region_name", client_kwargs.get("region_name"),
                                           environ, ("AWS_REGION", "AWS_DEFAULT_REGION"))
         if region is None:  # a region in the profile's config file, as boto finds it
@@ -105,7 +107,8 @@ class S3Settings:
 
 def _explicit_or_environment(url: str, option: str, explicit: str | None, environ: Mapping[str, str],
                              variables: tuple[str, ...]) -> str | None:
-    """The explicit setting, else the first of the environment's `variables` that is set."""
+    """The explicit setting, else the first of the environment's `variables` that is set; both, and different,
+    is said once in the log."""
     found = next(((name, environ[name]) for name in variables if environ.get(name)), None)
     if explicit and found and found[1] != explicit:
         _say_once(f"{url}: storage_options' {option} {explicit} wins over {found[0]}={found[1]} from the "
