@@ -167,7 +167,7 @@ def test_the_request_timeout_comes_from_the_environment(monkeypatch: pytest.Monk
     monkeypatch.setenv("H5FEED_REQUEST_TIMEOUT", "2.5")
     assert RetryPolicy().timeout == 2.5
     monkeypatch.setenv("H5FEED_REQUEST_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="^H5FEED_REQUEST_TIMEOUT='soon': expected the seconds one request may take"):
+    with pytest.raises(ValueError, match="^H5FEED_REQUEST_TIMEOUT='soon': expected the seconds a request may wait"):
         RetryPolicy()
 
 

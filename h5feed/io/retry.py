@@ -163,7 +163,8 @@ def _timeout_from_environment() -> float:
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_VARIABLE}={text!r}: expected the seconds one request may take, e.g. 30")
+        raise ValueError(f"{TIMEOUT_VARIABLE}={text!r}: expected the seconds a request may wait for an answer, "
+                         "e.g. 30")
     return seconds
 
 
