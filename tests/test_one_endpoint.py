@@ -75,9 +75,9 @@ def test_every_reader_uses_the_endpoint_in_storage_options(two_copies, s3: S3, o
         assert torch.equal(got.last_hidden_state, want.last_hidden_state)
 
     want = [HiddenStatesDataset(local)[i] for i in range(N)]
-    for cache_dir in (None, tmp_path / "cache"):
+    for cache_dir, method in ((None, "spawn"), (tmp_path / "cache", "spawn"), (None, "fork")):
         dataset = HiddenStatesDataset(url, storage_options=options, cache_dir=cache_dir)
-        got = list(DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+        got = list(DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=method))
         assert len(got) == N and all(same(g, w) for g, w in zip(got, want))
 
     kwargs = {"flavor": "speculators", "max_len": 64, "batch_size": 2, "seed": 3}
