@@ -214,3 +214,25 @@ def test_a_store_converted_through_garbled_uploads_holds_the_bytes_of_a_clean_ru
     clean = {p.relative_to(tmp_path / "clean").as_posix(): p.read_bytes()
              for p in (tmp_path / "clean").rglob("*") if p.is_file()}
     assert {k: v for k, v in published.items() if k in clean} == clean
+
+
+def test_elsewhere_an_upload_is_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend without checksums (fsspec's memory filesystem, whose first write is garbled here): the object
+    is read back, and written again when it differs."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from h5feed.io import FsspecStore
+
+    writes: list[bytes] = []
+    write = MemoryFileSystem.pipe_file
+
+    def garbled_once(self, path, value, *args, **kwargs):
+        writes.append(value)
+        return write(self, path, value[::-1] if len(writes) == 1 else value, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", garbled_once)
+    store = FsspecStore("memory://h5feed-read-back/hs.zarr", retry=FAST)
+    store.stats = IOStats()
+    store.put_atomic("shard", DATA[:1000])
+    assert store.get("shard") == DATA[:1000] and writes == [DATA[:1000]] * 2 and retries(store) == 1
+    assert store.list() == {"shard": 1000}  # no temporary file left
