@@ -75,7 +75,8 @@ class Fault:
     `drop_after`: forward the request, then close the connection after this many bytes of the response.
     `stall`: hold the request this many seconds before forwarding it (a server that does not answer).
     `flip_request_byte`: forward the request with this byte of its body inverted (an upload changed on the way).
-    `short_body`: answer a range GET with only this many bytes (zeros), said consistently in its headers.
+    `short_body`: answer a range GET with at most this many bytes (zeros; fewer than asked), said consistently
+    in its headers.
     """
 
     status: int | None = None
@@ -373,9 +374,11 @@ def _error_response(status: int, code: str, method: str) -> bytes:
 
 
 def _short_response(range_header: str, nbytes: int) -> bytes:
-    """206 Partial Content with `nbytes` zeros from the start of the range asked for (`bytes=START-STOP`), as S3
-    answers a range that runs past the end of the object."""
-    start = int(range_header.removeprefix("bytes=").split("-")[0] or 0)
+    """206 Partial Content with at most `nbytes` zeros (always fewer than asked) from the start of the range
+    asked for (`bytes=START-LAST`), as S3 answers a range that runs past the end of the object."""
+    first, _, last = range_header.removeprefix("bytes=").partition("-")
+    start = int(first or 0)
+    nbytes = min(nbytes, int(last) - start) if last else nbytes
     head = (
         f"HTTP/1.1 206 Partial Content\r\nContent-Type: binary/octet-stream\r\n"
         f"Content-Range: bytes {start}-{start + nbytes - 1}/{start + nbytes}\r\nContent-Length: {nbytes}\r\n"

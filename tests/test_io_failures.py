@@ -236,3 +236,25 @@ def test_elsewhere_an_upload_is_read_back(monkeypatch: pytest.MonkeyPatch) -> No
     store.put_atomic("shard", DATA[:1000])
     assert store.get("shard") == DATA[:1000] and writes == [DATA[:1000]] * 2 and retries(store) == 1
     assert store.list() == {"shard": 1000}  # no temporary file left
+
+
+def test_a_sample_whose_chunk_came_short_is_read_again_not_skipped(s3: S3, bucket: str, synthetic_store) -> None:
+    """Through the Store, with on_corrupt="skip": a short body is a fresh request, and the sample delivered
+    is the bucket's own (not another in its place, not an error)."""
+    import torch
+
+    from h5feed import HiddenStatesDataset
+
+    local = synthetic_store("short-bodies", "speculators-legacy-pt", 3, 32, [20, 30, 40], codec="none", seed=4)
+    for path in sorted(local.path.rglob("*")):
+        if path.is_file():
+            s3.client.put_object(Bucket=bucket, Key=f"hs.zarr/{path.relative_to(local.path).as_posix()}",
+                                 Body=path.read_bytes())
+    dataset = HiddenStatesDataset(f"s3://{bucket}/hs.zarr", storage_options=s3.storage_options, on_corrupt="skip")
+    s3.proxy.reset()
+    s3.proxy.add(Fault(short_body=100, path="/aux_hidden_states/c/", times=2))
+    want = HiddenStatesDataset(local.path)
+    for i in range(3):
+        got = dataset[i]
+        assert all(torch.equal(got[k], want[i][k]) for k in got if isinstance(got[k], torch.Tensor))
+    assert [r.fault for r in s3.proxy.requests("GET")].count("short") == 2
