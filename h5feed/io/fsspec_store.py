@@ -200,8 +200,8 @@ class FsspecStore(ObjectStore):
 
     def _put_object(self, key: str, data: bytes, condition: dict[str, str]) -> str:
         """One S3 PUT, checked twice: Content-MD5 has the server refuse a body changed on the way (BadDigest,
-        retried), and the ETag it answers, the MD5 of what it stored, must be the MD5 of the bytes sent
-        (except under SSE-KMS or SSE-C, whose ETags are not MD5s).  Returns the ETag."""
+        retried), and the ETag it answers, the MD5 of what it stored, must be the MD5 of the bytes sent (where
+        it is one: not under SSE-KMS or SSE-C).  Returns the ETag."""
         from fsspec.asyn import sync
 
         fs, path, url = self._client()[0], self._path(key), self.key_url(key)
@@ -212,9 +212,7 @@ class FsspecStore(ObjectStore):
 
         def stored(response: dict[str, Any]) -> str:
             etag = str(response.get("ETag", ""))
-            not_md5 = str(response.get("ServerSideEncryption", "")).startswith("aws:kms") or \
-                "SSECustomerAlgorithm" in response
-            if not not_md5 and etag.strip('"') != md5.hexdigest():
+            if _etag_is_md5(response) and etag.strip('"') != md5.hexdigest():
                 if condition:  # our write went in, garbled: the next try replaces exactly it (each try reads `request`)
                     request.pop("IfNoneMatch", None)
                     request["IfMatch"] = etag
@@ -265,6 +263,13 @@ class FsspecStore(ObjectStore):
 
 
 _warned_unconditional: list[str] = []
+
+
+def _etag_is_md5(response: dict[str, Any]) -> bool:
+    """Whether a single-part PUT's ETag is the MD5 of the object: not under SSE-KMS or SSE-C, and not absent
+    (a server without ETags is trusted to have checked the Content-MD5 it was sent)."""
+    encrypted = str(response.get("ServerSideEncryption", "")).startswith("aws:kms") or "SSECustomerAlgorithm" in response
+    return bool(response.get("ETag")) and not encrypted
 
 
 def _precondition_failed(exc: BaseException) -> bool:
