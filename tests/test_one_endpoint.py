@@ -122,13 +122,27 @@ def test_explicit_options_win_over_the_environment_and_the_rest_comes_from_it(ca
     assert S3Settings.resolve("s3://b/y", options, env) == S3Settings(
         endpoint_url="http://mine:3", region="ap-south-1", profile="mine", anon=True)
     assert [r.getMessage() for r in caplog.records] == [
-        ("s3://b/y: storage_options' endpoint_url http://mine:3 wins over AWS_ENDPOINT_URL_S3=http://s3-only:2 from "
-        "the environment; unset one of them to silence this"),
         ("s3://b/y: storage_options' profile mine wins over AWS_PROFILE=theirs from the environment; unset one of "
         "them to silence this"),
+        ("s3://b/y: storage_options' endpoint_url http://mine:3 wins over AWS_ENDPOINT_URL_S3=http://s3-only:2 from "
+        "the environment; unset one of them to silence this"),
         ("s3://b/y: storage_options' client_kwargs.region_name ap-south-1 wins over AWS_REGION=eu-west-3 from the "
         "environment; unset one of them to silence this"),
     ]
     S3Settings.resolve("s3://b/y", options, env)
     assert len(caplog.records) == 3  # once
     assert "testing" not in repr(S3Settings(key="k", secret="testing", token="testing"))
+
+
+def test_an_endpoint_in_the_aws_config_file_reaches_every_client(tmp_path, monkeypatch) -> None:
+    """botocore (s3fs) honours an endpoint in the profile's `services` section; obstore would not read it."""
+    config = tmp_path / "config"
+    config.write_text("[profile lab]\nservices = lab-services\nregion = eu-south-2\n\n"
+                      "[services lab-services]\ns3 =\n  endpoint_url = http://lab:9000\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert S3Settings.resolve("s3://b/x", {"profile": "lab"}) == S3Settings(
+        endpoint_url="http://lab:9000", region="eu-south-2", profile="lab")
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert S3Settings.resolve("s3://b/x", {"profile": "lab"}).endpoint_url is None

@@ -68,21 +68,25 @@ class S3Settings:
 
     @classmethod
     def resolve(cls, url: str, options: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> S3Settings:
-        """The storage options' settings, and `environ`'s for what they leave open (a region in the profile's
-        config file as botocore finds it); a setting given in both, differently, is said once in the log
-        (the storage options win)."""
+        """The storage options' settings, and for what they leave open `environ`'s, then the profile's in the
+        AWS config file (an endpoint in its `services` section, a region), as botocore finds them; a setting
+        given in both, differently, is said once in the log (the storage options win)."""
+        import botocore.session
+
         client_kwargs = options.get("client_kwargs", {})
-        endpoint = _explicit_or_environment(url, "endpoint_url", options.get("endpoint_url")
-                                            or client_kwargs.get("endpoint_url"),
-                                            environ, ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
         profile = options.get("profile")  # else botocore takes AWS_PROFILE itself, in every client alike
         _explicit_or_environment(url, "profile", profile, environ, ("AWS_PROFILE",))
+        session = botocore.session.Session(profile=profile)
+        explicit_endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+        endpoint = _explicit_or_environment(url, "endpoint_url", explicit_endpoint, environ,
+                                            ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
+        if not explicit_endpoint and session.get_config_variable("ignore_configured_endpoint_urls"):
+            endpoint = None
+        elif endpoint is None:
+            endpoint = _config_file_endpoint(session)
         region = _explicit_or_environment(url, "client_kwargs.region_name", client_kwargs.get("region_name"),
                                           environ, ("AWS_REGION", "AWS_DEFAULT_REGION"))
-        if region is None:  # a region in the profile's config file, as boto finds it
-            import botocore.session
-
-            region = botocore.session.Session(profile=profile).get_config_variable("region")
+        region = region or session.get_config_variable("region")
         if options.get("key") and environ.get("AWS_ACCESS_KEY_ID"):
             _say_once(f"{url}: storage_options' key and secret win over AWS_ACCESS_KEY_ID from the environment")
         return cls(endpoint_url=endpoint, region=region or ("us-east-1" if endpoint else None),
@@ -114,6 +118,18 @@ def _explicit_or_environment(url: str, option: str, explicit: str | None, enviro
         _say_once(f"{url}: storage_options' {option} {explicit} wins over {found[0]}={found[1]} from the "
                   "environment; unset one of them to silence this")
     return explicit or (found[1] if found else None)
+
+
+def _config_file_endpoint(session: Any) -> str | None:
+    """The S3 endpoint the profile's config names (its `services` section's, else its own), as botocore reads it."""
+    import botocore.exceptions
+
+    try:
+        scoped = session.get_scoped_config()
+    except botocore.exceptions.ProfileNotFound:  # s3fs says so, naming the profile, on its first request
+        return None
+    services = session.full_config.get("services", {}).get(scoped.get("services", ""), {})
+    return services.get("s3", {}).get("endpoint_url") or scoped.get("endpoint_url")
 
 
 _said: set[str] = set()
