@@ -17,6 +17,8 @@ trainer's process makes and, when CUDA is available, page-locks once.
   event recorded at that moment has completed (the copy to the GPU is done).
 - A trainer that keeps more batches than the ring holds gets the rest in fresh memory
   (with a warning), never a slot still in use.
+- The ring's memory goes back when the loader does (`close()`, the end of a `with` block, or
+  the loader being garbage-collected), once the trainer has dropped the batches it still holds.
 """
 
 from __future__ import annotations
@@ -35,20 +37,25 @@ from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import reduction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
-from h5feed.datasets import HiddenStatesStream
+from h5feed.datasets import HiddenStatesStream, naming_dead_workers
+from h5feed.errors import CorruptSampleError
+from h5feed.metrics import WorkerCounters
 from h5feed.store import (
     BufferPool,
     ReadStats,
     Store,
     shared_allocator,
 )
+
+if TYPE_CHECKING:  # typing.Self is 3.11+
+    from typing_extensions import Self
 
 FREE, FILLING, FILLED, DRAINING = 0, 1, 2, 3  # a slot's states; FREE->FILLED by its writer, then back by the trainer
 _ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
@@ -96,7 +103,7 @@ class SlotRing:
         self.count, self.slot_bytes, self.dirty_fields = count, slot_bytes, dirty_fields
         self.fd = os.memfd_create("h5feed-batch-slots")
         os.ftruncate(self.fd, self._slot_offset(count))
-        self.page_locked_at: int | None = None
+        self.page_locked_at: int | None = None  # the address cudaHostRegister was given, in this process only
         self._pid: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -178,21 +185,83 @@ class SlotRing:
             return
         self.page_locked_at = start
 
-    def unlock(self) -> None:
-        if self.page_locked_at is not None:
+    def free(self) -> None:
+        """Give the memory back: unlock it, drop this process's maps of it and close its file (again: nothing).
+
+        Only once nothing reads a slot any more (no batch tensor, no copy to the GPU): the pages go with
+        the last map of the file in any process, and a worker's maps go with the worker."""
+        if self.page_locked_at is not None and self._pid == os.getpid():  # a forked child's copy is not locked
             torch.cuda.cudart().cudaHostUnregister(self.page_locked_at)
-            self.page_locked_at = None
+        self.page_locked_at = None
+        for mapped in ("states", "dirty", "_whole", "_writable"):
+            self.__dict__.pop(mapped, None)
+        self._pid = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class SlotReturns:
+    """Gives a ring's slots back once nothing reads them, and at the end the ring's memory.
+
+    Without CUDA a slot is free once its batch is dropped.  With CUDA, a copy to the GPU queued
+    on the current stream may still read it: the slot is DRAINING until an event recorded at the
+    drop has completed, which one thread waits for, in drop order; the ring itself is freed
+    behind the last of them.
+    """
+
+    def __init__(self, ring: SlotRing) -> None:
+        self.ring = ring
+        self._pending: queue.SimpleQueue[tuple[int, Any] | None] | None = None  # made with the first CUDA drop
+        self._lock = threading.Lock()
+
+    def give_back(self, slot: int) -> None:
+        if not torch.cuda.is_initialized():
+            self.ring.states[slot] = FREE
+            return
+        self.ring.states[slot] = DRAINING
+        event = torch.cuda.Event()
+        event.record()
+        self._queue().put((slot, event))
+
+    def free_ring(self) -> None:
+        """Free the ring now, or, where copies to the GPU are pending, once they have completed."""
+        with self._lock:
+            if self._pending is None:
+                self.ring.free()
+            else:
+                self._pending.put(None)
+
+    def _queue(self) -> queue.SimpleQueue[tuple[int, Any] | None]:
+        with self._lock:
+            if self._pending is None:
+                self._pending = queue.SimpleQueue()
+                threading.Thread(target=self._drain, args=(self._pending,), daemon=True,
+                                 name="h5feed-slot-release").start()
+            return self._pending
+
+    def _drain(self, pending: queue.SimpleQueue[tuple[int, Any] | None]) -> None:
+        while (returned := pending.get()) is not None:
+            slot, event = returned
+            event.synchronize()
+            self.ring.states[slot] = FREE
+        self.ring.free()
 
 
 @dataclass
 class FilledBatch:
-    """What a writer passes on: the slot it filled and the shapes in it, or (no slot free) the batch itself."""
+    """What a writer passes on: the slot it filled and the shapes in it, or (no slot free) the batch itself;
+    neither when every sample of the batch was damaged and skipped (on_corrupt="skip")."""
 
     slot: int | None
     specs: dict[str, TensorSpec]
     extras: dict[str, Any]  # the batch's non-tensor values (error_records)
-    samples: int
+    samples: int  # the schedule's samples it stands for, skipped ones included (the resume position counts them)
     batch: Batch | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.slot is None and self.batch is None
 
 
 @dataclass
@@ -222,8 +291,31 @@ class BatchWriter:
             self.stream.store.will_need(i, self.stream._tokens_to_read(i))
 
     def write(self, indices: Sequence[int], slot: int | None) -> FilledBatch:
-        store, collate = self.stream.store, self.collate
+        """The batch of these samples, in `slot` (None: fresh memory).
+
+        With on_corrupt="skip" a damaged sample is left out and the batch is made again from the
+        sound rest, in their order: the batch is smaller, the batches after it are as scheduled, and
+        one of nothing but damaged samples is passed on empty (the trainer gets no batch for it).
+        """
         counters = self.stream.counters.worker()
+        sound = list(indices)
+        while True:
+            try:
+                return self._fill(sound, slot, len(indices), counters)
+            except CorruptSampleError as error:
+                if error.sample not in sound:
+                    raise
+                self.stream.skip_damaged(error, counters)  # raises it with on_corrupt="raise"
+                sound.remove(error.sample)
+                if slot is not None:  # rows of the abandoned attempt may lie past the slot's marks
+                    self.ring.dirty[slot] = np.iinfo(np.int64).max
+
+    def _fill(self, indices: list[int], slot: int | None, scheduled: int, counters: WorkerCounters) -> FilledBatch:
+        if not indices:
+            if slot is not None:
+                self.ring.states[slot] = FREE
+            return FilledBatch(None, {}, {}, scheduled)
+        store, collate = self.stream.store, self.collate
         tokens = [int(store.sample_lengths[i]) for i in indices]
         plan = collate.plan([collate.item_rows(t) for t in tokens])
         specs = collate.specs(plan, self.trailing)
@@ -241,6 +333,7 @@ class BatchWriter:
                     dest = batch[rk.key][place.row, place.offset : place.offset + rows]
                     self._decode(i, rk.array, rk.shift, dest, counters)
                 written[rk.key][place.row] = place.offset + rows
+        for i, place in zip(indices, plan.placements):  # counted once the batch is whole: a retry counts none twice
             counters.end_sample(i, place.count)
         for n, rk in enumerate(collate.row_keys):
             dirty = None if slot is None else int(self.ring.dirty[slot, n])
@@ -250,10 +343,10 @@ class BatchWriter:
         collate.derive_rows(batch, plan)
         collate.write_summary(batch, plan)
         if slot is None:
-            return FilledBatch(None, specs, {}, len(indices), batch)
+            return FilledBatch(None, specs, {}, scheduled, batch)
         self.ring.states[slot] = FILLED
         extras = {key: value for key, value in batch.items() if key not in specs}
-        return FilledBatch(slot, specs, extras, len(indices))
+        return FilledBatch(slot, specs, extras, scheduled)
 
     def _decode(self, i: int, array: str, start: int, dest: torch.Tensor, stats: ReadStats) -> None:
         """Stored rows [start, start + len(dest)) into `dest`: in place when it has the stored dtype
@@ -338,7 +431,11 @@ class BatchLoader:
         slots_per_worker: slots each worker (or the threads) may fill; the default,
             prefetch + 2, covers a trainer that holds the batch it is given.
         multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
-        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
+        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, on_corrupt, ...).
+
+    With on_corrupt="skip", a batch is its scheduled samples less the damaged ones (see `BatchWriter.write`).
+    A worker that dies raises a `WorkerDiedError` naming it, its pid and the sample it was reading.
+    `close()` (or the end of a `with` block) gives the ring's memory back; so does dropping the loader.
     """
 
     def __init__(
@@ -392,7 +489,9 @@ class BatchLoader:
         self._handed_out: set[int] = set()  # slots whose batch the trainer may still hold
         self._lock = threading.RLock()  # _release runs from finalizers, which may fire while it is held
         self._pid = os.getpid()
-        self._drain_queue: queue.SimpleQueue[tuple[int, Any]] | None = None
+        self._returns = SlotReturns(ring)
+        self._free_ring = weakref.finalize(self, self._returns.free_ring)  # at close(), or when the loader goes
+        self._closed = False
         self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # weak: a dropped pass ends at once
         self._warned = False
 
@@ -417,13 +516,32 @@ class BatchLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         """One pass over this rank's batches; starting another ends the one before."""
-        self.close()
+        if self._closed:
+            raise ValueError("this BatchLoader is closed (its batch memory was given back): make a new one")
+        self._end_pass()
         batches = self._batches()
         self._active = weakref.ref(batches)
         return batches
 
     def close(self) -> None:
-        """End the current pass (its workers or threads stop); slots it had filled go back to the ring."""
+        """End the current pass (its workers or threads stop) and give the ring's memory back, at once or, while
+        the trainer still holds batches of it, when it drops the last.  The loader cannot be iterated again."""
+        if self._closed:
+            return
+        self._end_pass()
+        with self._lock:
+            self._closed = True
+            if not self._handed_out:
+                self._free_ring()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _end_pass(self) -> None:
+        """Stop the current pass's workers or threads; slots it had filled go back to the ring."""
         active = self._active() if self._active is not None else None
         if active is not None:
             active.close()
@@ -442,6 +560,9 @@ class BatchLoader:
         feed = self._from_workers() if self.num_workers else self._from_threads()
         try:
             for filled in feed:
+                if filled.empty:  # every sample of it was damaged and skipped: the position still moves past it
+                    stream.note_consumed(filled.samples)
+                    continue
                 batch = self._deliver(filled)
                 stream.note_consumed(filled.samples)
                 yield batch
@@ -457,7 +578,8 @@ class BatchLoader:
         )
         iterator = iter(loader)
         try:
-            yield from iterator
+            with naming_dead_workers(iterator, self.dataset):
+                yield from iterator
         finally:
             iterator._shutdown_workers()  # type: ignore[attr-defined]
 
@@ -514,33 +636,12 @@ class BatchLoader:
         return self.collate.finish(batch)
 
     def _release(self, slot: int) -> None:
-        """Nothing refers to the slot's batch any more.  If CUDA is in use, a copy to the GPU queued on the
-        current stream may still read it: the slot is free once an event recorded now has completed."""
+        """Nothing refers to the slot's batch any more: it goes back to the ring (`SlotReturns`), and after the
+        loader was closed, the last one to go takes the ring's memory with it."""
         if os.getpid() != self._pid:  # a forked child's copy of this loader must not touch the ring
             return
-        ring = self._writer.ring
         with self._lock:
             self._handed_out.discard(slot)
-            if not torch.cuda.is_initialized():
-                ring.states[slot] = FREE
-                return
-            ring.states[slot] = DRAINING
-            if self._drain_queue is None:
-                self._drain_queue = queue.SimpleQueue()
-                threading.Thread(target=_drain, args=(self._drain_queue, ring.states), daemon=True,
-                                 name="h5feed-slot-release").start()
-        event = torch.cuda.Event()
-        event.record()
-        self._drain_queue.put((slot, event))
-
-    def __del__(self) -> None:
-        if getattr(self, "_pid", None) == os.getpid() and not getattr(self, "_handed_out", True):
-            self._writer.ring.unlock()
-
-
-def _drain(pending: queue.SimpleQueue[tuple[int, Any]], states: np.ndarray) -> None:
-    """Free each slot once the GPU has passed the event recorded when its batch was released."""
-    while True:
-        slot, event = pending.get()
-        event.synchronize()
-        states[slot] = FREE
+            self._returns.give_back(slot)
+            if self._closed and not self._handed_out:
+                self._free_ring()

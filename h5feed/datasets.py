@@ -10,26 +10,42 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert, get_worker_info
 
-from h5feed.errors import CorruptSampleError, StoreError
+from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
-from h5feed.metrics import LoaderCounters
+from h5feed.metrics import LoaderCounters, WorkerCounters
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 
 SampleSelector = Sequence[int | str | os.PathLike[str]]
 OnCorrupt = Literal["raise", "skip"]
 log = logging.getLogger(__name__)
+_REAP_SECONDS = 1.0  # how long a worker whose pipe broke may take to show as dead
+
+
+@dataclass(frozen=True)
+class SkippedSample:
+    """What a stream read by a `StreamLoader` yields in place of a damaged sample it skipped (on_corrupt="skip").
+
+    It keeps every DataLoader batch to its scheduled samples, so a skip neither shifts nor
+    reorders the batches after it; the loader's collate never sees it.
+    """
+
+    index: int  # the store index of the damaged sample
 
 
 def split_samples(
@@ -180,15 +196,19 @@ class _FlavoredReader:
         try:
             raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead,
                                          extras=self._extras)
-        except CorruptSampleError as exc:
-            if self.on_corrupt == "raise":
-                raise
-            counters.skip_corrupt(store_index)
-            log.error("skipping a damaged sample (on_corrupt='skip'): %s", exc)
+        except CorruptSampleError as error:
+            self.skip_damaged(error, counters)
             return None
         item = self.flavor.build(raw, self.store.info, self.hidden_states_dtype, self.transform, allocate)
         counters.end_sample(store_index, tokens)
         return item
+
+    def skip_damaged(self, error: CorruptSampleError, counters: WorkerCounters) -> None:
+        """The one policy for a damaged sample: raise its error, or (on_corrupt="skip") count it, log it and go on."""
+        if self.on_corrupt == "raise":
+            raise error
+        counters.skip_corrupt(error.sample)
+        log.error("skipping a damaged sample (on_corrupt='skip'): %s", error)
 
 
 class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
@@ -209,7 +229,11 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         on_corrupt: what to do with a sample whose stored bytes fail their checksums: "raise" (default) a
             `CorruptSampleError` naming the sample, its source file and the damaged object, or "skip" it,
             count it (`counters.snapshot()`, the monitor) and log it. The Dataset then serves the next
-            sound sample of its selection in its place; the Stream leaves it out.
+            sound sample of its selection in its place (an index must give an item); the Stream leaves
+            it out, and the batches of a StreamLoader or BatchLoader are the schedule's, each less its
+            damaged samples (smaller; none for a batch of damaged samples only): a skip moves no later
+            batch, and the resume position counts skipped samples as passed.  (A plain DataLoader over
+            the Stream batches what its workers yield: after a skip its batches shift; use StreamLoader.)
         shared_memory: decode into shared memory inside DataLoader workers. Right when items are
             handed on uncollated (batch_size=None): the hand-off then passes a file descriptor, not
             a copy. Wrong when the collate copies anyway (speculators', SpecForge's): fresh shared
@@ -318,6 +342,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         self._start = 0  # position in the epoch order where this iteration starts (resume)
         self._consumed = 0  # items of this rank taken by the trainer since _start (main process)
         self._counted_by_loader = False  # a StreamLoader counts batches instead
+        self._stands_in_for_skips = False  # a StreamLoader keeps its batches to the schedule (SkippedSample)
 
     # --- order and sharding ------------------------------------------------------------------
     def rank_and_world_size(self) -> tuple[int, int]:
@@ -381,7 +406,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         self.epoch, self._start, self._consumed = int(state["epoch"]), int(state["position"]), 0
 
     # --- iteration ---------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Item]:
+    def __iter__(self) -> Iterator[Item | SkippedSample]:
         sequence = self._worker_sequence()
         counting = get_worker_info() is None and not self._counted_by_loader
         if counting:
@@ -391,11 +416,13 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
                 self._consumed += 1  # before the yield: the item is the trainer's once it has it
             yield item
 
-    def _prefetched(self, sequence: list[int]) -> Iterator[Item]:
+    def _prefetched(self, sequence: list[int]) -> Iterator[Item | SkippedSample]:
         """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead.
 
         Reads release the GIL (file I/O, mmap, blosc), so threads decode in parallel: in
         the trainer's own process (num_workers=0) nothing crosses a process boundary at all.
+        A damaged sample skipped (on_corrupt="skip") is left out, or, read by a StreamLoader,
+        stood in for by a `SkippedSample`.
         """
         counters = self.counters.worker()
         counters.start()
@@ -403,55 +430,69 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         self._buffer_pool()  # made here, before the reader threads race to make it
         if self.prefetch < 1:
             for index in sequence:
-                item = self._read_item(index)
-                if item is not None:
-                    yield item
+                yield from self._delivered(index, self._read_item(index))
             return
         upcoming = iter(sequence)
-        in_flight: deque[Future[Item]] = deque()
+        in_flight: deque[tuple[int, Future[Item | None]]] = deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-read") as pool:
 
             def submit_next() -> None:
                 index = next(upcoming, None)
                 if index is not None:
                     self.store.will_need(index, self._tokens_to_read(index), extras=self._extras)  # the disk starts now
-                    in_flight.append(pool.submit(self._read_item, index, read_ahead=False))
+                    in_flight.append((index, pool.submit(self._read_item, index, read_ahead=False)))
 
             try:
                 for _ in range(max(self.prefetch, self.threads)):
                     submit_next()
                 while in_flight:
                     t0 = time.perf_counter()
-                    item = in_flight.popleft().result()
+                    index, future = in_flight.popleft()
+                    item = future.result()
                     counters.add_wait(time.perf_counter() - t0)
                     submit_next()
-                    counters.set_queue_depth(sum(f.done() for f in in_flight))
-                    if item is not None:  # None: a damaged sample, skipped (on_corrupt="skip")
-                        yield item
+                    counters.set_queue_depth(sum(f.done() for _, f in in_flight))
+                    yield from self._delivered(index, item)
             finally:  # also when the consumer stops early: drop what was not started
-                for future in in_flight:
+                for _, future in in_flight:
                     future.cancel()
+
+    def _delivered(self, index: int, item: Item | None) -> Iterator[Item | SkippedSample]:
+        """What the consumer gets for one sample of the sequence (None: damaged and skipped)."""
+        if item is not None:
+            yield item
+        elif self._stands_in_for_skips:
+            yield SkippedSample(index)
 
 
 class StreamLoader(DataLoader):
     """A DataLoader over a `HiddenStatesStream` that counts what the trainer takes, for exact resume.
 
     Takes DataLoader's arguments; `state_dict()` / `load_state_dict()` delegate to the stream.
+    With on_corrupt="skip", each batch holds its scheduled samples less the damaged ones (it is
+    smaller; one of nothing but damaged samples is not delivered), so a skip neither shifts nor
+    reorders later batches, and the resume position counts the skipped samples as passed.
+    A worker that dies raises a `WorkerDiedError` naming it, its pid and the sample it was reading.
     """
 
     def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
         dataset.batch_size = batch_size or 1
         dataset._counted_by_loader = True
+        dataset._stands_in_for_skips = True
         if batch_size is None and dataset.shared_memory is None:  # items leave the workers as they are
             dataset.shared_memory = True  # (the dataset would learn it too, after the first item)
-        super().__init__(dataset, batch_size=batch_size, **kwargs)
+        collate = kwargs.pop("collate_fn", None) or (default_collate if batch_size is not None else default_convert)
+        super().__init__(dataset, batch_size=batch_size, collate_fn=SoundItemsCollate(collate), **kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         stream: HiddenStatesStream = self.dataset  # type: ignore[assignment]
         stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
-        for batch in super().__iter__():
-            stream.note_consumed(stream.batch_size)  # only the last batch can be short: position is clamped
-            yield batch
+        iterator = super().__iter__()
+        with naming_dead_workers(iterator, stream):
+            for batch in iterator:
+                stream.note_consumed(stream.batch_size)  # only the last batch can be short: position is clamped
+                if not isinstance(batch, SkippedSample):
+                    yield batch
 
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()  # type: ignore[attr-defined]
@@ -459,3 +500,74 @@ class StreamLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
 
+
+@dataclass(frozen=True)
+class SoundItemsCollate:
+    """A StreamLoader's collate: the trainer's, given only the sound items of a batch; a batch (or, with
+    batch_size=None, an item) of nothing but skipped samples stays a `SkippedSample`, which the loader drops."""
+
+    collate: Any
+
+    def __call__(self, items: Any) -> Any:
+        if isinstance(items, SkippedSample):
+            return items
+        if isinstance(items, list) and any(isinstance(item, SkippedSample) for item in items):
+            sound = [item for item in items if not isinstance(item, SkippedSample)]
+            return self.collate(sound) if sound else items[0]
+        return self.collate(items)
+
+
+@contextmanager
+def naming_dead_workers(iterator: Any, reader: _FlavoredReader) -> Iterator[None]:
+    """Around a pass over a DataLoader's iterator: a worker that died surfaces as a `WorkerDiedError` naming it, its
+    pid and the sample its counters say it was reading, not as the broken pipe, EOF or bare pid it left behind."""
+    try:
+        yield
+    except (RuntimeError, OSError, EOFError) as error:
+        died = dead_worker_error(iterator, reader)
+        if died is None:
+            raise
+        raise died from error
+
+
+def dead_worker_error(iterator: Any, reader: _FlavoredReader) -> WorkerDiedError | None:
+    """The error for a worker of this DataLoader iterator that has died; None when none has (within a moment)."""
+    with _sigchld_held():
+        workers = list(enumerate(getattr(iterator, "_workers", [])))  # torch's worker processes, by worker id
+        deadline = time.monotonic() + (_REAP_SECONDS if workers else 0)
+        while True:
+            for worker, process in workers:
+                if process.exitcode not in (None, 0):
+                    return _worker_died(reader, worker, process.pid, process.exitcode)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+
+@contextmanager
+def _sigchld_held() -> Iterator[None]:
+    """torch's SIGCHLD handler raises its own error (a bare pid) wherever the trainer's thread is when a worker dies:
+    set aside while the death is looked into, it cannot replace the error that names the worker."""
+    if threading.current_thread() is not threading.main_thread():  # torch sets its handler in the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) -> WorkerDiedError:
+    store = reader.store
+    row = next((w for w in reader.counters.snapshot().workers if w.worker == worker), None)
+    sample = row.current_sample if row is not None and row.current_sample is not None else -1
+    doing = (f"while reading sample {sample} (converted from {store.source_paths[sample]})" if sample >= 0
+             else "between samples")
+    if -exitcode in signal.valid_signals():
+        how = (f"was killed by {signal.Signals(-exitcode).name} {doing}; something outside h5feed ended it (often "
+               "the kernel's out-of-memory killer: see `dmesg`)")
+    else:
+        how = f"exited with status {exitcode} {doing} (its output says why)"
+    return WorkerDiedError(store.path, f"DataLoader worker {worker} (pid {pid}) {how}; continue from the last "
+                           "state_dict() in a new loader", worker, pid, sample)

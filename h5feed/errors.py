@@ -45,3 +45,18 @@ class CorruptSampleError(StoreError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, int, str]]:
         return type(self), (self.path, self.problem, self.sample, self.source_path)
+
+
+class WorkerDiedError(_PathError):
+    """A DataLoader worker that died (killed, or crashed) while it read a store for the trainer.
+
+    `path` is the store, `worker` the worker's id, `pid` its process id and `sample` the store
+    index of the sample it was reading (-1 when it was between samples).
+    """
+
+    def __init__(self, path: str | Path, problem: str, worker: int, pid: int, sample: int = -1) -> None:
+        self.worker, self.pid, self.sample = worker, pid, sample
+        super().__init__(path, problem)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int, int, int]]:
+        return type(self), (self.path, self.problem, self.worker, self.pid, self.sample)

@@ -26,6 +26,7 @@ import torch
 from h5feed.batching import _in_batches, stream_of
 from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream
+from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
 from h5feed.store import Store
 
@@ -36,7 +37,8 @@ _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its
 class _Staged:
     """One batch's compressed frames in its region of the pinned staging memory, and where each decodes to."""
 
-    indices: list[int]
+    scheduled: int  # the schedule's samples of the batch, damaged ones skipped (on_corrupt="skip") included
+    indices: list[int]  # the sound ones, staged
     windows: list[int]  # rows read of each sample (the flavor's window)
     region: int  # which region of the staging memory
     spans: list[tuple[int, int]]  # (offset in the staging memory, length) of each frame
@@ -138,26 +140,33 @@ class CudaBatchLoader:
                 while (len(group) < self.decode_group and in_flight and in_flight[0].done()
                        and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
                     group.append(in_flight.popleft().result())
-                decoded.extend(zip(group, self._decode(group)))
+                sound = [staged for staged in group if staged.indices]
+                ready = iter(self._decode(sound) if sound else [])
+                decoded.extend((staged, next(ready) if staged.indices else None) for staged in group)
                 for _ in group:
                     submit_next()
 
-            decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event]]] = deque()
+            # each staged batch with its batch and the event that says it is placed; None: all its samples skipped
+            decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event] | None]] = deque()
             try:
                 for _ in range(self.prefetch):
                     submit_next()
                 while in_flight or decoded:
                     if not decoded:
                         decode_next_group()
-                    staged, (batch, ready) = decoded.popleft()
+                    staged, placed = decoded.popleft()
                     if not decoded and in_flight and in_flight[0].done():
                         decode_next_group()  # queued now, it runs on the GPU while the trainer's step does
+                    if placed is None:
+                        stream.note_consumed(staged.scheduled)
+                        continue
+                    batch, ready = placed
                     consumer = torch.cuda.current_stream(self.device)
                     consumer.wait_event(ready)  # the trainer's kernels start once this batch is decoded and placed
                     for value in batch.values():
                         if isinstance(value, torch.Tensor) and value.is_cuda:
                             value.record_stream(consumer)  # made on the side stream, used on the trainer's
-                    stream.note_consumed(len(staged.indices))
+                    stream.note_consumed(staged.scheduled)
                     yield self.collate.finish(batch)
             finally:
                 for future in in_flight:
@@ -166,23 +175,33 @@ class CudaBatchLoader:
 
     # --- reader threads: compressed, checked frames into pinned memory ----------------------------
     def _stage(self, indices: list[int], region: int, copied: torch.cuda.Event | None) -> _Staged:
+        """The batch's frames, staged; with on_corrupt="skip" a damaged sample's are dropped and the batch is the
+        sound rest (as `BatchLoader`'s)."""
         stream, store = self.dataset, self.dataset.store
         counters = stream.counters.worker()
         if copied is not None:
             copied.synchronize()  # the GPU has the bytes this region held before
         start = region * self._region_bytes
         host = self._staging[start : start + self._region_bytes].numpy()
-        staged = _Staged(indices, [], region, [], [])
+        staged = _Staged(len(indices), [], [], region, [], [])
         position = 0
-        for n, i in enumerate(indices):
+        for i in indices:
             counters.begin_sample(i)
             window = stream._tokens_to_read(i)
+            n, frames, sample_start = len(staged.indices), len(staged.spans), position
+            try:
+                for array in self._arrays:
+                    for chunk, offset, length in store.copy_frames_into(i, array, window, host[position:], counters):
+                        staged.spans.append((start + position + offset, length))
+                        staged.targets.append((n, array, chunk))
+                    position = staged.spans[-1][0] + staged.spans[-1][1] - start
+            except CorruptSampleError as error:
+                stream.skip_damaged(error, counters)  # raises it with on_corrupt="raise"
+                del staged.spans[frames:], staged.targets[frames:]
+                position = sample_start
+                continue
+            staged.indices.append(i)
             staged.windows.append(window)
-            for array in self._arrays:
-                for chunk, offset, length in store.copy_frames_into(i, array, window, host[position:], counters):
-                    staged.spans.append((start + position + offset, length))
-                    staged.targets.append((n, array, chunk))
-                position = staged.spans[-1][0] + staged.spans[-1][1] - start
             counters.end_sample(i, window)
         return staged
 

@@ -4,12 +4,14 @@ test_trainers.py from the released code) over the flavor's items; one collate en
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import inner_chunk_span
 from test_trainers import angelslim_collate, assert_same, modelopt_collate, nemo_collate
 
 import h5feed
@@ -133,6 +135,31 @@ def test_a_short_batch_after_a_long_one_in_the_same_slot(store: Any, name: str, 
                              samples=order, shuffle=False)
         assert loader.slots_per_worker == 3
         assert_same(one_pass(loader), reference(path, flavor, max_len, batch_size, samples=order, shuffle=False))
+
+
+@pytest.mark.parametrize(("name", "flavor", "max_len", "array"), [
+    ("modelopt-hf", "modelopt", 12, "aux_hidden_states"),
+    ("nemo-topk", "nemo-eagle3", None, "target_probs_values"),  # an optional array, decoded beside the batch
+])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_leaves_out_exactly_the_damaged_samples(store: Any, tmp_path: Path, name: str, flavor: str,
+                                                     max_len: int | None, array: str, workers: int) -> None:
+    """on_corrupt="skip": each batch of the schedule, collated from its sound samples (read from the sound
+    store); a retried batch leaves no row of the abandoned attempt behind."""
+    sound, damaged = store(name), tmp_path / "damaged"
+    shutil.copytree(sound, damaged)
+    for sample in (1, 6):
+        path, offset, length = inner_chunk_span(damaged, sample, array, 0)
+        data = bytearray(path.read_bytes())
+        data[offset + length // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    stream = HiddenStatesStream(damaged, flavor, max_len, on_corrupt="skip", seed=1)
+    loader = BatchLoader(stream, batch_size=3, num_workers=workers, threads=2)
+    sequence, items = loader.dataset.rank_sequence(), HiddenStatesDataset(sound, flavor, max_len)
+    want = [restated_collate(flavor, max_len)([items[i] for i in sequence[j : j + 3] if i not in (1, 6)])
+            for j in range(0, len(sequence), 3)]
+    assert_same([cloned(batch) for batch in loader], want)
+    assert loader.dataset.counters.snapshot().total("corrupt") == 2
 
 
 @pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)

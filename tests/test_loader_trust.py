@@ -1,0 +1,300 @@
+"""The loaders under damage, drops and kills: BatchLoader's ring goes back with the loader, on_corrupt="skip"
+keeps every loader's batches to the schedule (order and resume exact), and a dead worker names itself.
+Each test first reproduced what the reliability probe found."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, convert, trainer_collate
+from h5feed.errors import WorkerDiedError
+from h5feed.gpu_decode import why_unavailable
+from h5feed.store import Store
+from h5feed.synthetic import write_synthetic
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+H = 32
+CHUNK = 16
+LENGTHS = [20, 35, 40, 8, 33, 17, 5, 48, 26, 12, 3, 30]  # distinct: a sample is known by its length
+N = len(LENGTHS)
+DAMAGED = (2, 7, 8)  # one flipped byte each, in a chunk every flavor here reads
+FLAVOR, MAX_LEN = "speculators", 40
+RING = "/memfd:h5feed-batch-slots"  # how /proc names the file
+
+
+def make_store(root: Path, name: str) -> Path:
+    src = root / "src"
+    if not src.exists():
+        write_synthetic(src, "speculators-legacy-pt", N, H, lengths=LENGTHS, seed=5)
+    convert(src, root / name, workers=0, chunk_tokens=CHUNK, progress=False)
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """(damaged, sound): two conversions of the same files, samples DAMAGED flipped in the first."""
+    from conftest import inner_chunk_span
+
+    root = tmp_path_factory.mktemp("loader_trust")
+    damaged, sound = make_store(root, "damaged"), make_store(root, "sound")
+    for sample in DAMAGED:
+        path, offset, length = inner_chunk_span(damaged, sample, "aux_hidden_states", 0)
+        data = bytearray(path.read_bytes())
+        data[offset + length // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return damaged, sound
+
+
+# --------------------------------------------------------------------------- the ring goes with the loader
+
+
+def ring_memory() -> tuple[int, int, int]:
+    """(file descriptors, maps, resident kB) of this process's BatchLoader rings."""
+    fds = sum(target.startswith(RING) for target in fd_targets())
+    maps = rss = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's first line
+            inside = line.endswith(RING + " (deleted)")
+            maps += inside
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return fds, maps, rss
+
+
+def fd_targets() -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile, by a reader thread that is ending
+            pass
+    return targets
+
+
+def open_fds() -> int:
+    return len(fd_targets())
+
+
+def settle() -> None:
+    gc.collect()
+    time.sleep(0.05)  # a DataLoader's pipes close as its workers are joined
+    gc.collect()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_workers):
+    _damaged, sound = stores
+
+    def use_one() -> None:
+        loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=num_workers, threads=2)
+        batches = iter(loader)
+        batch = next(batches)  # a pass left midway, its batch held, then everything dropped
+        assert batch["input_ids"].shape[0] == 1
+        assert ring_memory()[1] > 0
+
+    use_one()  # torch opens what it keeps for later on first use (the workers' queues' machinery)
+    settle()
+    fds = open_fds()
+    assert ring_memory() == (0, 0, 0)
+    for _ in range(50):
+        use_one()
+    settle()
+    assert ring_memory() == (0, 0, 0)
+    assert open_fds() == fds
+
+
+def test_close_and_with_give_the_ring_back_once_the_trainer_drops_its_batches(stores):
+    _, sound = stores
+    loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=1,
+                         multiprocessing_context="spawn")
+    batches = iter(loader)
+    held = next(batches)
+    want = copied(held)
+    loader.close()
+    assert ring_memory()[1] > 0  # the trainer still holds a batch in it
+    assert all(torch.equal(held[key], want[key]) for key in want if isinstance(want[key], torch.Tensor))  # intact
+    del held
+    gc.collect()
+    assert ring_memory() == (0, 0, 0)
+    with pytest.raises(ValueError, match="this BatchLoader is closed \\(its batch memory was given back\\): make a "
+                                         "new one"):
+        iter(loader)
+
+    with BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, threads=2) as loader:
+        assert sum(1 for _ in loader) == N // 2
+        assert ring_memory()[1] > 0
+    assert ring_memory() == (0, 0, 0)
+
+
+# --------------------------------------------------------------------------- skip: the schedule less the damage
+
+
+def expected(sound: Path, sequence: list[int], batch_size: int) -> list[dict]:
+    """The schedule's batches, each collated from its sound samples (read from the sound copy); none for a batch
+    of damaged samples only."""
+    items = HiddenStatesDataset(sound, FLAVOR, MAX_LEN)
+    collate = trainer_collate(FLAVOR, MAX_LEN, hidden_states_dtype=items.hidden_states_dtype)
+    batches = [sequence[j : j + batch_size] for j in range(0, len(sequence), batch_size)]
+    return [collate([items[i] for i in b if i not in DAMAGED]) for b in batches if set(b) - set(DAMAGED)]
+
+
+def skipping_loader(kind: str, path: Path, seed: int, batch_size: int, workers: int):
+    stream = HiddenStatesStream(path, FLAVOR, MAX_LEN, on_corrupt="skip", seed=seed, threads=2)
+    if kind == "batch":
+        return BatchLoader(stream, batch_size=batch_size, num_workers=workers, threads=2)
+    if kind == "cuda":
+        from h5feed.gpu_loader import CudaBatchLoader
+
+        return CudaBatchLoader(stream, batch_size=batch_size, threads=2, prefetch=3, decode_group=2)
+    collate = trainer_collate(FLAVOR, MAX_LEN, hidden_states_dtype=stream.hidden_states_dtype)
+    return StreamLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=collate)
+
+
+def copied(batch: dict) -> dict:
+    """The batch's tensors copied out of the loader's memory, onto the CPU."""
+    return {key: value.clone().cpu() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+needs_gpu_decode = pytest.mark.skipif(why_unavailable() is not None,
+                                      reason=f"GPU decode unavailable: {why_unavailable()}")
+
+
+@pytest.mark.parametrize("kind, workers", [("batch", 0), ("batch", 2), ("stream", 0), ("stream", 2), ("stream", 3),
+                                           pytest.param("cuda", 0, marks=needs_gpu_decode)])
+def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(stores, assert_same_batch, kind,
+                                                                               workers):
+    damaged, sound = stores
+    for seed, batch_size in ((0, 1), (1, 2), (2, 3), (3, 2)):
+        loader = skipping_loader(kind, damaged, seed, batch_size, workers)
+        sequence = loader.dataset.rank_sequence()
+        want = expected(sound, sequence, batch_size)
+        got, states = [], []
+        for batch in loader:
+            got.append(copied(batch))
+            states.append(loader.state_dict())
+        assert len(got) == len(want), (seed, batch_size)
+        for g, w in zip(got, want):
+            assert_same_batch(g, w)
+        assert loader.dataset.counters.snapshot().total("corrupt") == len(DAMAGED)
+
+        # resume from right after the first batch that came after a skip: exactly the rest
+        schedule = [j for j in range(0, len(sequence), batch_size) if set(sequence[j : j + batch_size]) - set(DAMAGED)]
+        first_skip = min(sequence.index(i) for i in DAMAGED) // batch_size * batch_size
+        m = next(n for n, j in enumerate(schedule) if j > first_skip)
+        assert states[m] == {"epoch": 0, "seed": seed, "position": min(schedule[m] + batch_size, N)}
+        resumed = skipping_loader(kind, damaged, seed, batch_size, workers)
+        resumed.load_state_dict(states[m])
+        rest = [copied(b) for b in resumed]
+        assert len(rest) == len(want) - m - 1
+        for g, w in zip(rest, want[m + 1 :]):
+            assert_same_batch(g, w)
+
+
+def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
+    damaged, _sound = stores
+    caplog.set_level(logging.ERROR, logger="h5feed")
+    loader = BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, threads=2, on_corrupt="skip", shuffle=False)
+    assert sum(1 for _ in loader) == N - len(DAMAGED)
+    skips = sorted(r.getMessage() for r in caplog.records if "skipping a damaged sample" in r.getMessage())
+    assert len(skips) == len(DAMAGED)  # the threads fill batches side by side: in any order
+    for sample, message in zip(DAMAGED, skips):
+        assert message.startswith("skipping a damaged sample (on_corrupt='skip'): ")
+        assert f"sample {sample} (converted from data_{sample}.pt): inner chunk 0 fails its checksum" in message
+    snapshot = loader.dataset.counters.snapshot()
+    assert (snapshot.total("corrupt"), snapshot.total("samples")) == (len(DAMAGED), N - len(DAMAGED))
+
+
+def test_a_stream_read_directly_leaves_the_damaged_samples_out(stores):
+    damaged, _sound = stores
+    stream = HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip", seed=4, threads=2)
+    order = stream.rank_sequence()
+    assert [len(item["input_ids"]) for item in stream] == [min(LENGTHS[i], MAX_LEN) for i in order
+                                                           if i not in DAMAGED]
+
+
+def test_without_skip_the_first_damaged_sample_ends_every_loader(stores):
+    damaged, _ = stores
+    for workers in (0, 2):
+        with pytest.raises(Exception, match="sample 2 \\(converted from data_2.pt\\): inner chunk 0 fails its checksum"):
+            list(BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, num_workers=workers, shuffle=False))
+
+
+def test_the_dataset_serves_the_next_sound_sample_in_a_damaged_ones_place(stores, assert_same_batch):
+    damaged, sound = stores
+    dataset = HiddenStatesDataset(damaged, FLAVOR, MAX_LEN, on_corrupt="skip")
+    reference = HiddenStatesDataset(sound, FLAVOR, MAX_LEN)
+    got = list(torch.utils.data.DataLoader(dataset, num_workers=2, collate_fn=list))
+    stand_in = {0: 0, 1: 1, 2: 3, 3: 3, 7: 9, 8: 9}  # a map-style index must give an item: the next sound one
+    for i, (item,) in enumerate(got):
+        assert_same_batch(item, reference[stand_in.get(i, i)])
+    assert dataset.counters.snapshot().total("corrupt") == 4  # 2, and 7 then 8 for index 7, 8 for index 8
+
+
+# --------------------------------------------------------------------------- a dead worker names itself
+
+
+def hold_sample(target_length: int, read):
+    """`read`, made to wait (as on a stalled disk) on the sample with this many tokens."""
+
+    def held(store, i, *args, **kwargs):
+        if int(store.sample_lengths[i]) == target_length:
+            time.sleep(60)
+        return read(store, i, *args, **kwargs)
+
+    return held
+
+
+def kill_when_reading(counters, sample: int, killed: list[tuple[int, int]]) -> threading.Thread:
+    """A thread that SIGKILLs the worker once its counters show it reading `sample`, as the OOM killer would."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for worker in counters.snapshot().workers:
+                if worker.current_sample == sample and worker.pid:
+                    killed.append((worker.worker, worker.pid))
+                    os.kill(worker.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("kind", ["stream", "batch"])
+def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch, kind):
+    _, sound = stores
+    victim = 5
+    method = "read_sample" if kind == "stream" else "read_rows_into"
+    monkeypatch.setattr(Store, method, hold_sample(LENGTHS[victim], getattr(Store, method)))
+    stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, shuffle=False, prefetch=0)
+    if kind == "stream":
+        loader = StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context="fork")
+    else:
+        loader = BatchLoader(stream, num_workers=2, multiprocessing_context="fork")
+    killed: list[tuple[int, int]] = []
+    killer = kill_when_reading(stream.counters, victim, killed)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError) as error:
+        for _ in loader:
+            pass
+    killer.join()
+    [(worker, pid)] = killed
+    assert worker == victim % 2 and time.monotonic() - started < 20
+    assert (error.value.worker, error.value.pid, error.value.sample) == (worker, pid, victim)
+    assert str(error.value) == (
+        f"{sound}: DataLoader worker {worker} (pid {pid}) was killed by SIGKILL while reading sample {victim} "
+        f"(converted from data_{victim}.pt); something outside h5feed ended it (often the kernel's out-of-memory "
+        "killer: see `dmesg`); continue from the last state_dict() in a new loader")
