@@ -99,10 +99,14 @@ class TrainerCollate:
 
     # --- the layout --------------------------------------------------------------------------
     def for_store(self, info: StoreInfo) -> TrainerCollate:
-        """This collate as it lays out batches decoded from a store described by `info`."""
+        """This collate as it lays out batches decoded from a store described by `info` (a copy)."""
         bound = copy.copy(self)
         bound.info = info
+        bound._take_from_store(info)
         return bound
+
+    def _take_from_store(self, info: StoreInfo) -> None:
+        """What the layout takes from its store, set on the bound copy."""
 
     def trailing(self) -> dict[str, TensorSpec]:
         """Each row key's per-position shape and dtype in batches from the bound store: (width,) and
@@ -372,6 +376,7 @@ class ModelOptCollate(TrainerCollate):
             raise ValueError(f"flavor {flavor.name!r}: Model-Optimizer's collate pads or cuts to training_seq_len: "
                              "max_len is required")
         super().__init__(flavor, max_len, hidden_states_dtype)
+        self.answer_only_loss = answer_only_loss  # the stored loss mask; else ones
         self.prenorm_flag = prenorm_flag  # 0.46+: the batch says base_hidden_prenorm
         self.prenorm: bool | None = None  # its value: from the items, or from the store's norm (for_store)
         self.row_keys = (
@@ -383,11 +388,9 @@ class ModelOptCollate(TrainerCollate):
             RowKey("aux_hidden_states", "aux_hidden_states"),
         )
 
-    def for_store(self, info: StoreInfo) -> TrainerCollate:
-        bound = super().for_store(info)
+    def _take_from_store(self, info: StoreInfo) -> None:
         if self.prenorm_flag:
-            bound.prenorm = info.last_state_norm == "pre"  # type: ignore[attr-defined]  # as the flavor's items say
-        return bound
+            self.prenorm = info.last_state_norm == "pre"  # as the flavor's items say
 
     def plan(self, rows: Sequence[int]) -> BatchPlan:
         assert self.max_len is not None
@@ -401,7 +404,7 @@ class ModelOptCollate(TrainerCollate):
     def derive_rows(self, batch: Batch, plan: BatchPlan) -> None:
         assert self.max_len is not None
         ones_where_items(batch["attention_mask"], plan)
-        if self.row_keys[2].array is None:
+        if not self.answer_only_loss:
             ones_where_items(batch["loss_mask"], plan)
         labels = batch["labels"]
         for place, rows in zip(plan.placements, plan.lengths):
@@ -456,12 +459,10 @@ class AngelSlimCollate(TrainerCollate):
                          RowKey("loss_mask", "loss_mask"), *(rk for rk in self.hidden if rk.key in present))
         self.keys = tuple(rk.key for rk in self.row_keys)
 
-    def for_store(self, info: StoreInfo) -> TrainerCollate:
-        bound = super().for_store(info)
+    def _take_from_store(self, info: StoreInfo) -> None:
         layout = json.loads(info.source_info.get("layout", "{}"))  # the files' keys, as the flavor's items keep them
         keys, none = layout.get("keys", self.order), set(layout.get("none", ()))
-        bound._batch_hidden(tuple(k for k in keys if k not in none))  # type: ignore[attr-defined]
-        return bound
+        self._batch_hidden(tuple(k for k in keys if k not in none))
 
     def plan(self, rows: Sequence[int]) -> BatchPlan:
         return padded_plan(rows)
@@ -514,15 +515,13 @@ class NemoCollate(TrainerCollate):
     seq_length: int | None = None  # S, from the store (for_store); items: their own length
     top_k = False  # the store holds target_probs_values and target_probs_indices, not target_probs
 
-    def for_store(self, info: StoreInfo) -> TrainerCollate:
-        bound = super().for_store(info)
-        bound.seq_length = int(info.source_info["seq_length"])  # type: ignore[attr-defined]
+    def _take_from_store(self, info: StoreInfo) -> None:
+        self.seq_length = int(info.source_info["seq_length"])
         if "target_probs" not in info.extra_arrays:
             top_k = TARGET_PROBS_ARRAYS[1]
-            bound.top_k = True  # type: ignore[attr-defined]
-            bound.row_keys = (*self.row_keys[:-1], RowKey("target_probs", None), *(RowKey(a, a) for a in top_k))
-            bound.keys = (*NEMO_CACHE_KEYS, *top_k)
-        return bound
+            self.top_k = True
+            self.row_keys = (*self.row_keys[:-1], RowKey("target_probs", None), *(RowKey(a, a) for a in top_k))
+            self.keys = (*NEMO_CACHE_KEYS, *top_k)
 
     def trailing(self) -> dict[str, TensorSpec]:
         assert self.info is not None
