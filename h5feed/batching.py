@@ -48,12 +48,10 @@ from h5feed.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.errors import CorruptSampleError
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
-    HIDDEN_ARRAYS,
     BufferPool,
     ReadStats,
     Store,
     shared_allocator,
-    storage_dtype,
 )
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -353,14 +351,16 @@ class BatchWriter:
     def _decode(self, i: int, array: str, start: int, dest: torch.Tensor, stats: ReadStats) -> None:
         """Stored rows [start, start + len(dest)) into `dest`: in place when it has the stored dtype
         (bf16 viewed as its uint16 bits), else through a reused buffer and one cast."""
-        logical = self.stream.store.info.torch_dtype if array in HIDDEN_ARRAYS else torch.int64
-        stored = storage_dtype(logical) if array in HIDDEN_ARRAYS else torch.int64
+        info = self.stream.store.info
+        logical, stored = info.logical_dtype(array), info.storage_dtype(array)
+        shape = (dest.shape[0], info.width(array)) if info.is_matrix(array) else (dest.shape[0],)
         if dest.dtype == logical:
-            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(stored), stats)
+            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(stored).view(shape),
+                                             stats)
             return
-        scratch = self._pool(tuple(dest.shape), stored)
+        scratch = self._pool(shape, stored)
         self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], scratch, stats)
-        dest.copy_(scratch.view(logical))
+        dest.copy_(scratch.view(logical).view(dest.shape))
 
 
 def _in_batches(sequence: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
@@ -475,11 +475,9 @@ class BatchLoader:
         self.multiprocessing_context, self.worker_init_fn, self.timeout = multiprocessing_context, worker_init_fn, timeout
         self.device = torch.device(device) if device is not None and torch.device(device).type != "cpu" else None
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
-                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
-        widths = {"aux_hidden_states": store.num_aux_layers * store.hidden_size,
-                  "last_hidden_states": store.hidden_size}
-        trailing = {rk.key: (((widths[rk.array],), self.collate.hidden_states_dtype) if rk.array in widths
-                             else ((), torch.long)) for rk in self.collate.row_keys}
+                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
+                                       ).for_store(store.info)
+        trailing = self.collate.trailing()
         longest = max((self.collate.item_rows(int(store.sample_lengths[i])) for i in stream.indices), default=1)
         layout = SlotLayout(self.collate.specs(self.collate.largest_plan(batch_size, max(longest, 1)), trailing))
         in_flight = prefetch if num_workers else max(prefetch, self.threads)
@@ -635,7 +633,7 @@ class BatchLoader:
         if self.device is not None:
             batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
-        return batch
+        return self.collate.finish(batch)
 
     def _release(self, slot: int) -> None:
         """Nothing refers to the slot's batch any more: it goes back to the ring (`SlotReturns`), and after the

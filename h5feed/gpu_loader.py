@@ -28,7 +28,7 @@ from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
-from h5feed.store import HIDDEN_ARRAYS, Store
+from h5feed.store import Store
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
 
@@ -91,11 +91,10 @@ class CudaBatchLoader:
         self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
         self.device = torch.device(device)
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
-                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
+                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
+                                       ).for_store(store.info)
         info = store.info
-        self._trailing: dict[str, TensorSpec] = {
-            rk.key: (((info.width(rk.array),), self.collate.hidden_states_dtype) if rk.array in HIDDEN_ARRAYS
-                     else ((), torch.long)) for rk in self.collate.row_keys}
+        self._trailing: dict[str, TensorSpec] = self.collate.trailing()
         self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None})
         longest = max((stream._tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
@@ -168,7 +167,7 @@ class CudaBatchLoader:
                         if isinstance(value, torch.Tensor) and value.is_cuda:
                             value.record_stream(consumer)  # made on the side stream, used on the trainer's
                     stream.note_consumed(staged.scheduled)
-                    yield batch
+                    yield self.collate.finish(batch)
             finally:
                 for future in in_flight:
                     future.cancel()
@@ -212,7 +211,7 @@ class CudaBatchLoader:
         info = self.dataset.store.info
         c, side = info.chunk_tokens, self._decoder.stream
         with torch.cuda.stream(side):
-            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if array in HIDDEN_ARRAYS
+            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if info.is_matrix(array)
                                                 else (-(-w // c) * c,), dtype=info.storage_dtype(array),
                                                 device=self.device)
                         for n, w in enumerate(staged.windows) for array in self._arrays} for staged in group]
@@ -241,10 +240,9 @@ class CudaBatchLoader:
             for rk in collate.row_keys:
                 rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
                 if rk.array is not None and rows:
-                    source = decoded[(n, rk.array)][rk.shift : rk.shift + rows]
-                    if rk.array in HIDDEN_ARRAYS:
-                        source = source.view(store.info.torch_dtype)
-                    batch[rk.key][place.row, place.offset : place.offset + rows].copy_(source)
+                    source = decoded[(n, rk.array)][rk.shift : rk.shift + rows].view(store.info.logical_dtype(rk.array))
+                    dest = batch[rk.key][place.row, place.offset : place.offset + rows]
+                    dest.copy_(source.view(dest.shape))
                 written[rk.key][place.row] = place.offset + rows
         for rk in collate.row_keys:
             zero_pads(batch[rk.key], written[rk.key])
