@@ -662,6 +662,8 @@ class CudaBloscDecoder:
     a time per decoder (a lock guards it).  `sync_free` hands nvCOMP the
     decoded sizes the Blosc headers give; False lets nvCOMP read them from the
     zstd headers on the GPU, which waits for the stream once per batch.
+    `policy` is nvCOMP's execution policy: "concurrency" shares the GPU with
+    other work (the trainer's step), "latency" takes it for the shortest decode.
     """
 
     def __init__(
@@ -670,6 +672,7 @@ class CudaBloscDecoder:
         stream: torch.cuda.Stream | None = None,
         sync_free: bool = True,
         unshuffle: Literal["auto", "triton", "torch"] = "auto",
+        policy: Literal["concurrency", "latency"] = "concurrency",
     ) -> None:
         reason = why_unavailable()
         if reason is not None:
@@ -689,6 +692,7 @@ class CudaBloscDecoder:
             bitstream_kind=nvcomp.BitstreamKind.RAW,
             device_id=self.device.index,
             cuda_stream=self.stream.cuda_stream,
+            execution_policy=getattr(nvcomp.ExecutionPolicy, policy.upper()),
         )
         self._pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self.stream):  # freed on growth, reused only in this stream's order
