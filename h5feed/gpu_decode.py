@@ -636,22 +636,6 @@ class CudaDecodeTiming:
         )
 
 
-class _TorchMemory:
-    """nvCOMP's temporary device memory, from torch's caching allocator on the decoder's stream.
-
-    nvCOMP's own allocator gives its temporary buffer back with cudaFree, which
-    waits for the whole device: the decode call would return only once the GPU
-    has decoded, holding the launching thread for the whole zstd kernel.  Torch
-    gives the block back to the pool of the stream it was taken on (the
-    decoder's: the decode runs inside its stream context), where only work queued
-    after the decode can reuse it.
-    """
-
-    def __init__(self, nbytes: int, stream: object) -> None:
-        self._memory = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
-        self.ptr = self._memory.data_ptr()
-
-
 @functools.cache
 def _triton_unshuffle() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None:
     """`h5feed.gpu_unshuffle.unshuffle_rows`, or None where Triton cannot be imported (then torch unshuffles)."""
@@ -716,7 +700,6 @@ class CudaBloscDecoder:
             self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._pinned_free: torch.cuda.Event | None = None  # the last copy out of self._pinned has completed
         self._lock = threading.Lock()
-        self._nvcomp_memory: type[_TorchMemory] | None = _TorchMemory
 
     @property
     def unshuffle(self) -> str:
@@ -847,19 +830,13 @@ class CudaBloscDecoder:
         src_offsets, src_sizes, dst_offsets, dst_sizes = plan.zstd
         if src_offsets:
             nvcomp, s = self._nvcomp, self.stream.cuda_stream
-            if self._nvcomp_memory is not None:
-                nvcomp.set_device_allocator(self._nvcomp_memory)
-            try:
-                srcs = nvcomp.as_arrays(self._staged, src_offsets, src_sizes, s)
-                dsts = nvcomp.as_arrays(self._scratch, dst_offsets, dst_sizes, s)
-                if self.sync_free:
-                    config = self._codec.decompression_config(self._codec.compression_config(dst_sizes))
-                    self._codec.decode(srcs, out=dsts, decompression_config=config)
-                else:
-                    self._codec.decode(srcs, out=dsts)
-            finally:
-                if self._nvcomp_memory is not None:
-                    nvcomp.set_device_allocator(None)  # nvCOMP's own again, for any other user in the process
+            srcs = nvcomp.as_arrays(self._staged, src_offsets, src_sizes, s)
+            dsts = nvcomp.as_arrays(self._scratch, dst_offsets, dst_sizes, s)
+            if self.sync_free:
+                config = self._codec.decompression_config(self._codec.compression_config(dst_sizes))
+                self._codec.decode(srcs, out=dsts, decompression_config=config)
+            else:
+                self._codec.decode(srcs, out=dsts)
         for src, dst, size in plan.raw:
             self._scratch[dst : dst + size].copy_(self._staged[src : src + size])
 
