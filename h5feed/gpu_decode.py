@@ -93,6 +93,7 @@ MAX_BLOCKSIZE = (2**31 - 1 - 255 * 4) // 3  # c-blosc's BLOSC_MAX_BLOCKSIZE
 ZSTD_MAGIC = 0xFD2FB528
 STAGE_ALIGN = 64  # each frame starts on a cache line in the pinned staging buffer
 SCRATCH_ALIGN = 4096  # each frame's decoded bytes start on a page in the scratch buffer
+MAX_HELD_CALLS = 8  # calls whose nvCOMP objects a decoder keeps while its stream is busy
 
 
 class FrameError(H5feedError, ValueError):
@@ -700,6 +701,10 @@ class CudaBloscDecoder:
             self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._pinned_free: torch.cuda.Event | None = None  # the last copy out of self._pinned has completed
         self._lock = threading.Lock()
+        # nvCOMP's objects of the calls before.  Freed as the call returns, they waited for the GPU (on the H200
+        # each call returned only once its zstd kernel had run, nvCOMP's own calls taking < 1 ms of that); kept,
+        # they are freed at a later call that finds the stream idle (or MAX_HELD_CALLS calls later).
+        self._nvcomp_held: list[tuple[object, ...]] = []
 
     @property
     def unshuffle(self) -> str:
@@ -783,6 +788,8 @@ class CudaBloscDecoder:
     def _launch(self, plan: _Plan, host: torch.Tensor, parse_s: float, stage_s: float) -> CudaDecodeTiming:
         """Queue the copy in, the zstd batch, the stored streams' copies and the unshuffle on the stream."""
         start = time.perf_counter()
+        if self.stream.query() or len(self._nvcomp_held) >= MAX_HELD_CALLS:
+            self._nvcomp_held.clear()  # with nothing queued on the stream, freeing them waits for nothing
         events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
         caller = torch.cuda.current_stream(self.device)
         if caller != self.stream:  # outputs may have work pending on the caller's stream, and are used on ours
@@ -796,7 +803,7 @@ class CudaBloscDecoder:
             events[0].record()
             self._staged[: host.numel()].copy_(host, non_blocking=True)
             events[1].record()
-            self._decode_streams(plan)
+            self._nvcomp_held.append(self._decode_streams(plan))
             events[2].record()
             if self._kernel is None:
                 _unshuffle_torch(plan, self._scratch)
@@ -825,20 +832,25 @@ class CudaBloscDecoder:
         on_device = torch.from_numpy(rows).pin_memory().to(self.device, non_blocking=True)
         self._kernel(self._scratch, plan.outs[base], on_device, int((p.hi - p.lo).max()))
 
-    def _decode_streams(self, plan: _Plan) -> None:
-        """nvCOMP zstd on all compressed streams at once, then the stored streams copied as they are."""
+    def _decode_streams(self, plan: _Plan) -> tuple[object, ...]:
+        """nvCOMP zstd on all compressed streams at once, then the stored streams copied as they are.
+
+        Returns nvCOMP's objects of the call, which the caller keeps until the decode is done.
+        """
         src_offsets, src_sizes, dst_offsets, dst_sizes = plan.zstd
+        held: tuple[object, ...] = ()
         if src_offsets:
             nvcomp, s = self._nvcomp, self.stream.cuda_stream
             srcs = nvcomp.as_arrays(self._staged, src_offsets, src_sizes, s)
             dsts = nvcomp.as_arrays(self._scratch, dst_offsets, dst_sizes, s)
             if self.sync_free:
                 config = self._codec.decompression_config(self._codec.compression_config(dst_sizes))
-                self._codec.decode(srcs, out=dsts, decompression_config=config)
+                held = (srcs, dsts, config, self._codec.decode(srcs, out=dsts, decompression_config=config))
             else:
-                self._codec.decode(srcs, out=dsts)
+                held = (srcs, dsts, self._codec.decode(srcs, out=dsts))
         for src, dst, size in plan.raw:
             self._scratch[dst : dst + size].copy_(self._staged[src : src + size])
+        return held
 
 
 _decoders: dict[tuple[int, int], CudaBloscDecoder] = {}

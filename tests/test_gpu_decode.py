@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -493,3 +494,25 @@ def test_gpu_placements_into_rows_of_a_batch(unshuffle):
     for n, length in enumerate(lengths):
         assert torch.equal(cpu["h"][n, : length - 1].view(torch.uint16), samples[n][1:length].view(torch.uint16))
         assert torch.equal(cpu["i"][n, : length - 1], ids[n][1:length]) and bool((cpu["i"][n, length - 1 :] == -1).all())
+
+
+@gpu
+def test_gpu_call_returns_before_the_gpu_has_decoded():
+    """The launching thread only queues work: with the decoder's stream held busy, the call returns while its
+    decode is still to run, and the outputs are right once it has."""
+    encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
+    chunks = [activations(256, 512, index=i) for i in range(4)]
+    frames = [encode_hidden(c.view(torch.uint16).numpy()) for c in chunks]
+    decoder = gpu_decode.CudaBloscDecoder(stream=torch.cuda.Stream())
+    outs = [torch.empty(256, 3 * 512, dtype=torch.bfloat16, device="cuda") for _ in chunks]
+    decoder.decode(frames, outs).gpu_times()  # warm-up: buffers, nvCOMP, the kernel
+    for _ in range(3):  # the second and third calls free the arrays of the ones before
+        with torch.cuda.stream(decoder.stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles queued ahead of the decode
+        start = time.perf_counter()
+        timing = decoder.decode(frames, outs)
+        took = time.perf_counter() - start
+        assert took < 0.05 and not timing.events[2].query()  # it did not wait for the stream: decode still to run
+        timing.gpu_times()
+    for chunk, out in zip(chunks, outs):
+        assert torch.equal(out.cpu().view(torch.uint16), chunk.view(torch.uint16))
