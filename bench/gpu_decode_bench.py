@@ -276,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--blocksizes", type=int, nargs="+", default=[1 << 20, 1 << 18], help="Blosc block sizes")
     p.add_argument("--sources", nargs="+", choices=("staged", "pinned"), default=["staged", "pinned"])
-    p.add_argument("--configs", nargs="+", choices=("sync-free", "header", "latency"),
-                   default=["sync-free"], help="latency: sync-free with nvCOMP's latency execution policy")
+    p.add_argument("--configs", nargs="+", choices=("sync-free", "header"), default=["sync-free"])
     p.add_argument("--group-samples", type=int, nargs="*", default=[], help="samples per loader group")
     p.add_argument("--sample-tokens", type=int, default=1750, help="tokens of each sample of a loader group")
     p.add_argument("--baseline", type=Path, help="an older gpu_decode.py to compare the loader groups with")
@@ -306,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_numcodecs_gbps_1_thread": cpu_decode_gbps(frames, chunk_nbytes),
         }
         for config in a.configs:
-            decoder = gpu_decode.CudaBloscDecoder(sync_free=config != "header",
-                                                  policy="latency" if config == "latency" else "concurrency")
+            decoder = gpu_decode.CudaBloscDecoder(sync_free=config == "sync-free")
             for source in a.sources:
                 for batch in a.batches:
                     labels = {"blocksize": blocksize, "config": config}

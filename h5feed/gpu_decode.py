@@ -7,15 +7,21 @@ Blosc1 frames of zstd blocks with byte shuffle, as
 ``numcodecs.Blosc(cname="zstd", clevel=1, shuffle=1, blocksize=1 << 20)``
 writes them (zarr's crc32c wrapper is checked and stripped by the caller).
 
-How: the Blosc header is parsed on the CPU (`parse_frame`, every offset checked
-against the frame); a batch of frames is copied into one reused pinned buffer
-(or is already in pinned memory: `CudaBloscDecoder.decode_from_pinned`), sent
-to the GPU in one copy, and the zstd streams of all their blocks are decoded as
-one nvCOMP batch into a scratch buffer; stored (raw) blocks are copied; then
-the byte shuffle is undone per block with a torch transpose that writes
-straight into the destination tensors.  `reference_decode_into` runs the same
-layout on the CPU with numcodecs' zstd, so CI (no GPU) checks the parser, the
-layout and the unshuffle bit for bit against `numcodecs.blosc`.
+How, per call, whatever the number of frames: the headers and block offsets of
+all frames are parsed and checked at once with numpy (`parse_frames`; a frame
+it does not take as a column, memcpyed or split or refused, goes through the
+validating `parse_frame`, so errors stay exact); the frames, copied into one
+reused pinned buffer or already in one (`CudaBloscDecoder.decode_from_pinned`),
+go to the GPU in one copy; every zstd stream is decoded in one nvCOMP batch
+into a scratch buffer, stored (raw) streams copied; then one Triton kernel
+(`h5feed.gpu_unshuffle`) undoes the byte shuffle of every block, writing
+straight into the destinations: whole output tensors, or with
+`CudaBloscDecoder.decode_placed` any byte range of a frame into a row view of
+the trainer's batch, so a loader needs no temporary and no placement copy.
+Without Triton, torch transposes unshuffle, one per run of blocks.
+`reference_decode_into` and `reference_decode_placed` run the same parser,
+layout and unshuffle rows on the CPU with numcodecs' zstd, so CI (no GPU)
+checks them bit for bit against `numcodecs.blosc`.
 
 nvCOMP's zstd decoder assumes valid input: callers keep the crc32c check of
 every chunk before decoding, and anything this module does not support raises
@@ -663,8 +669,6 @@ class CudaBloscDecoder:
     a time per decoder (a lock guards it).  `sync_free` hands nvCOMP the
     decoded sizes the Blosc headers give; False lets nvCOMP read them from the
     zstd headers on the GPU, which waits for the stream once per batch.
-    `policy` is nvCOMP's execution policy: "concurrency" shares the GPU with
-    other work (the trainer's step), "latency" takes it for the shortest decode.
     """
 
     def __init__(
@@ -673,7 +677,6 @@ class CudaBloscDecoder:
         stream: torch.cuda.Stream | None = None,
         sync_free: bool = True,
         unshuffle: Literal["auto", "triton", "torch"] = "auto",
-        policy: Literal["concurrency", "latency"] = "concurrency",
     ) -> None:
         reason = why_unavailable()
         if reason is not None:
@@ -693,7 +696,6 @@ class CudaBloscDecoder:
             bitstream_kind=nvcomp.BitstreamKind.RAW,
             device_id=self.device.index,
             cuda_stream=self.stream.cuda_stream,
-            execution_policy=getattr(nvcomp.ExecutionPolicy, policy.upper()),
         )
         self._pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self.stream):  # freed on growth, reused only in this stream's order
