@@ -13,14 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-ROW_COLUMNS = 6  # src, dst, size, typesize, lo, hi
 TILE = 8192  # bytes one program writes per step
 MAX_PROGRAMS_PER_ROW = 1024
 
 
 @triton.jit
 def _unshuffle_kernel(src_ptr, dst_ptr, rows_ptr, TILE: tl.constexpr):
-    row = rows_ptr + tl.program_id(0) * 6
+    row = rows_ptr + tl.program_id(0) * 6  # src, dst, size, typesize, lo, hi
     src = tl.load(row)
     dst = tl.load(row + 1)
     size = tl.load(row + 2).to(tl.int32)
