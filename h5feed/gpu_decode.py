@@ -472,27 +472,26 @@ def _plan(table: FrameTable, placements: Sequence[Placement], first: int, whole:
     skip_at, length_at = np.asarray(skip, dtype=np.int64), np.asarray(length, dtype=np.int64)
     regions = (table.nbytes + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
     scratch_base = np.cumsum(regions) - regions
-    s = table
-    zstd_rows, raw_rows = ~s.stream_raw, s.stream_raw
-    src = s.stream_src - first
-    dst = scratch_base[s.stream_frame] + s.stream_dst
-    zstd = (src[zstd_rows].tolist(), s.stream_csize[zstd_rows].tolist(), dst[zstd_rows].tolist(),
-            s.stream_size[zstd_rows].tolist())
-    raw = list(zip(src[raw_rows].tolist(), dst[raw_rows].tolist(), s.stream_size[raw_rows].tolist()))
+    zstd_rows, raw_rows = ~table.stream_raw, table.stream_raw
+    src = table.stream_src - first
+    dst = scratch_base[table.stream_frame] + table.stream_dst
+    zstd = (src[zstd_rows].tolist(), table.stream_csize[zstd_rows].tolist(), dst[zstd_rows].tolist(),
+            table.stream_size[zstd_rows].tolist())
+    raw = list(zip(src[raw_rows].tolist(), dst[raw_rows].tolist(), table.stream_size[raw_rows].tolist()))
     # the unshuffle: a block is a Blosc block of a shuffled frame, or the whole of an unshuffled one
-    block = np.where(s.shuffled, s.blocksize, np.maximum(s.nbytes, 1))[frame_at]
+    block = np.where(table.shuffled, table.blocksize, np.maximum(table.nbytes, 1))[frame_at]
     first_block = skip_at // block
     counts = np.where(length_at > 0, (skip_at + length_at - 1) // block - first_block + 1, 0)
     placement = np.repeat(np.arange(len(outs)), counts)
     k = np.repeat(first_block, counts) + np.arange(placement.size) - np.repeat(np.cumsum(counts) - counts, counts)
     f, piece_block = frame_at[placement], block[placement]
     block_start = k * piece_block
-    size = np.minimum(piece_block, s.nbytes[f] - block_start)
+    size = np.minimum(piece_block, table.nbytes[f] - block_start)
     want_from, want_to = skip_at[placement], (skip_at + length_at)[placement]
     lo = np.maximum(want_from, block_start) - block_start
     hi = np.minimum(want_to, block_start + size) - block_start
     pieces = _Pieces(placement, scratch_base[f] + block_start, block_start + lo - want_from, size,
-                     np.where(s.shuffled[f], s.typesize[f], 1), lo, hi)
+                     np.where(table.shuffled[f], table.typesize[f], 1), lo, hi)
     return _Plan(table, outs, zstd, raw, pieces, int(regions.sum()))
 
 
