@@ -765,8 +765,7 @@ class CudaBloscDecoder:
         return self._decode_pinned(source, spans, placements, whole=False)
 
     def _decode_pinned(
-        self, source: torch.Tensor, spans: Sequence[tuple[int, int]], placements: list[Placement] | Sequence[Placement],
-        whole: bool,
+        self, source: torch.Tensor, spans: Sequence[tuple[int, int]], placements: Sequence[Placement], whole: bool
     ) -> CudaDecodeTiming:
         if source.device.type != "cpu" or source.dtype != torch.uint8 or source.dim() != 1 or not source.is_pinned():
             raise ValueError("source must be a 1-D pinned uint8 CPU tensor")
