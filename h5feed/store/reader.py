@@ -27,15 +27,17 @@ import torch
 from numcodecs import blosc
 
 from h5feed.errors import CorruptSampleError, StoreError
-from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
+from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectNotFound, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
     EMPTY,
+    INDEX_COLUMNS,
     TOKEN_ARRAYS,
     check_crc32c,
     crc32c,
     decode_shard_index,
+    edited_hint,
     object_key,
     read_info,
     shard_index_nbytes,
@@ -142,7 +144,9 @@ class Store:
             raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
         self._load_index(self.info.num_samples if num_samples is None else num_samples)
         self._check_index()
+        self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
         self._source = self._make_source()
+        self._check_longest_sample_stored()
         self._compressed = self.info.codec.get("name") != "none"
         self._scratch = threading.local()
         self._warned_unchecked = False
@@ -177,18 +181,22 @@ class Store:
 
     def _load_index(self, n: int) -> None:
         """The first n rows of each index column: the columns may already hold an append's rows that
-        the attributes, read before them, do not publish yet."""
+        the attributes, read before them, do not publish yet.
+
+        Nothing is read or allocated for n rows before the arrays' metadata agrees with the attributes
+        and every column's stored chunks hold n rows: a store claiming 2^26 samples is refused at once."""
         try:
             group = self.zarr_group()
             index = group["index"]
+            self.total_rows = self._check_arrays(group)
+            self._check_columns(index, n)
             self.sample_starts = np.asarray(index["sample_start"][:n], dtype=np.int64)
             self.sample_lengths = np.asarray(index["sample_length"][:n], dtype=np.int64)
             self.source_paths: list[str] = [str(p) for p in index["source_path"][:n]]
             self.source_indices = np.asarray(index["source_index"][:n], dtype=np.int64)
             self.checksums = np.asarray(index["checksum"][:n], dtype=np.uint32)
             self.has_loss_mask = np.asarray(index["has_loss_mask"][:n], dtype=bool)
-            self.total_rows = int(group["aux_hidden_states"].shape[0])
-        except ObjectError:  # the bucket said no (denied, unreachable): its error names the object
+        except (ObjectError, StoreError):  # the bucket said no (its error names the object), or a check above
             raise
         except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
             raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
@@ -196,9 +204,59 @@ class Store:
             raise StoreError(self.path, f"the sample index is damaged: it holds {len(self.sample_lengths)} samples, "
                              f"fewer than the {n} the store's attributes publish; {_REBUILD_HINT}")
 
+    def _check_arrays(self, group: Any) -> int:
+        """The arrays' rows, once each array's metadata agrees with the attributes (width, dtype, shards and
+        chunks) and all hold the same rows.  An array whose metadata zarr cannot parse is left to `h5feed verify`
+        (reads do not use it, and check every chunk's decoded size against the attributes)."""
+        info, rows = self.info, {}
+        for name in info.array_names:
+            try:
+                array = group[name]
+                shape, dtype, chunks, shards = tuple(array.shape), str(array.dtype), array.chunks, array.shards
+            except Exception:
+                if name == "aux_hidden_states":  # its rows bound the index: it must open
+                    raise
+                continue
+            width = (info.width(name),) if info.is_matrix(name) else ()
+            claimed = {"row width": width, "dtype": str(info.storage_dtype(name)).removeprefix("torch."),
+                       "chunk shape": (info.chunk_tokens, *width),
+                       "shard shape": (info.shard_tokens, *width) if info.sharded else None}
+            stored = {"row width": shape[1:], "dtype": dtype, "chunk shape": tuple(chunks),
+                      "shard shape": tuple(shards) if shards else None}
+            for what, value in claimed.items():
+                if value != stored[what]:
+                    raise StoreError(self.path, f"the store's attributes ({self._sizes_claimed()}) give {name} "
+                                     f"{what} {_plain(value)}, but {name}/zarr.json says "
+                                     f"{_plain(stored[what])}; {edited_hint(self.path)}")
+            rows[name] = shape[0]
+        if len(set(rows.values())) > 1:
+            raise StoreError(self.path, f"the arrays hold different numbers of rows ({_plain(rows)}); "
+                             f"{edited_hint(self.path)}")
+        return rows["aux_hidden_states"]
+
+    def _sizes_claimed(self) -> str:
+        info = self.info
+        return (f"hidden_size {info.hidden_size}, num_aux_layers {info.num_aux_layers}, chunk_tokens "
+                f"{info.chunk_tokens}, shard_tokens {info.shard_tokens}")
+
+    def _check_columns(self, index: Any, n: int) -> None:
+        """Every index column holds n rows in chunks that exist (a missing chunk would read as zeros), and
+        `checksum` one column per array: checked from metadata and a listing, before any row is read."""
+        for name in INDEX_COLUMNS:
+            column = index[name]
+            rows_per_chunk = column.chunks[0]
+            held = min(column.shape[0], column.nchunks_initialized * rows_per_chunk)
+            if held < n:
+                raise StoreError(self.path, f"the store's attributes say {n} samples, but index/{name} holds {held}; "
+                                 f"{edited_hint(self.path)}")
+        width = index["checksum"].shape[1:]
+        if width != (len(self.info.array_names),):
+            raise StoreError(self.path, f"index/checksum has {_plain(width)} columns, not one for each of the "
+                             f"{len(self.info.array_names)} arrays; {edited_hint(self.path)}")
+
     def _make_source(self) -> ObjectSource:
         if self._objects is None:
-            return LocalSource(Path(self.path))
+            return LocalSource(Path(self.path), {name: self.info.max_object_nbytes(name) for name in self.info.array_names})
         per_shard = self.info.chunks_per_shard if self.info.sharded else 0
         if isinstance(self._objects, CachedStore):
             self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
@@ -229,11 +287,48 @@ class Store:
                     f"{int(self.sample_lengths[i])} tokens) {what}; {_REBUILD_HINT}"
                 )
 
+    def _check_longest_sample_stored(self) -> None:
+        """The object holding the longest sample's last row exists: a length is backed by stored objects
+        (one look-up at open), not only by the arrays' metadata."""
+        if not len(self):
+            return
+        i = int(np.argmax(self.sample_lengths))
+        last_row = int(self.sample_starts[i]) + int(self.sample_lengths[i]) - 1
+        key = object_key(self.info, "aux_hidden_states", last_row // self.info.object_tokens)
+        try:
+            stored = self._objects.size(key) > 0 if self._objects is not None else Path(self.path, key).is_file()
+        except ObjectNotFound:
+            stored = False
+        if not stored:
+            raise StoreError(self.path, f"the sample index gives sample {i} {int(self.sample_lengths[i])} tokens, but "
+                             f"{self._source.where(key)}, which would hold its last row, does not exist; "
+                             f"{edited_hint(self.path)}")
+
+    def _check_length(self, i: int, name: str, rows: torch.Tensor) -> None:
+        """A token array read whole against its crc32c recorded at conversion, which covers exactly the
+        sample's `sample_length` rows: a rewritten length or start fails here, whatever the chunks' own
+        checksums say.  8 bytes a token: nothing beside the hidden states."""
+        if not (self.checked and self.info.sharded and name in TOKEN_ARRAYS):
+            return  # format 1 checks every whole sample's arrays in `_read_rows`
+        got = crc32c(rows.numpy())
+        want = int(self.checksums[i][self.info.array_names.index(name)])
+        if got != want:
+            raise self._corrupt(i, self._source.where("index"), f"its {name} of the {int(self.sample_lengths[i])} "
+                                f"tokens the index gives it fail the checksum recorded at conversion (crc32c "
+                                f"{got:#010x}, recorded {want:#010x}): the index does not describe the stored data")
+
     def __len__(self) -> int:
         return len(self.sample_lengths)
 
     @property
+    def max_sample_tokens(self) -> int:
+        """The longest sample's tokens, checked at open against the arrays and their stored objects:
+        what a loader sizes its buffers from (never the attributes, which a damaged store can inflate)."""
+        return int(self.sample_lengths.max(initial=0))
+
+    @property
     def hidden_size(self) -> int:
+        """The hidden size, checked at open against the arrays' metadata."""
         return self.info.hidden_size
 
     @property
@@ -289,6 +384,8 @@ class Store:
             buffer = allocate((rows, width) if self.info.is_matrix(name) else (rows,), self.info.storage_dtype(name))
             self._read_rows(i, name, 0, rows, buffer, stats, delivered=t)
             arrays[name] = buffer[:t].view(self.info.logical_dtype(name))
+            if t == int(self.sample_lengths[i]):
+                self._check_length(i, name, arrays[name])
         last = arrays.pop("last_hidden_states", None)
         return RawSample(
             input_ids=arrays.pop("input_ids"),
@@ -320,6 +417,8 @@ class Store:
         if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, not {out.dtype} {tuple(out.shape)}")
         self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
+        if start == 0 and stop == int(self.sample_lengths[i]):
+            self._check_length(i, array, out)
 
     def copy_frames_into(
         self, i: int, array: str, stop: int, out: np.ndarray, stats: ReadStats | None = None
@@ -464,7 +563,7 @@ class Store:
 
     def _shard_index(self, tail: bytes, size: int, where: str | Path) -> np.ndarray:
         try:
-            return decode_shard_index(tail, self.info.chunks_per_shard, size)
+            return decode_shard_index(tail, self.info.chunks_per_shard, size, self._max_chunk_nbytes)
         except ValueError as exc:
             raise object_error(where, str(exc)) from None
 
@@ -506,5 +605,14 @@ class _TooSmall(Exception):
 
 
 _REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
+
+
+def _plain(value: Any) -> str:
+    """A shape or figure as a user reads it: (96,) as 96, (16, 96) as 16 x 96."""
+    if isinstance(value, tuple):
+        return " x ".join(map(_plain, value)) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value)
 
 __all__ = ["RawSample", "ReadStats", "Store", "read_ahead"]
