@@ -27,6 +27,9 @@ sharded, chunked and checksummed exactly like them; no `last_hidden_states`
 `index/checksum` then has one column per stored array, in `StoreInfo.array_names`
 order.
 
+Any format's index group may carry in its attributes (`IndexDigest`) the crc32c of its rows, written by
+the conversion after the rows: readers check it at open, and a store without it opens unchecked.
+
 Format 1 (still read): the same arrays unsharded, one file per chunk of
 `chunk_tokens` rows, no per-chunk checksum; samples start on chunk boundaries
 and `index/checksum` holds crc32c of each sample's decoded bytes.
@@ -35,7 +38,7 @@ and `index/checksum` holds crc32c of each sample's decoded bytes.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -357,6 +360,51 @@ def crc32c(data: Any, crc: int = 0) -> int:
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
     """crc32c of each tensor's bytes: the per-sample checksums recorded at conversion."""
     return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
+
+
+# The dtype each index column's rows are checksummed in (`index_digest`); source_path as UTF-8, each ending in NUL.
+_INDEX_DIGEST_DTYPES = {"sample_start": "<i8", "sample_length": "<i8", "source_index": "<i8", "checksum": "<u4",
+                        "has_loss_mask": "u1"}
+
+
+def index_digest(columns: Mapping[str, Any]) -> int:
+    """crc32c of the index rows (`INDEX_COLUMNS`, in order), recorded in the index group's attributes at
+    conversion: a row rewritten through zarr (whose chunk checksums it recomputes) no longer matches.  With
+    `index/checksum`, whose per-sample crc32c cover exactly `sample_length` rows, it binds each row to its data."""
+    crc = 0
+    for name in INDEX_COLUMNS:
+        if name == "source_path":
+            crc = crc32c("".join(f"{path}\0" for path in columns[name]).encode("utf-8", "surrogatepass"), crc)
+        else:
+            crc = crc32c(np.asarray(columns[name]).astype(_INDEX_DIGEST_DTYPES[name], copy=False), crc)
+    return crc
+
+
+@dataclass(frozen=True)
+class IndexDigest:
+    """The `index_digest` of the first `rows` index rows, kept in the index group's attributes (so readers of
+    format 2 and 3 read such a store unchanged; a store converted before it has none, and is not checked)."""
+
+    rows: int
+    crc32c: int
+
+    @classmethod
+    def of(cls, columns: Mapping[str, Any]) -> IndexDigest:
+        return cls(len(columns["sample_length"]), index_digest(columns))
+
+    def to_attributes(self) -> dict[str, Any]:
+        return {ATTRS_KEY: {"rows": self.rows, "crc32c": self.crc32c}}
+
+    @classmethod
+    def from_attributes(cls, attributes: Mapping[str, Any]) -> IndexDigest | None:
+        """The recorded digest, or None when there is none (or it is not one: then the index is not checked,
+        as a store converted before digests)."""
+        recorded = attributes.get(ATTRS_KEY)
+        try:
+            digest = cls(recorded["rows"], recorded["crc32c"])
+        except (TypeError, KeyError):
+            return None
+        return digest if _is_int(digest.rows) and _is_int(digest.crc32c) else None
 
 
 def read_info(location: Path | ObjectStore) -> StoreInfo:

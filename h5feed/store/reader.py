@@ -34,10 +34,12 @@ from h5feed.store.layout import (
     EMPTY,
     INDEX_COLUMNS,
     TOKEN_ARRAYS,
+    IndexDigest,
     check_crc32c,
     crc32c,
     decode_shard_index,
     edited_hint,
+    index_digest,
     object_key,
     read_info,
     shard_index_nbytes,
@@ -144,6 +146,7 @@ class Store:
             raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
         self._load_index(self.info.num_samples if num_samples is None else num_samples)
         self._check_index()
+        self._check_index_digest()
         self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
         self._source = self._make_source()
         self._check_longest_sample_stored()
@@ -188,6 +191,7 @@ class Store:
         try:
             group = self.zarr_group()
             index = group["index"]
+            self._recorded_digest = IndexDigest.from_attributes(index.attrs)  # before the rows it may cover
             self.total_rows = self._check_arrays(group)
             self._check_columns(index, n)
             self.sample_starts = np.asarray(index["sample_start"][:n], dtype=np.int64)
@@ -286,6 +290,22 @@ class Store:
                     self.path, f"the sample index is damaged: sample {i} (start {int(self.sample_starts[i])}, "
                     f"{int(self.sample_lengths[i])} tokens) {what}; {_REBUILD_HINT}"
                 )
+
+    def _check_index_digest(self) -> None:
+        """The index rows against the digest recorded at conversion: a rewritten length, start or source path
+        is refused here (with the per-sample checksums, which bind each row to its data, on read).  Checked when
+        the digest covers exactly the published samples: an append in flight, a snapshot of fewer samples (its
+        opener checked) and a store converted before digests are not."""
+        recorded = self._recorded_digest
+        if recorded is None or recorded.rows != len(self) or len(self) != self.info.num_samples:
+            return
+        got = index_digest({"sample_start": self.sample_starts, "sample_length": self.sample_lengths,
+                            "source_path": self.source_paths, "source_index": self.source_indices,
+                            "checksum": self.checksums, "has_loss_mask": self.has_loss_mask})
+        if got != recorded.crc32c:
+            raise StoreError(self.path, f"the sample index fails the checksum recorded at conversion (crc32c "
+                             f"{got:#010x}, recorded {recorded.crc32c:#010x}): its rows were changed; "
+                             f"{edited_hint(self.path)}")
 
     def _check_longest_sample_stored(self) -> None:
         """The object holding the longest sample's last row exists: a length is backed by stored objects
