@@ -217,7 +217,7 @@ def _set_width(meta: dict[str, Any], width: int) -> None:
 
 def test_a_claimed_2_26_samples_is_refused_at_once(dst):
     edit_attributes(dst, num_samples=2**26)
-    assert refused_at_open(dst) == (f"{dst}: the store's attributes say 67108864 samples, but index/sample_start "
+    assert refused_at_open(dst) == (f"{dst}: the store's attributes say 67108864 samples, but index/sample_length "
                                     f"holds 6; {hint(dst)}")
 
 
@@ -227,7 +227,7 @@ def test_a_claimed_2_26_samples_with_index_metadata_to_match_is_refused_at_once(
     edit_attributes(dst, num_samples=2**26)
     for column in INDEX_COLUMNS:
         set_rows(dst / "index", column, 2**26)
-    assert refused_at_open(dst) == (f"{dst}: the store's attributes say 67108864 samples, but index/sample_start "
+    assert refused_at_open(dst) == (f"{dst}: the store's attributes say 67108864 samples, but index/sample_length "
                                     f"holds 16384; {hint(dst)}")
 
 

@@ -244,12 +244,13 @@ class Store:
                 f"{info.chunk_tokens}, shard_tokens {info.shard_tokens}")
 
     def _check_columns(self, index: Any, n: int) -> None:
-        """Every index column holds n rows in chunks that exist (a missing chunk would read as zeros), and
-        `checksum` one column per array: checked from metadata and a listing, before any row is read."""
-        for name in INDEX_COLUMNS:
-            column = index[name]
-            rows_per_chunk = column.chunks[0]
-            held = min(column.shape[0], column.nchunks_initialized * rows_per_chunk)
+        """Every index column holds n rows, and `sample_length`'s stored chunks do (zarr stores no chunk of fill
+        values, so a column of zeros may have none, but lengths are positive: a missing chunk would read as
+        zeros), and `checksum` has one column per array: from metadata and a listing, before any row is read."""
+        lengths = index["sample_length"]
+        stored = lengths.nchunks_initialized * lengths.chunks[0]
+        for name, held in [("sample_length", min(lengths.shape[0], stored)),
+                           *((name, index[name].shape[0]) for name in INDEX_COLUMNS if name != "sample_length")]:
             if held < n:
                 raise StoreError(self.path, f"the store's attributes say {n} samples, but index/{name} holds {held}; "
                                  f"{edited_hint(self.path)}")
