@@ -27,7 +27,7 @@ import torch
 from numcodecs import blosc
 
 from h5feed.errors import CorruptSampleError, StoreError
-from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectNotFound, ObjectStore, is_remote, open_url
+from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
@@ -309,18 +309,15 @@ class Store:
                              f"{edited_hint(self.path)}")
 
     def _check_longest_sample_stored(self) -> None:
-        """The object holding the longest sample's last row exists: a length is backed by stored objects
-        (one look-up at open), not only by the arrays' metadata."""
-        if not len(self):
+        """The file holding the longest sample's last row exists: a length is backed by stored objects, not only
+        by the arrays' metadata (one stat at open; a bucket's store is not asked, to cost no request, and a
+        missing object there fails its read)."""
+        if not len(self) or self.remote:
             return
         i = int(np.argmax(self.sample_lengths))
         last_row = int(self.sample_starts[i]) + int(self.sample_lengths[i]) - 1
         key = object_key(self.info, "aux_hidden_states", last_row // self.info.object_tokens)
-        try:
-            stored = self._objects.size(key) > 0 if self._objects is not None else Path(self.path, key).is_file()
-        except ObjectNotFound:
-            stored = False
-        if not stored:
+        if not Path(self.path, key).is_file():
             raise StoreError(self.path, f"the sample index gives sample {i} {int(self.sample_lengths[i])} tokens, but "
                              f"{self._source.where(key)}, which would hold its last row, does not exist; "
                              f"{edited_hint(self.path)}")
