@@ -374,7 +374,7 @@ def index_digest(columns: Mapping[str, Any]) -> int:
     crc = 0
     for name in INDEX_COLUMNS:
         if name == "source_path":
-            crc = crc32c("".join(f"{path}\0" for path in columns[name]).encode("utf-8", "surrogatepass"), crc)
+            crc = crc32c(("\0".join(columns[name]) + "\0").encode("utf-8", "surrogatepass"), crc)
         else:
             crc = crc32c(np.asarray(columns[name]).astype(_INDEX_DIGEST_DTYPES[name], copy=False), crc)
     return crc
