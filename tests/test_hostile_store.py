@@ -23,7 +23,7 @@ import pytest
 import torch
 import zarr
 
-from h5feed import HiddenStatesDataset, convert
+from h5feed import BatchLoader, HiddenStatesDataset, convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
 from h5feed.store.layout import CRC_BYTES, INDEX_COLUMNS, IndexDigest, crc32c, shard_index_nbytes
@@ -86,7 +86,11 @@ def rewrite_column(dst: Path, column: str, change: Callable[[np.ndarray], None],
 
 
 def shard_of(dst: Path, sample: int, array: str = "aux_hidden_states") -> Path:
-    return dst / array / "c" / str(Store(dst).sample_starts[sample] // SHARD) / "0"
+    return shard_of_row(dst, int(Store(dst).sample_starts[sample]), array)
+
+
+def shard_of_row(dst: Path, row: int, array: str = "aux_hidden_states") -> Path:
+    return dst / array / "c" / str(row // SHARD) / "0"
 
 
 def rewrite_shard_index(shard: Path, entries: dict[int, tuple[int, int]]) -> None:
@@ -131,13 +135,13 @@ def bounded() -> Iterator[None]:
 
 
 def refused_at_open(dst: Path) -> str:
-    """The message Store and HiddenStatesDataset both refuse `dst` with, each within the bounds."""
+    """The message Store, HiddenStatesDataset and BatchLoader all refuse `dst` with, each within the bounds."""
     messages = []
-    for open_store in (Store, HiddenStatesDataset):
+    for open_store in (Store, HiddenStatesDataset, lambda path: BatchLoader(path, flavor="speculators-legacy")):
         with bounded(), pytest.raises(StoreError) as err:
             open_store(dst)
         messages.append(str(err.value))
-    assert messages[0] == messages[1]
+    assert messages[1:] == messages[:-1]
     return messages[0]
 
 
@@ -194,15 +198,15 @@ def test_arrays_of_different_rows_are_refused_at_open(dst):
                                     f"last_hidden_states 288, input_ids 2097152, loss_mask 288); {hint(dst)}")
 
 
-def test_hidden_size_2_17_with_metadata_to_match_is_refused_on_read(dst):
-    """Attributes and metadata agree on 2^17, the shards hold rows of 96: no frame decodes to the claimed size."""
+def test_hidden_size_2_17_with_metadata_to_match_is_refused_at_open(dst):
+    """Attributes and metadata agree on 2^17, the shards hold rows of 96: the longest sample's first chunk tells."""
     edit_attributes(dst, hidden_size=2**17)
     for array, width in (("aux_hidden_states", 3 * 2**17), ("last_hidden_states", 2**17)):
         edit_json(dst / array / "zarr.json", lambda meta, w=width: _set_width(meta, w))
-    store = Store(dst)
-    assert store.hidden_size == 2**17
-    with bounded(), pytest.raises(CorruptSampleError, match=re.escape("sample 3 (converted from data_3.pt): ")):
-        store.read_sample(3)
+    sizes = SIZES.format(h=2**17, c=CHUNK, s=SHARD)
+    assert refused_at_open(dst) == (f"{dst}: the store's attributes ({sizes}) give aux_hidden_states chunks of "
+                                    f"{CHUNK * 3 * 2**17 * 2} bytes, but the first chunk in {shard_of_row(dst, 96)} "
+                                    f"holds {CHUNK * 3 * H * 2}; {hint(dst)}")
 
 
 def _set_width(meta: dict[str, Any], width: int) -> None:

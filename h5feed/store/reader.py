@@ -11,6 +11,7 @@ file and the object.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -149,8 +150,8 @@ class Store:
         self._check_index_digest()
         self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
         self._source = self._make_source()
-        self._check_longest_sample_stored()
         self._compressed = self.info.codec.get("name") != "none"
+        self._check_longest_sample_stored()
         self._scratch = threading.local()
         self._warned_unchecked = False
 
@@ -321,6 +322,24 @@ class Store:
             raise StoreError(self.path, f"the sample index gives sample {i} {int(self.sample_lengths[i])} tokens, but "
                              f"{self._source.where(key)}, which would hold its last row, does not exist; "
                              f"{edited_hint(self.path)}")
+        self._check_stored_width(i)
+
+    def _check_stored_width(self, i: int) -> None:
+        """Sample i's first chunk of aux_hidden_states holds `chunk_tokens` rows of the width the attributes give
+        (its Blosc header's size, or its bytes): hidden_size is bound to the files, not only to the metadata.
+        A chunk that fails its own checks is left for its read to report."""
+        name = "aux_hidden_states"
+        expected = self.info.chunk_tokens * self.info.row_nbytes(name)
+        try:
+            with contextlib.closing(self._frames(i, name, range(1), ReadStats())) as frames:
+                _, frame = next(frames)
+                stored = _BLOSC_HEADER.unpack_from(frame)[4] if self._compressed else len(frame)
+        except (ValueError, OSError, struct.error):
+            return
+        if stored != expected:
+            where = self._source.where(object_key(self.info, name, int(self.sample_starts[i]) // self.info.object_tokens))
+            raise StoreError(self.path, f"the store's attributes ({self._sizes_claimed()}) give {name} chunks of "
+                             f"{expected} bytes, but the first chunk in {where} holds {stored}; {edited_hint(self.path)}")
 
     def _check_length(self, i: int, name: str, rows: torch.Tensor) -> None:
         """A token array read whole against its crc32c recorded at conversion, which covers exactly the
