@@ -190,7 +190,8 @@ class StoreInfo:
         sized from it, so a damaged or hostile store is refused instead of dividing by zero or allocating."""
         sizes = {"hidden_size": self.hidden_size, "num_aux_layers": self.num_aux_layers,
                  "chunk_tokens": self.chunk_tokens}
-        sizes.update({f"extra_arrays.{name}.width": spec.get("width") for name, spec in self.extra_arrays.items()})
+        sizes.update({f"extra_arrays.{name}.width": spec.get("width") if isinstance(spec, dict) else spec
+                      for name, spec in self.extra_arrays.items()})
         for name, value in sizes.items():
             if not _is_int(value) or value <= 0:
                 return f"{name} is {value!r}, not a positive whole number"
