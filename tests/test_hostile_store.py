@@ -22,9 +22,11 @@ import psutil
 import pytest
 import torch
 import zarr
+from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 from h5feed import BatchLoader, HiddenStatesDataset, convert
 from h5feed.errors import CorruptSampleError, StoreError
+from h5feed.io import open_url
 from h5feed.store import Store
 from h5feed.store.layout import CRC_BYTES, INDEX_COLUMNS, IndexDigest, crc32c, shard_index_nbytes
 from h5feed.synthetic import write_synthetic
@@ -340,3 +342,39 @@ def test_a_shard_index_chunk_longer_than_a_chunk_can_be_is_refused(dst):
     assert refused_on_read(dst, 2) == (f"{shard}: sample 2 (converted from data_2.pt): shard index gives inner chunk "
                                        f"0 {body} bytes, more than a chunk of this array can take ({AUX_CHUNK_NBYTES}); "
                                        f"the store is damaged: run `h5feed verify {dst}`")
+
+
+# --- a bucket ---------------------------------------------------------------------------------------------------
+
+
+def upload(store: Path, s3: S3, bucket: str) -> str:
+    url = f"s3://{bucket}/hs.zarr"
+    objects = open_url(url, s3.storage_options)
+    for path in sorted(store.rglob("*")):
+        if path.is_file():
+            objects.put_atomic(path.relative_to(store).as_posix(), path.read_bytes())
+    return url
+
+
+def test_a_hostile_store_in_a_bucket_is_refused_before_any_sample_is_fetched(dst, s3, bucket):
+    edit_attributes(dst, num_samples=2**26)
+    for column in INDEX_COLUMNS:
+        set_rows(dst / "index", column, 2**26)
+    url = upload(dst, s3, bucket)
+    s3.proxy.reset()
+    for open_store in (Store, HiddenStatesDataset):
+        with bounded(), pytest.raises(StoreError) as err:
+            open_store(url, storage_options=s3.storage_options)
+        assert str(err.value) == (f"{url}: the store's attributes say 67108864 samples, but index/sample_length "
+                                  f"holds 16384; the store is damaged or was edited: run `h5feed verify {url}`, or "
+                                  "convert it again")
+    assert [r for r in s3.proxy.requests() if "/c/" in r.path and "/index/" not in r.path] == []
+
+
+def test_a_rewritten_length_in_a_bucket_is_refused_on_read(dst, s3, bucket):
+    rewrite_column(dst, "sample_length", lambda v: v.__setitem__(1, 34), record_digest=True)
+    url = upload(dst, s3, bucket)
+    with bounded(), pytest.raises(CorruptSampleError, match=re.escape(
+            f"{url}/index: sample 1 (converted from data_1.pt): its input_ids of the 34 tokens the index gives it "
+            "fail the checksum recorded at conversion")):
+        HiddenStatesDataset(url, storage_options=s3.storage_options)[1]
