@@ -253,14 +253,16 @@ def test_a_sample_length_of_2_21_is_refused_at_open(dst):
                                     "again to rebuild the index")
 
 
-def test_a_sample_length_of_2_21_with_arrays_to_match_is_refused_at_open(dst):
-    """The arrays' zarr.json claim the rows too: the shard that would hold the sample's last row does not exist."""
+def test_a_sample_length_of_2_21_with_arrays_to_match_is_refused_before_its_buffers_are_sized(dst):
+    """The arrays' zarr.json claim the rows too: the shard that would hold the sample's last row does not exist,
+    which a read checks before it allocates for the sample's length."""
     rewrite_column(dst, "sample_length", lambda v: v.__setitem__(5, 2**21), record_digest=True)
     for array in ("aux_hidden_states", "last_hidden_states", "input_ids", "loss_mask"):
         set_rows(dst, array, 240 + -(-(2**21) // SHARD) * SHARD)  # whole shards
-    last = dst / "aux_hidden_states" / "c" / str((240 + 2**21 - 1) // SHARD) / "0"
-    assert refused_at_open(dst) == (f"{dst}: the sample index gives sample 5 2097152 tokens, but {last}, which would "
-                                    f"hold its last row, does not exist; {hint(dst)}")
+    last = shard_of_row(dst, 240 + 2**21 - 1)
+    assert refused_on_read(dst, 5) == (f"{last}: sample 5 (converted from data_5.pt): the index gives it 2097152 "
+                                       "tokens, but the file that would hold its last row does not exist; the store "
+                                       f"is damaged: run `h5feed verify {dst}`")
 
 
 def test_the_checked_longest_sample_is_exposed_for_loaders(dst):

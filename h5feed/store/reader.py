@@ -151,7 +151,8 @@ class Store:
         self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
         self._source = self._make_source()
         self._compressed = self.info.codec.get("name") != "none"
-        self._check_longest_sample_stored()
+        if len(self):
+            self._check_stored_width(int(np.argmax(self.sample_lengths)))
         self._scratch = threading.local()
         self._warned_unchecked = False
 
@@ -309,20 +310,15 @@ class Store:
                              f"{got:#010x}, recorded {recorded.crc32c:#010x}): its rows were changed; "
                              f"{edited_hint(self.path)}")
 
-    def _check_longest_sample_stored(self) -> None:
-        """The file holding the longest sample's last row exists: a length is backed by stored objects, not only
-        by the arrays' metadata (one stat at open; a bucket's store is not asked, to cost no request, and a
-        missing object there fails its read)."""
-        if not len(self) or self.remote:
-            return
-        i = int(np.argmax(self.sample_lengths))
+    def _check_stored(self, i: int) -> None:
+        """In a local store, the file holding sample i's last row exists: checked before buffers are sized from
+        the sample's length, which the arrays' metadata alone could inflate (one stat; in a bucket, a missing
+        object fails its read, and the buffers are sized then)."""
         last_row = int(self.sample_starts[i]) + int(self.sample_lengths[i]) - 1
         key = object_key(self.info, "aux_hidden_states", last_row // self.info.object_tokens)
-        if not Path(self.path, key).is_file():
-            raise StoreError(self.path, f"the sample index gives sample {i} {int(self.sample_lengths[i])} tokens, but "
-                             f"{self._source.where(key)}, which would hold its last row, does not exist; "
-                             f"{edited_hint(self.path)}")
-        self._check_stored_width(i)
+        if self._objects is None and not Path(self.path, key).is_file():
+            raise self._corrupt(i, self._source.where(key), f"the index gives it {int(self.sample_lengths[i])} "
+                                "tokens, but the file that would hold its last row does not exist")
 
     def _check_stored_width(self, i: int) -> None:
         """Sample i's first chunk of aux_hidden_states holds `chunk_tokens` rows of the width the attributes give
@@ -409,6 +405,7 @@ class Store:
         Buffers are rounded up to whole chunks, so every chunk decodes in place (no scratch copy).
         """
         self._check_sample(i)
+        self._check_stored(i)
         stats = stats if stats is not None else ReadStats()
         names = self._arrays_to_read(extras)
         t = self._tokens_to_read(i, max_tokens)
