@@ -151,7 +151,7 @@ class Store:
         self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
         self._source = self._make_source()
         self._compressed = self.info.codec.get("name") != "none"
-        if len(self):
+        if len(self) and not self.remote:  # in a bucket it would cost requests at every open; reads check sizes
             self._check_stored_width(int(np.argmax(self.sample_lengths)))
         self._scratch = threading.local()
         self._warned_unchecked = False
@@ -323,7 +323,8 @@ class Store:
     def _check_stored_width(self, i: int) -> None:
         """Sample i's first chunk of aux_hidden_states holds `chunk_tokens` rows of the width the attributes give
         (its Blosc header's size, or its bytes): hidden_size is bound to the files, not only to the metadata.
-        A chunk that fails its own checks is left for its read to report."""
+        A chunk that fails its own checks (or a shard kept only in a bucket, as a staging copy's) is left for
+        its read to report."""
         name = "aux_hidden_states"
         expected = self.info.chunk_tokens * self.info.row_nbytes(name)
         try:
