@@ -260,9 +260,12 @@ def test_a_sample_length_of_2_21_with_arrays_to_match_is_refused_before_its_buff
     for array in ("aux_hidden_states", "last_hidden_states", "input_ids", "loss_mask"):
         set_rows(dst, array, 240 + -(-(2**21) // SHARD) * SHARD)  # whole shards
     last = shard_of_row(dst, 240 + 2**21 - 1)
-    assert refused_on_read(dst, 5) == (f"{last}: sample 5 (converted from data_5.pt): the index gives it 2097152 "
-                                       "tokens, but the file that would hold its last row does not exist; the store "
-                                       f"is damaged: run `h5feed verify {dst}`")
+    problem = (f"{last}: sample 5 (converted from data_5.pt): the index gives it 2097152 tokens, but the file that "
+               f"would hold its last row does not exist; the store is damaged: run `h5feed verify {dst}`")
+    assert refused_on_read(dst, 5) == problem
+    with bounded(), pytest.raises(CorruptSampleError) as err:
+        Store(dst).max_sample_tokens  # noqa: B018 (what a loader sizes from is checked when asked)
+    assert str(err.value) == problem
 
 
 def test_the_checked_longest_sample_is_exposed_for_loaders(dst):

@@ -356,9 +356,14 @@ class Store:
 
     @property
     def max_sample_tokens(self) -> int:
-        """The longest sample's tokens, checked at open against the arrays and their stored objects:
-        what a loader sizes its buffers from (never the attributes, which a damaged store can inflate)."""
-        return int(self.sample_lengths.max(initial=0))
+        """The longest sample's tokens: what a loader sizes its buffers from (never the attributes, which a
+        damaged store can inflate).  Checked against the arrays' rows at open and, in a local store, against
+        the file that would hold its last row here (`CorruptSampleError` if there is none)."""
+        if not len(self):
+            return 0
+        i = int(np.argmax(self.sample_lengths))
+        self._check_stored(i)
+        return int(self.sample_lengths[i])
 
     @property
     def hidden_size(self) -> int:
