@@ -328,8 +328,8 @@ def test_a_sparse_8_gb_shard_is_refused_before_it_is_read(dst):
     os.truncate(shard, 8 << 30)  # sparse: costs no disk, would cost 8 GB of memory read whole
     max_nbytes = (SHARD // CHUNK) * AUX_CHUNK_NBYTES + shard_index_nbytes(SHARD // CHUNK)
     assert refused_on_read(dst, 2) == (f"{shard}: sample 2 (converted from data_2.pt): is 8589934592 bytes, more than "
-                                       f"an object of its array can take ({max_nbytes}); the store is damaged: run "
-                                       f"`h5feed verify {dst}`")
+                                       f"an object of its array can take ({max_nbytes}), and again when read afresh; "
+                                       f"the store is damaged: run `h5feed verify {dst}`")
 
 
 def test_a_shard_index_offset_near_2_64_is_refused(dst):
@@ -337,7 +337,7 @@ def test_a_shard_index_offset_near_2_64_is_refused(dst):
     shard = shard_of(dst, 2)
     rewrite_shard_index(shard, {0: (2**64 - 8, 16)})
     assert refused_on_read(dst, 2) == (f"{shard}: sample 2 (converted from data_2.pt): shard index points outside "
-                                       f"the shard; the store is damaged: run `h5feed verify {dst}`")
+                                       f"the shard, and again when read afresh; the store is damaged: run `h5feed verify {dst}`")
 
 
 def test_a_shard_index_chunk_longer_than_a_chunk_can_be_is_refused(dst):
@@ -345,8 +345,8 @@ def test_a_shard_index_chunk_longer_than_a_chunk_can_be_is_refused(dst):
     body = shard.stat().st_size - shard_index_nbytes(SHARD // CHUNK)
     rewrite_shard_index(shard, {0: (0, body)})  # inside the shard, but three chunks long
     assert refused_on_read(dst, 2) == (f"{shard}: sample 2 (converted from data_2.pt): shard index gives inner chunk "
-                                       f"0 {body} bytes, more than a chunk of this array can take ({AUX_CHUNK_NBYTES}); "
-                                       f"the store is damaged: run `h5feed verify {dst}`")
+                                       f"0 {body} bytes, more than a chunk of this array can take ({AUX_CHUNK_NBYTES}), "
+                                       f"and again when read afresh; the store is damaged: run `h5feed verify {dst}`")
 
 
 # --- a bucket ---------------------------------------------------------------------------------------------------

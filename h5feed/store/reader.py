@@ -338,7 +338,7 @@ class Store:
         name = "aux_hidden_states"
         expected = self.info.chunk_tokens * self.info.row_nbytes(name)
         try:
-            with contextlib.closing(self._frames(i, name, range(1), ReadStats())) as frames:
+            with contextlib.closing(self._frames(i, name, range(1), ReadStats(), self._deadline(i))) as frames:
                 _, frame = next(frames)
                 stored = _BLOSC_HEADER.unpack_from(frame)[4] if self._compressed else len(frame)
         except (ValueError, OSError, struct.error):
