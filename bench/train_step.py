@@ -12,7 +12,7 @@ A CPU smoke run (seconds):
     python bench/train_step.py --make-data 4 --hidden-size 32 --tokens 40:60 --max-len 64 --workers 1 --out /tmp/ts
 
 Why: one H200 trains a Kimi-shaped EAGLE-3 drafter at ~15 samples/s, i.e. as
-much hidden-state data as its disk can give (DESIGN.md), so the loader, not the
+much hidden-state data as its disk can give (bench/RESULTS.md), so the loader, not the
 GPU, decides the speed.  This measures it end to end, the way trainers run it:
 the same model, the same samples in the same order, speculators 0.4's own collate
 (`create_collate_fn(max_len)`: cat, then pad) and `pin_memory=True` for the
@@ -205,7 +205,7 @@ class Trainer:
 
 def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) -> tuple[Trainer, Shape, float]:
     """The trainer whose step is closest to `step_ms` on this device, by the draft vocabulary's size (the
-    rest of the model keeps Kimi's shape): a Kimi-shaped step is 65-80 ms on one H200 (DESIGN.md)."""
+    rest of the model keeps Kimi's shape): a Kimi-shaped step is 65-80 ms on one H200 (bench/RESULTS.md)."""
     best: tuple[Trainer, Shape, float] | None = None
     for vocab in (32000, 24000, 16000, 12000, 8000, 4000):
         candidate = replace(shape, vocab=vocab)

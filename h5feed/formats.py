@@ -1,6 +1,6 @@
-"""Readers of every input format of FORMATS.md, behind one interface.
+"""Readers of every input format h5feed converts (the README's format tables), behind one interface.
 
-Each trainer wrote its hidden states its own way (see FORMATS.md): a list of
+Each trainer wrote its hidden states its own way: a list of
 per-layer tensors in a ``.pt`` (speculators legacy), pre-concatenated tensors
 (speculators v0), tensors with a leading batch dim in a possibly gzipped
 ``.ckpt`` (SpecForge), ``[T, K+1, H]`` safetensors beside an Arrow dataset

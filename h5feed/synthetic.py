@@ -1,11 +1,11 @@
-"""Write synthetic hidden-state sample files in every input format of FORMATS.md.
+"""Write synthetic hidden-state sample files in every input format h5feed reads.
 
 Why: tests and benchmarks need files laid out exactly as each trainer writes
 them, filled with values that compress like real activations.  Uniform or
 constant data makes compression and throughput figures meaningless, so values
 are ``N(0, 1) * exp(0.7 * N(0, 1))`` with the log-normal scale fixed per layer
 and per hidden column (as real channels have their own magnitude), which gives
-a bf16 exponent entropy of about 2.9 bits (DESIGN.md).
+a bf16 exponent entropy of about 2.9 bits, as real activations have.
 
 Everything is deterministic in ``seed``: the per-column scales and each
 sample's values depend only on (seed, sample index), so the same seed gives the
@@ -223,7 +223,7 @@ def write_synthetic(
     leaves the mask out (no key; no Arrow column for safetensors).
     ``arrow_shards`` splits the safetensors format's Arrow dataset in shards.
 
-    The other pipelines (FORMATS.md E-G) take a ``variant`` (see ``VARIANTS``, the first is the default):
+    The other pipelines (Model-Optimizer, AngelSlim, NeMo Automodel) take a ``variant`` (see ``VARIANTS``, the first is the default):
     ``modelopt-pt`` writes ``conv_{i:06d}.pt`` as Model-Optimizer's HF, vLLM or TRT-LLM dumper does
     (``prenorm_flag`` adds the ``hidden_states_prenorm`` flag); ``angelslim-ckpt`` writes
     ``rank_<r>/rows_0-5000/data_<i>.ckpt`` for ``ranks`` generator ranks (i counts within a rank) and

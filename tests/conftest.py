@@ -1,6 +1,6 @@
 """Fixtures shared by the tests.
 
-The expected tensors are read from the source files the way FORMATS.md
+The expected tensors are read from the source files the way each trainer's own code
 describes, without h5feed, so a reader bug in h5feed cannot hide itself.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 
 def _source_sample(fmt: str, root: Path, relpath: str, index: int) -> dict[str, Any]:
-    """input_ids, loss_mask (None when absent), aux [T, K*H] and last [T, H] of one source file, per FORMATS.md."""
+    """input_ids, loss_mask (None when absent), aux [T, K*H] and last [T, H] of one source file, as its trainer reads it."""
     path = Path(root) / relpath
     if fmt == "speculators-safetensors":
         import pyarrow as pa

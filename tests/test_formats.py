@@ -70,7 +70,7 @@ def read_arrow_rows(root: Path) -> dict[str, list]:
 def expected_from_file(
     fmt: str, path: Path, index: int, root: Path | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(input_ids, loss_mask, aux, last) built from the raw file as FORMATS.md describes."""
+    """(input_ids, loss_mask, aux, last) built from the raw file as its trainer reads it."""
     if fmt == "speculators-safetensors":
         from safetensors.torch import load_file
 

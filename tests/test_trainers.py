@@ -217,7 +217,7 @@ STORES = {  # name: (format, variant, --last-state-norm, norm the store records,
 
 
 def file_arrays(fmt: str, path: Path) -> dict[str, torch.Tensor]:
-    """What each array of the store must hold for one source sample, read from the file as FORMATS.md E-G say."""
+    """What each array of the store must hold for one source sample, read from the file as those pipelines write it."""
     if fmt == "nemo-eagle3-cache":
         from safetensors import safe_open
 

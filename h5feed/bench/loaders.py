@@ -54,6 +54,20 @@ LOADER_LABELS = {
     "HiddenStatesDataset": "h5feed HiddenStatesDataset, DataLoader + 0.4 collate + pin_memory",
     ITEMS: "[old path, no trainer] HiddenStatesStream items, batch_size=None, no collate",
 }
+# The trainer-path loaders a user can take from the bench, as the code that makes them (formatted with the
+# bench's flavor, max_len, workers and dtype); the baseline and the item path are not advice.
+USABLE = {
+    "BatchLoader": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
+                    'num_workers={workers}, hidden_states_dtype=torch.{dtype})'),
+    "BatchLoader-threads": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
+                            'threads={workers}, hidden_states_dtype=torch.{dtype})'),
+    "StreamLoader": ('h5feed.StreamLoader(h5feed.HiddenStatesStream(STORE, "{flavor}", {max_len}, '
+                     'hidden_states_dtype=torch.{dtype}), batch_size=1, num_workers={workers}, '
+                     'collate_fn=YOUR_COLLATE, pin_memory=True)'),
+    "HiddenStatesDataset": ('DataLoader(h5feed.HiddenStatesDataset(STORE, "{flavor}", {max_len}, '
+                            'hidden_states_dtype=torch.{dtype}), batch_size=1, num_workers={workers}, '
+                            'collate_fn=YOUR_COLLATE, pin_memory=True)'),
+}
 
 
 @dataclass

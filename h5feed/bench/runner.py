@@ -72,8 +72,6 @@ from h5feed.store import Store
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
 
-# issue 8 (and DESIGN.md "Targets"): the 2-core dev box, Kimi shape, 4 workers, max_len 2048, the trainer's path
-TARGETS = {"cold": 3.5, "warm": 5.0}
 MEMORY_INTERVAL_S = 0.05
 DISTURBED_SHARE = 0.05  # other processes' share of the CPUs above which a pass is flagged
 
@@ -371,12 +369,12 @@ def run_bench(
                 report(result.passes[-1])
             del built
     machine["load_average"]["end"] = os.getloadavg()[0]
-    _judge(result, len(opened), applies=info.hidden_size == 7168 and workers == 4 and max_len == 2048)
+    _judge(result, len(opened))
     return result
 
 
-def _judge(result: BenchResult, num_samples: int, *, applies: bool) -> None:
-    """Ratios to the baseline, the targets of issue 8, and notes on anything that makes figures doubtful."""
+def _judge(result: BenchResult, num_samples: int) -> None:
+    """Ratios to the baseline, and notes on anything that makes figures doubtful."""
     notes = result.notes
     for p in result.passes:
         base = result.get(BASELINE, p.cache)
@@ -391,9 +389,3 @@ def _judge(result: BenchResult, num_samples: int, *, applies: bool) -> None:
     if disturbed:
         notes.append("other processes used more than {:.0f}% of the CPUs during: {}; those figures are low".format(
             100 * DISTURBED_SHARE, ", ".join(f"{p.loader}/{p.cache} ({100 * p.other_cpu_share:.0f}%)" for p in disturbed)))
-    # issue 8 states the targets for the Kimi shape, 4 workers and max_len 2048 (on the 2-core dev box)
-    for p in result.passes:
-        if p.loader not in (BASELINE, ITEMS) and p.ratio is not None and p.cache in TARGETS:
-            target = TARGETS[p.cache]
-            result.targets.append({"loader": p.loader, "cache": p.cache, "target": target, "ratio": p.ratio,
-                                   "met": p.ratio >= target, "applies": applies})
