@@ -41,11 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.errors import CorruptSampleError
+from h5feed.loading.schedule import current_worker
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
     HIDDEN_ARRAYS,
@@ -290,7 +291,7 @@ class BatchWriter:
     def will_need(self, indices: Sequence[int]) -> None:
         """Start the disk on these samples' chunks now (returns at once)."""
         for i in indices:
-            self.stream.store.will_need(i, self.stream._tokens_to_read(i))
+            self.stream.store.will_need(i, self.stream.tokens_to_read(i))
 
     def write(self, indices: Sequence[int], slot: int | None) -> FilledBatch:
         """The batch of these samples, in `slot` (None: fresh memory).
@@ -328,7 +329,7 @@ class BatchWriter:
         written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
         for i, t, place in zip(indices, tokens, plan.placements):
             counters.begin_sample(i)
-            window = self.stream._tokens_to_read(i)
+            window = self.stream.tokens_to_read(i)
             for rk in collate.row_keys:
                 rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
                 if rk.array is not None and rows:
@@ -363,12 +364,6 @@ class BatchWriter:
         dest.copy_(scratch.view(logical))
 
 
-def _in_batches(sequence: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
-    """A worker's samples in its batches: only the rank's last batch can be short."""
-    batches = [sequence[j : j + batch_size] for j in range(0, len(sequence), batch_size)]
-    return batches[:-1] if drop_last and batches and len(batches[-1]) < batch_size else batches
-
-
 def _as_is(message: Any) -> Any:
     """The DataLoader's collate for slot messages: they are already what the trainer's process needs."""
     return message
@@ -382,10 +377,9 @@ class _SlotFeed(IterableDataset[FilledBatch]):
         self.slots_per_worker = slots_per_worker
 
     def __iter__(self) -> Iterator[FilledBatch]:
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
+        worker, workers = current_worker()
         own = range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker)
-        batches = _in_batches(self.writer.stream._worker_sequence(), self.batch_size, self.drop_last)
+        batches = self.writer.stream.schedule.worker_batches(self.drop_last, worker, workers)
         self.writer.stream.counters.worker().start()
         for indices in batches[:READ_AHEAD_BATCHES]:
             self.writer.will_need(indices)
@@ -466,7 +460,7 @@ class BatchLoader:
             raise ValueError("batch_size and prefetch must be >= 1 and num_workers >= 0")
         store = stream.store
         stream.batch_size = batch_size
-        stream._counted_by_loader = True
+        stream.schedule.counted_by_loader = True
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.drop_last, self.num_workers, self.prefetch = batch_size, drop_last, num_workers, prefetch
         self.threads = threads or min(4, len(os.sched_getaffinity(0)))
@@ -558,7 +552,7 @@ class BatchLoader:
     # --- one pass ----------------------------------------------------------------------------
     def _batches(self) -> Generator[Batch, None, None]:
         stream = self.dataset
-        stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
+        stream.schedule.begin_pass()  # every pass starts at the stream's start: a second one replays the epoch
         feed = self._from_workers() if self.num_workers else self._from_threads()
         try:
             for filled in feed:
@@ -589,7 +583,7 @@ class BatchLoader:
         writer, ring = self._writer, self._writer.ring
         counters = self.dataset.counters.worker()
         counters.start()
-        upcoming = iter(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
+        upcoming = iter(self.dataset.schedule.worker_batches(self.drop_last))
         in_flight: deque[Future[FilledBatch]] = deque()
 
         def write(indices: list[int]) -> FilledBatch:

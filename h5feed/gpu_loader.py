@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from h5feed.batching import _in_batches, stream_of
+from h5feed.batching import stream_of
 from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream
 from h5feed.errors import CorruptSampleError
@@ -86,7 +86,7 @@ class CudaBatchLoader:
         if not (codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded):
             raise ValueError(f"{store.path}: decode on the GPU needs a format-2 store with the zstd codec "
                              f"(this one: format {store.info.format_version}, {codec}); use h5feed.BatchLoader")
-        stream.batch_size, stream._counted_by_loader = batch_size, True
+        stream.batch_size, stream.schedule.counted_by_loader = batch_size, True
         self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
         self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
         self.device = torch.device(device)
@@ -97,7 +97,7 @@ class CudaBatchLoader:
             rk.key: (((info.width(rk.array),), self.collate.hidden_states_dtype) if rk.array in HIDDEN_ARRAYS
                      else ((), torch.long)) for rk in self.collate.row_keys}
         self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None})
-        longest = max((stream._tokens_to_read(i) for i in stream.indices), default=1)
+        longest = max((stream.tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
         self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
@@ -109,7 +109,7 @@ class CudaBatchLoader:
         self._pending_timings: deque[Any] = deque()
 
     def __len__(self) -> int:
-        return len(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
+        return len(self.dataset.schedule.worker_batches(self.drop_last))
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -122,9 +122,9 @@ class CudaBatchLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         stream = self.dataset
-        stream._consumed = 0
+        stream.schedule.begin_pass()
         stream.counters.worker().start()
-        batches = iter(enumerate(_in_batches(stream._worker_sequence(), self.batch_size, self.drop_last)))
+        batches = iter(enumerate(stream.schedule.worker_batches(self.drop_last)))
         in_flight: deque[Future[_Staged]] = deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-gpu-read") as pool:
 
@@ -132,7 +132,7 @@ class CudaBatchLoader:
                 j, indices = next(batches, (None, None))
                 if indices is not None:
                     for i in indices:
-                        stream.store.will_need(i, stream._tokens_to_read(i))
+                        stream.store.will_need(i, stream.tokens_to_read(i))
                     region = j % self._regions  # its last batch is decoded by now: its copy is queued or done
                     in_flight.append(pool.submit(self._stage, indices, region, self._copied[region]))
 
@@ -188,7 +188,7 @@ class CudaBatchLoader:
         position = 0
         for i in indices:
             counters.begin_sample(i)
-            window = stream._tokens_to_read(i)
+            window = stream.tokens_to_read(i)
             n, frames, sample_start = len(staged.indices), len(staged.spans), position
             try:
                 for array in self._arrays:

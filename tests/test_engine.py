@@ -1,0 +1,70 @@
+"""The read engine (h5feed.loading): one public schedule, one read-ahead loop and one placement behind every loader."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import h5feed
+from h5feed import BatchLoader, HiddenStatesStream
+from h5feed.loading.schedule import SampleSchedule
+
+H = 32
+LENGTHS = [1, 5, 16, 17, 33, 64, 100, 3, 48, 31, 2, 90, 16, 7]
+LOADER_MODULES = ["batching.py", "datasets.py", "gpu_loader.py", "loading"]
+TORCH_PRIVATE = {"_shutdown_workers"}  # the DataLoader iterator's only way to stop its workers at once
+
+
+@pytest.fixture(scope="module")
+def legacy_store(synthetic_store):
+    return synthetic_store("en_legacy", "speculators-legacy-pt", len(LENGTHS), H, LENGTHS, chunk_tokens=16, seed=11)
+
+
+def test_the_loaders_use_no_private_member_of_another_object():
+    package = Path(h5feed.__file__).parent
+    files = [p for name in LOADER_MODULES for p in ([package / name] if name.endswith(".py")
+                                                    else sorted((package / name).glob("*.py")))]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("h5feed"):
+                found += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_")]
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and node.attr not in TORCH_PRIVATE):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert found == []
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_schedule_worker_shares_in_turn_are_the_rank_sequence(workers):
+    schedule = SampleSchedule(list(range(23)), shuffle=True, seed=3, batch_size=4, rank=1, world_size=2)
+    shares = [schedule.worker_batches(False, w, workers) for w in range(workers)]
+    in_turn = [b for j in range(max(map(len, shares))) for share in shares if j < len(share) for b in [share[j]]]
+    assert [s for batch in in_turn for s in batch] == schedule.rank_sequence()
+
+
+def test_schedule_counts_skipped_samples_as_passed_and_resumes_there():
+    schedule = SampleSchedule(list(range(10)), shuffle=False, batch_size=3, rank=0, world_size=2)
+    schedule.note_consumed(3)  # a batch of 3, one of them damaged and skipped: still 3 passed
+    assert schedule.state_dict() == {"epoch": 0, "seed": 0, "position": 6}
+    resumed = SampleSchedule(list(range(10)), shuffle=False, batch_size=3, rank=0, world_size=2)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.rank_sequence() == [6, 8]
+    resumed.set_epoch(1)
+    assert resumed.state_dict() == {"epoch": 1, "seed": 0, "position": 0}
+
+
+def test_stream_and_batch_loader_share_one_schedule(legacy_store):
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, seed=5)
+    loader = BatchLoader(stream, batch_size=2, threads=2)
+    assert loader.dataset.schedule is stream.schedule
+    assert stream.schedule.counted_by_loader and stream.schedule.batch_size == 2
+    batches = iter(loader)
+    next(batches)
+    next(batches)
+    assert stream.state_dict()["position"] == 4 == stream.schedule.state_dict()["position"]
+    loader.close()
