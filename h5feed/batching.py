@@ -32,9 +32,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import TYPE_CHECKING, Any
@@ -46,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.errors import CorruptSampleError
+from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
@@ -583,32 +582,14 @@ class BatchLoader:
         writer, ring = self._writer, self._writer.ring
         counters = self.dataset.counters.worker()
         counters.start()
-        upcoming = iter(self.dataset.schedule.worker_batches(self.drop_last))
-        in_flight: deque[Future[FilledBatch]] = deque()
+        batches = self.dataset.schedule.worker_batches(self.drop_last)
 
         def write(indices: list[int]) -> FilledBatch:
             return writer.write(indices, ring.claim(range(ring.count)))
 
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-batch") as pool:
-
-            def submit_next() -> None:
-                indices = next(upcoming, None)
-                if indices is not None:
-                    writer.will_need(indices)
-                    in_flight.append(pool.submit(write, indices))
-
-            try:
-                for _ in range(max(self.prefetch, self.threads)):
-                    submit_next()
-                while in_flight:
-                    t0 = time.perf_counter()
-                    filled = in_flight.popleft().result()
-                    counters.add_wait(time.perf_counter() - t0)
-                    submit_next()
-                    yield filled
-            finally:
-                for future in in_flight:
-                    future.cancel()
+        with ReadAhead(batches, write, threads=self.threads, depth=max(self.prefetch, self.threads), announce=writer.will_need,
+                       counters=counters, name="h5feed-batch") as writes:
+            yield from writes
 
     def _deliver(self, filled: FilledBatch) -> Batch:
         """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory)."""

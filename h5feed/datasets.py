@@ -13,9 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
+from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
@@ -415,30 +414,17 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             for index in sequence:
                 yield from self._delivered(index, self._read_item(index))
             return
-        upcoming = iter(sequence)
-        in_flight: deque[tuple[int, Future[Item | None]]] = deque()
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-read") as pool:
 
-            def submit_next() -> None:
-                index = next(upcoming, None)
-                if index is not None:
-                    self.store.will_need(index, self.tokens_to_read(index), extras=self._extras)  # the disk starts now
-                    in_flight.append((index, pool.submit(self._read_item, index, read_ahead=False)))
+        def announce(index: int) -> None:
+            self.store.will_need(index, self.tokens_to_read(index), extras=self._extras)  # the disk starts now
 
-            try:
-                for _ in range(max(self.prefetch, self.threads)):
-                    submit_next()
-                while in_flight:
-                    t0 = time.perf_counter()
-                    index, future = in_flight.popleft()
-                    item = future.result()
-                    counters.add_wait(time.perf_counter() - t0)
-                    submit_next()
-                    counters.set_queue_depth(sum(f.done() for _, f in in_flight))
-                    yield from self._delivered(index, item)
-            finally:  # also when the consumer stops early: drop what was not started
-                for _, future in in_flight:
-                    future.cancel()
+        def read(index: int) -> tuple[int, Item | None]:
+            return index, self._read_item(index, read_ahead=False)
+
+        with ReadAhead(sequence, read, threads=self.threads, depth=max(self.prefetch, self.threads), announce=announce,
+                       counters=counters) as reads:  # closed also when the consumer stops early
+            for index, item in reads:
+                yield from self._delivered(index, item)
 
     def _delivered(self, index: int, item: Item | None) -> Iterator[Item | SkippedSample]:
         """What the consumer gets for one sample of the sequence (None: damaged and skipped)."""

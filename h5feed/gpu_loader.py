@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
 from h5feed.datasets import HiddenStatesStream
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
+from h5feed.loading.readahead import ReadAhead
 from h5feed.store import HIDDEN_ARRAYS, Store
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
@@ -124,39 +124,35 @@ class CudaBatchLoader:
         stream = self.dataset
         stream.schedule.begin_pass()
         stream.counters.worker().start()
-        batches = iter(enumerate(stream.schedule.worker_batches(self.drop_last)))
-        in_flight: deque[Future[_Staged]] = deque()
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-gpu-read") as pool:
+        # drawn as each batch is submitted, `prefetch` batches ahead of the one taken: the batch that used its
+        # region before was decoded by then, and its copy to the GPU is queued or done (the event)
+        work = ((indices, j % self._regions, self._copied[j % self._regions])
+                for j, indices in enumerate(stream.schedule.worker_batches(self.drop_last)))
 
-            def submit_next() -> None:
-                j, indices = next(batches, (None, None))
-                if indices is not None:
-                    for i in indices:
-                        stream.store.will_need(i, stream.tokens_to_read(i))
-                    region = j % self._regions  # its last batch is decoded by now: its copy is queued or done
-                    in_flight.append(pool.submit(self._stage, indices, region, self._copied[region]))
+        def announce(batch: tuple[list[int], int, torch.cuda.Event | None]) -> None:
+            for i in batch[0]:
+                stream.store.will_need(i, stream.tokens_to_read(i))
+
+        # each staged batch with its batch and the event that says it is placed; None: all its samples skipped
+        decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event] | None]] = deque()
+        with ReadAhead(work, lambda batch: self._stage(*batch), threads=self.threads, depth=self.prefetch,
+                       announce=announce, name="h5feed-gpu-read") as staging:
 
             def decode_next_group() -> None:  # the staged batches at the head, up to decode_group of them
-                group = [in_flight.popleft().result()]
-                while (len(group) < self.decode_group and in_flight and in_flight[0].done()
-                       and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
-                    group.append(in_flight.popleft().result())
+                group = [staging.take()]
+                while (len(group) < self.decode_group and (ahead := staging.ready()) is not None
+                       and ahead.region == group[-1].region + 1):  # one contiguous copy
+                    group.append(staging.take())
                 sound = [staged for staged in group if staged.indices]
                 ready = iter(self._decode(sound) if sound else [])
                 decoded.extend((staged, next(ready) if staged.indices else None) for staged in group)
-                for _ in group:
-                    submit_next()
 
-            # each staged batch with its batch and the event that says it is placed; None: all its samples skipped
-            decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event] | None]] = deque()
             try:
-                for _ in range(self.prefetch):
-                    submit_next()
-                while in_flight or decoded:
+                while staging or decoded:
                     if not decoded:
                         decode_next_group()
                     staged, placed = decoded.popleft()
-                    if not decoded and in_flight and in_flight[0].done():
+                    if not decoded and staging.ready() is not None:
                         decode_next_group()  # queued now, it runs on the GPU while the trainer's step does
                     if placed is None:
                         stream.note_consumed(staged.scheduled)
@@ -170,8 +166,6 @@ class CudaBatchLoader:
                     stream.note_consumed(staged.scheduled)
                     yield batch
             finally:
-                for future in in_flight:
-                    future.cancel()
                 self._collect_timings(wait=True)
 
     # --- reader threads: compressed, checked frames into pinned memory ----------------------------

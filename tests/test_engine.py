@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 
 import pytest
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream
+from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule
 
 H = 32
@@ -68,3 +70,22 @@ def test_stream_and_batch_loader_share_one_schedule(legacy_store):
     next(batches)
     assert stream.state_dict()["position"] == 4 == stream.schedule.state_dict()["position"]
     loader.close()
+
+
+def test_read_ahead_hands_back_in_order_and_draws_work_only_depth_ahead():
+    drawn = []
+
+    def work():
+        for i in range(8):
+            drawn.append(i)
+            yield i
+
+    def read(i):
+        time.sleep(0.02 * (i % 3 == 0))  # every third one finishes last
+        return i * 10
+
+    with ReadAhead(work(), read, threads=3, depth=3) as reads:
+        assert drawn == [0, 1, 2]
+        assert reads.take() == 0
+        assert drawn == [0, 1, 2, 3]
+        assert list(reads) == [10, 20, 30, 40, 50, 60, 70]
