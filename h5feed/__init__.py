@@ -4,7 +4,7 @@ from h5feed.batching import BatchLoader
 from h5feed.collate import TrainerCollate, trainer_collate
 from h5feed.conversion import ConvertReport, convert
 from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
-from h5feed.errors import H5feedError, SourceError, StoreError
+from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
 from h5feed.pipeline_collates import pipeline_collate
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchLoader",
     "ConvertReport",
+    "CorruptSampleError",
     "H5feedError",
     "HiddenStatesDataset",
     "HiddenStatesStream",
@@ -28,6 +29,7 @@ __all__ = [
     "StoreError",
     "StreamLoader",
     "TrainerCollate",
+    "WorkerDiedError",
     "convert",
     "describe_store",
     "monitor",

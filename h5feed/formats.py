@@ -44,7 +44,7 @@ from collections.abc import Collection
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 
@@ -383,25 +383,88 @@ def _what_needs_code(words: str) -> str | None:
     return None
 
 
-def _load_error(path: Path, exc: BaseException) -> SourceError:
-    """Turn whatever torch.load raised into a SourceError that says what went wrong.
+_STRING_OPCODES = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_GET_OPCODES = {"GET", "BINGET", "LONG_BINGET"}
+_PUT_OPCODES = {"PUT", "BINPUT", "LONG_BINPUT"}
+
+
+def _refused_global(pickle: BinaryIO) -> str | None:
+    """Why torch's weights-only unpickler refuses one pickle, or None: the first class or function it imports that
+    torch does not allow.  Read from its opcodes (pickletools), never unpickled; only the strings pushed and memoized
+    are followed, which is enough to name what a GLOBAL, INST or STACK_GLOBAL imports."""
+    allowed = {**torch._weights_only_unpickler._get_allowed_globals(),
+               **torch._weights_only_unpickler._get_user_allowed_globals()}
+    pushed: list[str | None] = []  # what each opcode pushed: a string, or None for anything else
+    memo: dict[int, str | None] = {}
+    for op, arg, _ in pickletools.genops(pickle):
+        if op.name in _STRING_OPCODES:
+            pushed.append(arg if isinstance(arg, str) else None)
+        elif op.name in _GET_OPCODES:
+            pushed.append(memo.get(arg))
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+        elif op.name in _PUT_OPCODES:
+            memo[arg] = pushed[-1] if pushed else None
+        elif op.name in ("GLOBAL", "INST", "STACK_GLOBAL"):
+            module, name = arg.split(" ", 1) if op.name != "STACK_GLOBAL" else (pushed[-2:] + [None, None])[:2]
+            full_path = f"{module}.{name}"
+            if full_path not in allowed:
+                return _REFERENCES.format(full_path.removeprefix("builtins."))
+            pushed.append(None)
+        elif op.name in ("EXT1", "EXT2", "EXT4"):
+            return f"it uses the pickle opcode {op.name}, which {_CODE_OPCODES[op.name]}"
+        elif op.stack_after:
+            pushed.append(None)
+    return None
+
+
+def _code_in_pickle(loaded: Path | bytes) -> str | None:
+    """What a torch.save file that the weights-only unpickler stopped reading early (at a frame of pickle protocol
+    4 or 5) needs code for, or None.  The pickle is a zip's data.pkl, or one of the series of pickles an older
+    torch.save file begins with (magic number, protocol, system information, the object)."""
+    try:
+        with open(loaded, "rb") if isinstance(loaded, Path) else io.BytesIO(loaded) as file:
+            if zipfile.is_zipfile(file):
+                with zipfile.ZipFile(file) as archive:
+                    name = next((n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"), None)
+                    if name is None:
+                        return None
+                    with archive.open(name) as pickle:
+                        return _refused_global(pickle)
+            file.seek(0)
+            for _ in range(4):
+                refused = _refused_global(file)
+                if refused:
+                    return refused
+    except (OSError, ValueError, EOFError, IndexError, MemoryError, struct.error, zipfile.BadZipFile, AttributeError):
+        pass  # damaged past the point torch read (or a length no file holds), or a torch without these tables
+    return None
+
+
+def _load_error(path: Path, exc: BaseException, loaded: Path | bytes) -> SourceError:
+    """Turn whatever torch.load raised into a SourceError that says what went wrong; `loaded` is what it loaded.
 
     A refusal of torch's weights-only unpickler comes wrapped in advice to retry with
     ``weights_only=False``: h5feed reports the unpickler's own words (the wrapped
     error's context, as torch re-raises ``from None``) and never passes that advice on.
+    The unpickler stops at the first frame of pickle protocol 4 or 5, before it sees
+    what the pickle imports: h5feed then reads the pickle's opcodes itself, so that a
+    code-carrying pickle is refused as one whatever its protocol.
     """
     msg = str(exc)
     if "Weights only load failed" in msg:
         inner = exc.__context__
         words = str(inner) if inner is not None else "refused by torch's weights-only unpickler"
         needs_code = _what_needs_code(words)
+        op = _unsupported_opcode(words)
+        if needs_code is None and op is not None and op.proto > 2:
+            needs_code = _code_in_pickle(loaded)
         if needs_code:
             return SourceError(
                 path,
                 "refusing to load: the pickle needs code to run (h5feed always loads with weights_only=True): "
                 f"{needs_code}; re-save it holding only tensors, lists and dicts",
             )
-        op = _unsupported_opcode(words)
         if op is not None and op.proto > 2:
             return SourceError(
                 path,
@@ -431,7 +494,7 @@ def _torch_load_path(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu", mmap=magic == _ZIP_MAGIC)
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-        raise _load_error(path, e) from e
+        raise _load_error(path, e, path) from e
 
 
 def _torch_load_gz(path: Path) -> Any:
@@ -446,7 +509,7 @@ def _torch_load_gz(path: Path) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:
-        raise _load_error(path, e) from e
+        raise _load_error(path, e, data) from e
 
 
 def _gz_head_dict(path: Path) -> dict | None:

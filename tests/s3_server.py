@@ -1,5 +1,5 @@
 """A real S3 API on loopback for the tests and the remote bench: moto's server in its own process,
-behind a small TCP proxy that can delay, cut or refuse requests on demand.
+behind a small TCP proxy that can delay, stall, cut, alter, corrupt or refuse requests on demand.
 
 Tests import the fixtures (`from s3_server import s3_fixture, bucket_fixture` gives them `s3` and
 `bucket`); the bench starts the same pieces as processes (`python tests/s3_server.py --delay 0.02`
@@ -73,17 +73,38 @@ class Fault:
 
     `status`: answer with this HTTP status and S3 error `code` instead of forwarding the request.
     `drop_after`: forward the request, then close the connection after this many bytes of the response.
+    `flip_at`: forward the request, and flip (xor 0xFF) this byte of the response's body in transit (a body
+    that short passes unchanged), as a faulty network or middlebox would.
+    `stall`: hold the request this many seconds before forwarding it (a server that does not answer).
+    `flip_request_byte`: forward the request with this byte of its body inverted (an upload changed on the way).
+    `short_body`: answer a range GET with at most this many bytes (zeros; fewer than asked), said consistently
+    in its headers.
     """
 
     status: int | None = None
     code: str = ""
     drop_after: int | None = None
+    flip_at: int | None = None
+    stall: float = 0.0
+    flip_request_byte: int | None = None
+    short_body: int | None = None
     method: str | None = "GET"
     path: str = ""  # a substring of the request path, e.g. the object key
     times: int | None = 1
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or self.method == method) and self.path in path
+
+    @property
+    def kind(self) -> str:
+        """What the request log records for a request this fault hit."""
+        if self.status is not None:
+            return "status"
+        if self.short_body is not None:
+            return "short"
+        if self.flip_at is not None or self.flip_request_byte is not None:
+            return "flip"
+        return "stall" if self.stall else "drop"
 
 
 @dataclass
@@ -123,12 +144,13 @@ class Gate:
 class Request:
     method: str
     path: str  # without the query string
-    fault: str  # "", "status", "drop"
+    fault: str  # "", or the kind of the Fault that hit it: "status", "short", "drop", "stall", "flip"
 
 
 class FaultProxy:
     """A TCP proxy for HTTP/1.1 on 127.0.0.1 that can add a delay to every request, answer chosen
-    requests with an error status, or cut chosen responses after some bytes.
+    requests with an error status or a short body, hold them, alter their bodies, flip a byte of their
+    responses' bodies, or cut chosen responses after some bytes (see `Fault`).
 
     It frames requests (head, then a Content-Length or chunked body) so that faults hit whole
     requests; responses are copied through as bytes.  It runs in a thread with its own event loop.
@@ -252,13 +274,26 @@ class FaultProxy:
                         client_writer.write(_error_response(fault.status, fault.code, method))
                         await client_writer.drain()
                         return  # the error response says Connection: close
-                    self._record(method, path, "drop" if fault is not None else "")
+                    if fault is not None and fault.short_body is not None:
+                        self._record(method, path, fault.kind)
+                        client_writer.write(_short_response(headers.get("range", ""), fault.short_body))
+                        await client_writer.drain()
+                        return
+                    self._record(method, path, fault.kind if fault is not None else "")
+                    if fault is not None and fault.stall:
+                        await asyncio.sleep(fault.stall)
                     if upstream is None or upstream[1].is_closing():
                         upstream = await asyncio.open_connection(HOST, self.upstream_port)
                         pump = asyncio.create_task(_copy_response(upstream[0], client_writer, cut))
                     cut.remaining = fault.drop_after if fault is not None else None
+                    cut.flip(fault.flip_at if fault is not None else None)
+                    flip = fault.flip_request_byte if fault is not None else None
                     upstream[1].write(head)
+                    sent = 0
                     async for piece in _body(client_reader, headers):
+                        if flip is not None and sent <= flip < sent + len(piece):
+                            piece = piece[:flip - sent] + bytes([piece[flip - sent] ^ 0xFF]) + piece[flip - sent + 1:]
+                        sent += len(piece)
                         upstream[1].write(piece)
                         await upstream[1].drain()
                     await upstream[1].drain()
@@ -277,13 +312,41 @@ class FaultProxy:
 
 @dataclass
 class _Cut:
+    """What happens to the current response: cut after `remaining` bytes, and/or its body's byte `flip_at` flipped."""
+
     remaining: int | None = None  # bytes of the current response still let through; None: all
+    flip_at: int | None = None  # the body's byte to flip; None: none
+    body_seen: int | None = None  # bytes of the body before the next piece; None while in the head
+    head_tail: bytes = b""  # the head's last bytes so far (its end may span two pieces)
+
+    def flip(self, at: int | None) -> None:
+        self.flip_at, self.body_seen, self.head_tail = at, None, b""
+
+    def corrupt(self, piece: bytes) -> bytes:
+        """The piece, with the body's byte `flip_at` flipped if it is in it."""
+        if self.flip_at is None:
+            return piece
+        if self.body_seen is None:
+            joined = self.head_tail + piece
+            end = joined.find(b"\r\n\r\n")
+            if end < 0:
+                self.head_tail = joined[-3:]
+                return piece
+            self.body_seen = len(self.head_tail) - end - 4  # the body's offset of piece[0] (negative: head)
+        at, self.body_seen = self.flip_at - self.body_seen, self.body_seen + len(piece)
+        if not 0 <= at < len(piece):
+            return piece
+        self.flip_at = None
+        flipped = bytearray(piece)
+        flipped[at] ^= 0xFF
+        return bytes(flipped)
 
 
 async def _copy_response(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cut: _Cut) -> None:
     """Copy the server's bytes to the client until the server closes, or cut the connection."""
     try:
         while piece := await reader.read(1 << 16):
+            piece = cut.corrupt(piece)
             if cut.remaining is not None:
                 if len(piece) >= cut.remaining:
                     writer.write(piece[: cut.remaining])
@@ -342,6 +405,20 @@ def _error_response(status: int, code: str, method: str) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     return head if method == "HEAD" else head + body
+
+
+def _short_response(range_header: str, nbytes: int) -> bytes:
+    """206 Partial Content with at most `nbytes` zeros (always fewer than asked) from the start of the range
+    asked for (`bytes=START-LAST`), as S3 answers a range that runs past the end of the object."""
+    first, _, last = range_header.removeprefix("bytes=").partition("-")
+    start = int(first or 0)
+    nbytes = min(nbytes, int(last) - start) if last else nbytes
+    head = (
+        f"HTTP/1.1 206 Partial Content\r\nContent-Type: binary/octet-stream\r\n"
+        f"Content-Range: bytes {start}-{start + nbytes - 1}/{start + nbytes}\r\nContent-Length: {nbytes}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    return head + bytes(nbytes)
 
 
 # --- what the tests use ---------------------------------------------------------------------------

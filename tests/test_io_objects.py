@@ -21,6 +21,7 @@ from h5feed.io import (
     ObjectError,
     ObjectNotFound,
     ObjectStore,
+    RetryPolicy,
     S3Store,
     is_remote,
     open_url,
@@ -28,6 +29,7 @@ from h5feed.io import (
 )
 
 BACKENDS = ("local", "s3-obstore", "s3-s3fs")
+FAST = RetryPolicy(attempts=3, base=0.001, cap=0.01)  # a short range is fetched again before it is an error
 
 
 def payload(nbytes: int, seed: int = 0) -> bytes:
@@ -42,7 +44,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
         return
     s3: S3 = request.getfixturevalue("s3")
     name = request.getfixturevalue("bucket")
-    opened = S3Store(f"s3://{name}/stores/hs.zarr", s3.storage_options, concurrency=8,
+    opened = S3Store(f"s3://{name}/stores/hs.zarr", s3.storage_options, concurrency=8, retry=FAST,
                      use_obstore=request.param == "s3-obstore")
     opened.stats = IOStats()
     yield opened

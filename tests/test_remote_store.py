@@ -154,7 +154,7 @@ def test_the_store_pickles_as_its_location_and_options(remote, s3):
     store = Store(remote, storage_options=s3.storage_options, cache_dir="/tmp/unused-h5feed-cache")
     assert store.__getstate__() == {"location": remote, "checked": True, "storage_options": s3.storage_options,
                                     "cache_dir": "/tmp/unused-h5feed-cache", "cache_limit": None,
-                                    "num_samples": len(store)}  # the snapshot an append does not change
+                                    "num_samples": len(store), "read_deadline": 300.0}  # the snapshot an append keeps
     assert len(pickle.dumps(store)) < 1000
     assert pickle.loads(pickle.dumps(store)).sample_lengths.tolist() == store.sample_lengths.tolist()
 

@@ -33,23 +33,23 @@ the store in the middle of an append sees the samples before it, consistently.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
+import io
 import json
 import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from multiprocessing import get_context
+from multiprocessing import popen_spawn_posix, reduction, resource_tracker, spawn, util
+from multiprocessing.context import SpawnContext, SpawnProcess, set_spawning_popen
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -120,12 +120,70 @@ class ConvertReport:
 
 @dataclass(frozen=True)
 class _PlannedSample:
+    """One sample file's place in the store: its first row, fixed when it was planned."""
+
     relpath: str
     sample_index: int
     num_tokens: int
     start: int
     size: int | None = None  # the file's size and mtime when planned (None in plans written before appending)
     mtime_ns: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As the plan file records it: an entry of a plan written before appending stays without size and mtime."""
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What a store is converted with, as its plan records them: a resume or an append must ask for the same."""
+
+    format: str
+    codec: str
+    chunk_tokens: int
+    shard_tokens: int | None  # None: the default, from the longest sample
+    last_state_norm: LastStateNorm | None = None  # recorded only where the user stated it
+
+    def to_json(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"format": self.format, "codec": self.codec, "chunk_tokens": self.chunk_tokens,
+                                   "shard_tokens": self.shard_tokens}
+        if self.last_state_norm is not None:
+            options["last_state_norm"] = self.last_state_norm
+        return options
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the plan file (`PLAN_FILE`) holds: every sample's place, decided before the first one is converted."""
+
+    options: _Options
+    samples: tuple[_PlannedSample, ...]  # in plan order: a sample's journal records name its position here
+    skipped: tuple[dict[str, str], ...]  # the files planning skipped: {"path": relpath, "problem": why}
+    total_rows: int  # the token arrays' rows, to the last sample's last shard
+    append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
+
+    @classmethod
+    def read(cls, dst: Path) -> _Plan:
+        """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
+        plan = json.loads((dst / PLAN_FILE).read_text())
+        return cls(_Options(**plan["options"]), tuple(_PlannedSample(**s) for s in plan["samples"]),
+                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"))
+
+    def write(self, dst: Path, durable: bool) -> None:
+        plan = {"options": self.options.to_json(), "samples": [s.to_json() for s in self.samples],
+                "skipped": list(self.skipped), "total_rows": self.total_rows}
+        if self.append_from is not None:
+            plan["append_from"] = self.append_from
+        write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
+
+    @property
+    def published(self) -> int:
+        """The plan positions a finished run published: all of them, until an append extends the plan."""
+        return len(self.samples) if self.append_from is None else self.append_from
+
+    def known(self) -> set[str]:
+        """The files the plan has seen: planned or skipped."""
+        return {s.relpath for s in self.samples} | {s["path"] for s in self.skipped}
 
 
 class TaskPool(Protocol):
@@ -222,6 +280,20 @@ class _Settings:
     last_state_norm: LastStateNorm | None
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One conversion into a local folder, as `_convert_locally` set it up; each step takes it whole."""
+
+    src: Path  # SRC, or a bucket SRC's shadow folder
+    source_root: str  # SRC as the store records it: the folder, or the bucket's URL
+    dst: Path
+    fmt: SourceFormat
+    options: _Options
+    settings: _Settings
+    fetcher: SourceFetcher | None  # a bucket SRC's: fetches each sample file for the worker that reads it
+    publisher: BucketPublisher | None  # a bucket DST's: uploads each journaled sample
+
+
 def _convert_anywhere(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -266,19 +338,17 @@ def _convert_locally(
     found = fmt.scan(src_path, s.skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
-    options = {"format": fmt.name, "codec": s.codec, "chunk_tokens": s.chunk_tokens, "shard_tokens": s.shard_tokens}
-    if s.last_state_norm is not None:  # stated by the user: a resume must state the same
-        options["last_state_norm"] = s.last_state_norm
+    options = _Options(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm)
     if dst_path.exists() and not s.overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
+    job = _Job(src_path, sources.url if sources else str(src_path), dst_path, fmt, options, s,
+               sources.fetcher if sources else None, publisher)
     created = not dst_path.exists()
     unreadable = [*(sources.skipped if sources else []), *(e.record() for e in found.skipped)]  # bad keys, bad files
     try:
         with WriterLock.acquire(dst_path) as lock, _PoolMaker(s.workers, s.scheduler, lock) as pool:
-            return _convert(src_path, sources.url if sources else str(src_path), dst_path, fmt, found.files,
-                            unreadable, options, pool, s.skip_bad, s.overwrite, s.progress,
-                            s.durable, sources.fetcher if sources else None, publisher)
+            return _convert(job, pool, found.files, unreadable)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst_path, "disk full: free space and run the same command to resume") from exc
@@ -289,65 +359,50 @@ def _convert_locally(
                 dst_path.rmdir()
 
 
-def _convert(
-    src_path: Path,
-    source_root: str,
-    dst_path: Path,
-    fmt: SourceFormat,
-    sources: list[SourceFile],
-    unreadable: list[dict[str, str]],
-    options: dict[str, Any],
-    pool: _PoolMaker,
-    skip_bad: bool,
-    overwrite: bool,
-    progress: bool,
-    durable: bool,
-    fetcher: SourceFetcher | None,
-    publisher: BucketPublisher | None,
-) -> ConvertReport:
+def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable: list[dict[str, str]]) -> ConvertReport:
+    """Plan (or resume, or extend the plan of an append), convert what the journal lacks, finalize."""
     started = time.perf_counter()
-    if overwrite:
+    dst_path, durable = job.dst, job.settings.durable
+    if job.settings.overwrite:
         _clear(dst_path)
     info = read_info(dst_path) if (dst_path / "zarr.json").exists() else None
     if info is not None and info.status != "complete" and not (dst_path / PLAN_FILE).exists():
         _clear(dst_path)  # killed while planning: nothing was converted yet
         info = None
-    plan: dict[str, Any] | None = None
+    plan: _Plan | None = None
     append: _Append | None = None
     if info is not None and info.status == "complete":
-        _check_complete_matches(dst_path, info, options)
-        rerun = _plan_of_complete(src_path, source_root, dst_path, info, sources, unreadable, skip_bad)
+        _check_complete_matches(dst_path, info, job.options)
+        rerun = _plan_of_complete(job, info, sources, unreadable)
         if rerun is None:  # nothing new, nothing unfinished
             return _check_or_rebuild_index(dst_path, info, durable)
         plan, append = rerun
     elif info is not None:
-        plan = _read_plan(dst_path, sources, options, skip_bad)
+        plan = _read_plan(job, sources)
 
     if plan is None:
-        plan = _make_plan(pool(), fmt, sources, unreadable, options, src_path, source_root, dst_path, skip_bad,
-                          progress, durable, fetcher)
+        plan = _make_plan(job, pool(), sources, unreadable)
     elif append is not None and info is not None:
-        plan = _extend_plan(pool(), fmt, plan, append, info, dst_path, skip_bad, progress, durable, fetcher)
+        plan = _extend_plan(job, pool(), plan, append, info)
     _remove_partial_writes(dst_path)
-    _grow_arrays(dst_path, plan["total_rows"], durable)  # an append's new rows (a no-op otherwise)
-    if publisher is not None:
-        publisher.publish_start()
-    samples = [_PlannedSample(**s) for s in plan["samples"]]
+    _grow_arrays(dst_path, plan.total_rows, durable)  # an append's new rows (a no-op otherwise)
+    if job.publisher is not None:
+        job.publisher.publish_start()
+    samples = plan.samples
     done = _read_journal(dst_path)
     pending = [i for i in range(len(samples)) if i not in done]
     report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
     if pending:
         # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
-        by_relpath = {s.relpath: SourceFile(contained_path(src_path, s.relpath), s.sample_index, s.relpath)
+        by_relpath = {s.relpath: SourceFile(contained_path(job.src, s.relpath), s.sample_index, s.relpath)
                       for s in samples}
         t0 = time.perf_counter()
-        _convert_pending(pool(), fmt, dst_path, samples, pending, by_relpath, skip_bad, progress, durable, report,
-                         fetcher, publisher)
+        _convert_pending(job, pool(), samples, pending, by_relpath, report)
         report.seconds_converting = time.perf_counter() - t0
         done = _read_journal(dst_path)
-    skipped = _skipped(plan, samples, done)
+    skipped = _skipped(plan, done)
     if not any("checksum" in r for r in done.values()):
-        raise SourceError(src_path, f"no sample could be converted: all {len(skipped)} were skipped "
+        raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
     _remove_partial_writes(dst_path)  # what a worker killed mid-write left (its sample was redone elsewhere)
     _finalize(dst_path, samples, done, skipped, durable, rebuild=info is not None and _damaged(dst_path))
@@ -359,7 +414,7 @@ def _convert(
 
 def _planned_format(dst: Path) -> str | None:
     try:
-        return json.loads((dst / PLAN_FILE).read_text())["options"]["format"]
+        return _Plan.read(dst).options.format
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -382,9 +437,7 @@ def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> Conver
             raise StoreError(dst, f"is complete but damaged ({exc.problem}), and has no plan and journal to rebuild "
                              "its index from: pass --overwrite to convert again") from exc
         log.warning("%s: rebuilding the damaged sample index from the plan and journal (%s)", dst, exc.problem)
-        plan = json.loads((dst / PLAN_FILE).read_text())
-        samples = [_PlannedSample(**s) for s in plan["samples"]]
-        _finalize(dst, samples, _read_journal(dst), info.skipped, durable, rebuild=True)
+        _finalize(dst, _Plan.read(dst).samples, _read_journal(dst), info.skipped, durable, rebuild=True)
         Store(dst)  # the rebuilt index must open
         info = read_info(dst)
     return ConvertReport(dst, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
@@ -431,17 +484,75 @@ class _PoolMaker:
 
 
 class _ProcessPool(ProcessPoolExecutor):
-    """Spawned worker processes (safe whatever threads torch or zarr started here)."""
+    """Spawned worker processes (safe whatever threads torch or zarr started here), that die with the converter."""
 
     shares_page_cache = True
 
     def __init__(self, workers: int) -> None:
-        super().__init__(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
+        super().__init__(max_workers=workers, mp_context=_WorkerContext(), initializer=_init_worker,
                          initargs=(os.getpid(),))
         self._workers = workers
 
     def slots(self) -> int:
         return self._workers
+
+
+# The first lines a worker's interpreter runs, before it imports anything: Linux kills the worker when the converter
+# dies (PR_SET_PDEATHSIG, which fires when the thread that started the worker ends: the driver's, which submits every
+# task and lives as long as the conversion), and a worker whose converter died before that exits.  Any later (in the
+# initializer) is seconds too late: a spawned worker imports h5feed and torch first (unpickling the initializer, and
+# re-running the `h5feed` script), and a converter SIGKILLed meanwhile left it running, with the pool's semaphores.
+_DIE_WITH_CONVERTER = """\
+import ctypes, os, signal
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):  # not Linux: _exit_when_orphaned watches, once h5feed is imported
+    pass
+if os.getppid() != {converter}:
+    os._exit(1)
+"""
+
+
+class _WorkerPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn (its `_launch`, as of Python 3.10 to 3.13), with `_DIE_WITH_CONVERTER` run first."""
+
+    def _launch(self, process_obj: Any) -> None:
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        data = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(spawn.get_preparation_data(process_obj._name), data)
+            reduction.dump(process_obj, data)
+        finally:
+            set_spawning_popen(None)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        try:
+            command = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            if command[-3:-2] == ["-c"]:  # [python, flags..., "-c", program, "--multiprocessing-fork"]
+                command[-2] = _DIE_WITH_CONVERTER.format(converter=os.getpid()) + command[-2]
+            self._fds.extend([child_r, child_w])
+            self.pid = util.spawnv_passfds(spawn.get_executable(), command, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(data.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, (parent_r, parent_w))
+            os.close(child_r)
+            os.close(child_w)
+
+
+class _WorkerProcess(SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _WorkerPopen:
+        return _WorkerPopen(process_obj)
+
+
+class _WorkerContext(SpawnContext):
+    """The spawn start method, with workers that die with the converter (`_WorkerPopen`)."""
+
+    Process = _WorkerProcess
 
 
 class _InlinePool(Executor):
@@ -462,17 +573,13 @@ class _InlinePool(Executor):
 
 
 def _init_worker(parent: int) -> None:
-    """One core's worth of work per process (the processes are the parallelism), and no orphans:
-    a worker dies with the converter, even when that is SIGKILLed."""
+    """One core's worth of work per process (the processes are the parallelism); and where the kernel does not kill
+    a worker with the converter (`_DIE_WITH_CONVERTER`), a worker exits within a second of the converter's death."""
     from numcodecs import blosc
 
     torch.set_num_threads(1)
     blosc.set_nthreads(1)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (AttributeError, OSError):
-        pass
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()  # other systems, and races
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -495,38 +602,28 @@ def _worker_name() -> str:
 
 
 def _make_plan(
-    pool: TaskPool,
-    fmt: SourceFormat,
-    sources: list[SourceFile],
-    unreadable: list[dict[str, str]],
-    options: dict[str, Any],
-    src_root: Path,
-    source_root: str,
-    dst: Path,
-    skip_bad: bool,
-    progress: bool,
-    durable: bool,
-    fetcher: SourceFetcher | None,
-) -> dict[str, Any]:
+    job: _Job, pool: TaskPool, sources: list[SourceFile], unreadable: list[dict[str, str]]
+) -> _Plan:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
-    probed, skipped = _probe(pool, fmt, sources, None, skip_bad, progress, fetcher)
+    fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.settings.durable
+    probed, skipped = _probe(job, pool, sources, None)
     shapes = [(source, shape) for source, shape, _ in probed]
     if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
     reference = probed[0][1]
-    chunk_tokens = options["chunk_tokens"]
-    shard_tokens = options["shard_tokens"] or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
+    chunk_tokens = options.chunk_tokens
+    shard_tokens = options.shard_tokens or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
     planned, row = _lay_out(probed, 0, shard_tokens)
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
         num_aux_layers=reference.num_aux_layers,
         dtype=str(reference.dtype).removeprefix("torch."),
-        last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.get("last_state_norm")),  # type: ignore[arg-type]
-        codec=chunk_codec(options["codec"]),
+        last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.last_state_norm),
+        codec=chunk_codec(options.codec),
         chunk_tokens=chunk_tokens,
         shard_tokens=shard_tokens,
-        source_root=source_root,
+        source_root=job.source_root,
         has_last_state=fmt.has_last_state,
         ids_shifted=fmt.ids_shifted,
         extra_arrays={extra.name: extra.record() for extra in reference.extras},
@@ -538,8 +635,8 @@ def _make_plan(
     create_arrays(dst, info, total_rows=row)
     if durable:
         _fsync_tree(dst)
-    plan = {"options": options, "samples": planned, "skipped": unreadable + skipped, "total_rows": row}
-    write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
+    plan = _Plan(options, tuple(planned), tuple(unreadable + skipped), row)
+    plan.write(dst, durable)
     return plan
 
 
@@ -575,19 +672,14 @@ def _file_crc32c(path: Path) -> tuple[int, int]:
 
 
 def _probe(
-    pool: TaskPool,
-    fmt: SourceFormat,
-    sources: list[SourceFile],
-    reference: SampleShape | None,
-    skip_bad: bool,
-    progress: bool,
-    fetcher: SourceFetcher | None,
+    job: _Job, pool: TaskPool, sources: list[SourceFile], reference: SampleShape | None
 ) -> tuple[list[tuple[SourceFile, SampleShape, os.stat_result]], list[dict[str, str]]]:
     """Shapes of the sources (each checked against `reference`, or the first one), with their stat
     as planned; and the skipped ones, with skip_bad."""
     probed: list[tuple[SourceFile, SampleShape, os.stat_result]] = []
     skipped: list[dict[str, str]] = []
-    results = pool.map(_probe_one, [fmt.name] * len(sources), sources, [fetcher] * len(sources), chunksize=16)
+    results = pool.map(_probe_one, [job.fmt.name] * len(sources), sources, [job.fetcher] * len(sources), chunksize=16)
+    progress = job.settings.progress
     for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
         try:
             if isinstance(result, SourceError):
@@ -598,7 +690,7 @@ def _probe(
             _check_same_layout(source, shape, reference)
             probed.append((source, shape, stat))
         except SourceError as exc:
-            if not skip_bad:
+            if not job.settings.skip_bad:
                 raise
             log.warning("skipping %s", exc)
             skipped.append({"path": source.relpath, "problem": exc.problem})
@@ -607,12 +699,12 @@ def _probe(
 
 def _lay_out(
     probed: list[tuple[SourceFile, SampleShape, os.stat_result]], row: int, shard_tokens: int
-) -> tuple[list[dict[str, Any]], int]:
+) -> tuple[list[_PlannedSample], int]:
     """Plan entries for the probed samples from row `row` on, each on a shard boundary; and the row after them."""
     planned = []
     for source, shape, stat in probed:
         planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row, stat.st_size,
-                                      stat.st_mtime_ns).__dict__)
+                                      stat.st_mtime_ns))
         row += math.ceil(shape.num_tokens / shard_tokens) * shard_tokens
     return planned, row
 
@@ -664,32 +756,35 @@ def _probe_one(
         return SourceError(source.path, f"cannot be read ({exc.strerror or exc})")
 
 
-def _check_complete_matches(dst: Path, info: StoreInfo, options: dict[str, Any]) -> None:
+def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> None:
     """A rerun on a complete store asking for another codec, chunk size or format must not pass as done."""
     have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens,
             "shard_tokens": info.shard_tokens}
-    if "last_state_norm" in options:
+    if options.last_state_norm is not None:
         have["last_state_norm"] = info.last_state_norm
-    asked = {**options, "codec": chunk_codec(options["codec"]), "shard_tokens": options["shard_tokens"] or info.shard_tokens}
+    asked = {**options.to_json(), "codec": chunk_codec(options.codec),
+             "shard_tokens": options.shard_tokens or info.shard_tokens}
     if have != asked:
         raise StoreError(
-            dst, f"is complete but was converted with {have}, not {options}: choose another DST or pass --overwrite"
+            dst, f"is complete but was converted with {have}, not {options.to_json()}: choose another DST or pass "
+            "--overwrite"
         )
 
 
-def _read_plan(dst: Path, sources: list[SourceFile], options: dict[str, Any], skip_bad: bool) -> dict[str, Any]:
+def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:
     """The plan of an unfinished conversion, if this command is the same one that started it."""
+    dst, options = job.dst, job.options
     try:
-        plan = json.loads((dst / PLAN_FILE).read_text())
+        plan = _Plan.read(dst)
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise StoreError(dst, f"unfinished store without a readable plan ({exc}); pass --overwrite to start again") from exc
-    if plan["options"] != options:
+    if plan.options != options:
         raise StoreError(
-            dst, f"was started with {plan['options']}, not {options}: repeat that command to resume, or pass --overwrite"
+            dst, f"was started with {plan.options.to_json()}, not {options.to_json()}: repeat that command to resume, "
+            "or pass --overwrite"
         )
-    planned = {s["relpath"] for s in plan["samples"]} | {s["path"] for s in plan["skipped"]}
-    missing = planned - {s.relpath for s in sources}
-    if missing and not skip_bad:
+    missing = plan.known() - {s.relpath for s in sources}
+    if missing and not job.settings.skip_bad:
         raise StoreError(
             dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}; pass --skip-bad to skip them"
         )
@@ -709,42 +804,37 @@ class _Append:
 
 
 def _plan_of_complete(
-    src: Path,
-    source_root: str,
-    dst: Path,
-    info: StoreInfo,
-    sources: list[SourceFile],
-    unreadable: list[dict[str, str]],
-    skip_bad: bool,
-) -> tuple[dict[str, Any], _Append | None] | None:
+    job: _Job, info: StoreInfo, sources: list[SourceFile], unreadable: list[dict[str, str]]
+) -> tuple[_Plan, _Append | None] | None:
     """What a rerun on a complete store has to do: None if nothing; else its plan, and what to append
     when SRC has files the plan has not seen (None: an append was killed before it finished).
 
     A converted file that changed since (size or mtime) is an error naming it, or with skip_bad a
     recorded skip: its samples in the store stay what they were."""
+    src, dst, source_root = job.src, job.dst, job.source_root
     if not (dst / PLAN_FILE).exists():
         return None  # a store without a plan can only be checked (or converted again with --overwrite)
-    plan = json.loads((dst / PLAN_FILE).read_text())
+    plan = _Plan.read(dst)
     if source_root != info.source_root:
         raise StoreError(dst, f"was converted from {info.source_root}, not {source_root}: run the command with that SRC "
                          "(new files there are appended), or convert into another DST")
-    samples = [_PlannedSample(**s) for s in plan["samples"]]
+    samples = plan.samples
     done = _read_journal(dst)
-    published = plan.get("append_from", len(samples))  # plan positions a finished run published
+    published = plan.published
     journal_sound = all(i in done for i in range(published))
-    known = {s.relpath for s in samples} | {s["path"] for s in plan["skipped"]}
+    known = plan.known()
     new_skips = [s for s in unreadable if s["path"] not in known]
     for changed, problem in _changed_since_planned(src, plan):
-        if not skip_bad:
+        if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
         record = {"path": changed, "problem": f"{problem}; the store keeps the samples converted before"}
-        if record not in plan["skipped"] and record not in new_skips:
+        if record not in plan.skipped and record not in new_skips:
             log.warning("skipping %s: %s", src / changed, record["problem"])
             new_skips.append(record)
     new = [s for s in sources if s.relpath not in known]
     kept = sum("checksum" in r for r in done.values())
-    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, samples, done))
+    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
     if new or new_skips:
         if not journal_sound:
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
@@ -756,12 +846,12 @@ def _plan_of_complete(
     return plan, None  # an append killed before it published its index: finish it
 
 
-def _changed_since_planned(src: Path, plan: dict[str, Any]) -> list[tuple[str, str]]:
+def _changed_since_planned(src: Path, plan: _Plan) -> list[tuple[str, str]]:
     """(relpath, what changed) of the planned files whose size or mtime differ now; a file gone is left alone
     (its samples are in the store), as is one planned before plans recorded them."""
     changed = []
-    for relpath, (size, mtime_ns) in {s["relpath"]: (s.get("size"), s.get("mtime_ns")) for s in plan["samples"]}.items():
-        if size is None:
+    for relpath, (size, mtime_ns) in {s.relpath: (s.size, s.mtime_ns) for s in plan.samples}.items():
+        if size is None or mtime_ns is None:
             continue
         try:
             stat = SourceFormat.file_of(src / relpath).stat()
@@ -780,25 +870,15 @@ def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
             f"modified {when(mtime_ns)} -> {when(stat.st_mtime_ns)})")
 
 
-def _extend_plan(
-    pool: TaskPool,
-    fmt: SourceFormat,
-    plan: dict[str, Any],
-    append: _Append,
-    info: StoreInfo,
-    dst: Path,
-    skip_bad: bool,
-    progress: bool,
-    durable: bool,
-    fetcher: SourceFetcher | None,
-) -> dict[str, Any]:
+def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: StoreInfo) -> _Plan:
     """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
     reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.torch_dtype)
-    probed, skipped = _probe(pool, fmt, append.new, reference, skip_bad, progress, fetcher)
-    planned, row = _lay_out(probed, plan["total_rows"], info.shard_tokens)
-    plan = {**plan, "samples": plan["samples"] + planned, "skipped": plan["skipped"] + append.skipped + skipped,
-            "total_rows": row, "append_from": append.published}
-    write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)  # from here a rerun resumes it
+    probed, skipped = _probe(job, pool, append.new, reference)
+    planned, row = _lay_out(probed, plan.total_rows, info.shard_tokens)
+    plan = dataclasses.replace(plan, samples=plan.samples + tuple(planned),
+                               skipped=plan.skipped + tuple(append.skipped + skipped), total_rows=row,
+                               append_from=append.published)
+    plan.write(job.dst, job.settings.durable)  # from here a rerun resumes it
     return plan
 
 
@@ -855,24 +935,19 @@ def _convert_task(
 
 
 def _convert_pending(
+    job: _Job,
     pool: TaskPool,
-    fmt: SourceFormat,
-    dst: Path,
-    samples: list[_PlannedSample],
+    samples: Sequence[_PlannedSample],
     pending: list[int],
     by_relpath: dict[str, SourceFile],
-    skip_bad: bool,
-    progress: bool,
-    durable: bool,
     report: ConvertReport,
-    fetcher: SourceFetcher | None,
-    publisher: BucketPublisher | None,
 ) -> None:
     """Convert the samples not yet in the journal, twice as many in flight as the pool runs at once;
     each journaled sample is handed to the publisher of a bucket DST."""
+    dst, fetcher, publisher, durable = job.dst, job.fetcher, job.publisher, job.settings.durable
     info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
-               disable=not progress, smoothing=0.1)
+               disable=not job.settings.progress, smoothing=0.1)
     failure: BaseException | None = None
     todo = iter(pending)
     in_flight: dict[Future[_Converted], int] = {}
@@ -889,7 +964,7 @@ def _convert_pending(
                 expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
                 if pool.shares_page_cache and fetcher is None:
                     read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
-                in_flight[pool.submit(_convert_task, fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
+                in_flight[pool.submit(_convert_task, job.fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
                                       info, durable, fetcher)] = i
 
         submit_more()
@@ -910,7 +985,7 @@ def _convert_pending(
                     continue
                 record = result.record
                 if result.error is not None:
-                    if not skip_bad:
+                    if not job.settings.skip_bad:
                         failure = failure or result.error
                         continue
                     log.warning("skipping %s", result.error)
@@ -1053,15 +1128,15 @@ def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
     return done
 
 
-def _skipped(plan: dict[str, Any], samples: list[_PlannedSample], done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     """The store's `skipped`: what planning skipped, then the files that failed to convert, in plan order."""
-    return list(plan["skipped"]) + [
-        {"path": samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
+    return list(plan.skipped) + [
+        {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
     ]
 
 
 def _finalize(
-    dst: Path, samples: list[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
+    dst: Path, samples: Sequence[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
     durable: bool, rebuild: bool = False,
 ) -> None:
     """Write the index (checksummed by zarr's crc32c codec) and the journal in plan order, then flip the

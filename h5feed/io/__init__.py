@@ -20,16 +20,17 @@ from h5feed.io.objects import (
     ObjectStore,
     ObjectUnavailable,
     Range,
+    TransferMismatch,
     part_ranges,
     process_stats,
 )
 from h5feed.io.retry import RetryPolicy
-from h5feed.io.s3 import S3Store
+from h5feed.io.s3 import S3Settings, S3Store
 from h5feed.io.urls import is_remote, open_url, parse_storage_options
 
 __all__ = [
     "PART_BYTES", "AccessDenied", "Buffer", "CacheState", "CachedObject", "CachedStore", "FsspecStore", "IOCounters",
     "IOStats", "LocalStore", "NodeCache", "ObjectError", "ObjectInfo", "ObjectNotFound", "ObjectStore", "ObjectUnavailable",
-    "Range", "RetryPolicy", "S3Store", "cache_state", "is_remote", "open_url", "parse_storage_options",
-    "part_ranges", "process_stats",
+    "Range", "RetryPolicy", "S3Settings", "S3Store", "TransferMismatch", "cache_state", "is_remote", "open_url",
+    "parse_storage_options", "part_ranges", "process_stats",
 ]

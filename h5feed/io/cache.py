@@ -11,10 +11,14 @@ file), later reads are local.  Under `cache_dir`:
     limit                             the size limit last given, for `cache_state`
 
 So one process downloads a given object while the others wait on its lock; a download becomes
-visible only by a rename after fsync; eviction (least recently used first: every read sets the
-file's mtime) takes an object's lock without waiting and skips objects in use; and a process that
-starts cleans what killed ones left (partial files whose lock nobody holds, lock files of absent
-objects): flock locks die with their process, so no lock is ever stale.
+visible only by a rename after fsync, and only once it passes the caller's check (`verify`, the
+reader's checksums), so bytes damaged in transit never enter the cache; eviction (least recently
+used first: every read sets the file's mtime) takes an object's lock without waiting and skips
+objects in use; and a process that starts cleans what killed ones left (partial files whose lock
+nobody holds, lock files of absent objects): flock locks die with their process, so no lock is
+ever stale.  A cached copy that fails a reader's check is `replace`d by a fresh, checked download
+renamed over it, under the shared lock: its readers keep their copy, no reader waits, and a new
+one sees the old copy or the new, never none.
 
 fsspec's simplecache/filecache are not used: concurrent readers of one key got corrupt bytes, and
 their metadata races between processes.  flock needs a local filesystem: keep `cache_dir` on the
@@ -26,11 +30,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import mmap
 import os
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +45,8 @@ from h5feed.io.objects import Buffer, IOCounters, ObjectError, ObjectStore, Rang
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
+
+Verifier = Callable[[str, memoryview], None]  # checks an object's bytes (its URL, its bytes): ValueError if damaged
 
 _COUNTERS = struct.Struct("<4q")  # hits, misses, downloaded bytes, evictions
 _cleaned: set[tuple[int, str]] = set()  # (pid, cache root) already cleaned by this process
@@ -71,11 +78,13 @@ class CacheState:
 class CachedObject:
     """One cached object held open under a shared lock: eviction skips it until `close()`.
 
-    Its file may be mapped (`fileno()`) for as long as the object is open.
+    Its file may be mapped (`fileno()`) for as long as the object is open.  `downloaded`: this open
+    downloaded it (so its bytes are as fresh as they come).
     """
 
-    def __init__(self, url: str, path: Path, fd: int, lock_fd: int) -> None:
+    def __init__(self, url: str, path: Path, fd: int, lock_fd: int, downloaded: bool = False) -> None:
         self.url, self.path, self._fd, self._lock_fd = url, path, fd, lock_fd
+        self.downloaded = downloaded
         self.size = os.fstat(fd).st_size
 
     def fileno(self) -> int:
@@ -122,10 +131,13 @@ class NodeCache:
         return type(self), (self.root, self.limit_bytes)
 
     # --- reading -------------------------------------------------------------------------------
-    def open(self, store: ObjectStore, key: str, namespace: str = "", stats: IOCounters | None = None) -> CachedObject:
-        """The object `key` of `store`, downloaded first if no process of the node has it yet."""
-        url = store.key_url(key)
-        digest = hashlib.sha256(f"{namespace}\0{url}".encode()).hexdigest()[:40]
+    def open(self, store: ObjectStore, key: str, namespace: str = "", stats: IOCounters | None = None,
+             verify: Verifier | None = None) -> CachedObject:
+        """The object `key` of `store`, downloaded first if no process of the node has it yet.
+
+        A download enters the cache only once `verify` accepts its bytes; else its ValueError is raised
+        and nothing is kept (the next open downloads again)."""
+        digest = self._digest(store, key, namespace)
         stats = stats if stats is not None else store.stats
         downloaded = False
         while True:
@@ -135,7 +147,7 @@ class NodeCache:
             except FileNotFoundError:
                 os.close(lock_fd)
             else:
-                obj = CachedObject(url, self._object_path(digest), fd, lock_fd)
+                obj = CachedObject(store.key_url(key), self._object_path(digest), fd, lock_fd, downloaded)
                 now = time.time_ns()  # the clock's ns, not the filesystem's coarser tick: LRU order is exact
                 os.utime(fd, ns=(now, now))
                 stats.add_cache(not downloaded, obj.size)
@@ -144,28 +156,54 @@ class NodeCache:
             lock_fd = self._lock(digest, fcntl.LOCK_EX)  # waits while another process downloads it
             try:
                 if not self._object_path(digest).exists():
-                    self._download(store, key, digest)
+                    self._download(store, key, digest, verify)
                     downloaded = True
             finally:
                 os.close(lock_fd)
 
+    def replace(self, obj: CachedObject, store: ObjectStore, key: str, namespace: str = "",
+                stats: IOCounters | None = None, verify: Verifier | None = None) -> CachedObject:
+        """Put a fresh download of `obj` (a copy that failed a check) in its place, and open it; `obj` is closed.
+
+        `obj`'s shared lock is held meanwhile: no other process downloads or evicts the object, while its
+        readers go on reading their copy.  Two processes replacing one copy at once both download (each
+        checked); a copy another process already replaced is not downloaded again."""
+        digest = self._digest(store, key, namespace)
+        try:
+            if os.stat(obj.path).st_ino == os.fstat(obj.fileno()).st_ino:
+                self._download(store, key, digest, verify, replacing=True)
+        except FileNotFoundError:  # evicted meanwhile: the open below downloads it
+            pass
+        finally:
+            obj.close()
+        return self.open(store, key, namespace, stats, verify)
+
     def discard(self, store: ObjectStore, key: str, namespace: str = "") -> None:
         """Forget the object (it was rewritten), once no process reads it."""
-        digest = hashlib.sha256(f"{namespace}\0{store.key_url(key)}".encode()).hexdigest()[:40]
+        digest = self._digest(store, key, namespace)
         lock_fd = self._lock(digest, fcntl.LOCK_EX)
         try:
             self._object_path(digest).unlink(missing_ok=True)
         finally:
             os.close(lock_fd)
 
-    def _download(self, store: ObjectStore, key: str, digest: str) -> None:
-        """Fetch the object as concurrent ranges into a partial file, fsync, rename into place (under the exclusive lock)."""
-        for leftover in (self.root / "partial").glob(f"{digest}.*"):  # a killed download of this object
-            leftover.unlink(missing_ok=True)
+    @staticmethod
+    def _digest(store: ObjectStore, key: str, namespace: str) -> str:
+        return hashlib.sha256(f"{namespace}\0{store.key_url(key)}".encode()).hexdigest()[:40]
+
+    def _download(self, store: ObjectStore, key: str, digest: str, verify: Verifier | None,
+                  replacing: bool = False) -> None:
+        """Fetch the object as concurrent ranges into a partial file, fsync, check it, rename it into place
+        (under the exclusive lock, or the shared one when `replacing` a damaged copy: others' partial files
+        are then left alone)."""
+        if not replacing:
+            for leftover in (self.root / "partial").glob(f"{digest}.*"):  # a killed download of this object
+                leftover.unlink(missing_ok=True)
         size = store.size(key)
-        self._make_room(size)
+        if not replacing:  # a replacement takes the place of a copy of the same size
+            self._make_room(size)
         partial = self.root / "partial" / f"{digest}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             parts = part_ranges(size)
             window = max(1, getattr(store, "concurrency", 8))  # bounds the memory: window x 8 MiB
@@ -176,6 +214,8 @@ class NodeCache:
             os.fsync(fd)
             if os.fstat(fd).st_size != size:
                 raise ObjectError(store.key_url(key), f"downloaded {os.fstat(fd).st_size} bytes, expected {size}")
+            if verify is not None and size:
+                _verify_file(verify, store.key_url(key), fd, size)
         except BaseException as exc:
             os.close(fd)
             partial.unlink(missing_ok=True)
@@ -301,9 +341,10 @@ class CachedStore(ObjectStore):
     so that old copies are never served.
     """
 
-    def __init__(self, inner: ObjectStore, cache: NodeCache, namespace: str = "") -> None:
+    def __init__(self, inner: ObjectStore, cache: NodeCache, namespace: str = "", verify: Verifier | None = None) -> None:
         super().__init__(inner.url)
         self.inner, self.cache, self.namespace = inner, cache, namespace
+        self.verify = verify  # what a download must pass to enter the cache (the reader's checksums)
         self.read_only = inner.read_only
 
     @property
@@ -316,7 +357,11 @@ class CachedStore(ObjectStore):
 
     def open_cached(self, key: str) -> CachedObject:
         """The object's local copy, held until closed (map it, read ranges); downloaded first on a miss."""
-        return self.cache.open(self.inner, key, self.namespace)
+        return self.cache.open(self.inner, key, self.namespace, verify=self.verify)
+
+    def replace_cached(self, obj: CachedObject, key: str) -> CachedObject:
+        """A fresh, checked download of `key` in place of `obj`, a local copy that failed a check; `obj` is closed."""
+        return self.cache.replace(obj, self.inner, key, self.namespace, verify=self.verify)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
@@ -347,6 +392,20 @@ class CachedStore(ObjectStore):
 def _read_counters(fd: int) -> tuple[int, int, int, int]:
     data = os.pread(fd, _COUNTERS.size, 0)
     return _COUNTERS.unpack(data) if len(data) == _COUNTERS.size else (0, 0, 0, 0)
+
+
+def _verify_file(verify: Verifier, url: str, fd: int, size: int) -> None:
+    """`verify` on the file's bytes, mapped (no copy)."""
+    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    view = memoryview(mapped)
+    try:
+        verify(url, view)
+    finally:
+        try:
+            view.release()
+            mapped.close()
+        except BufferError:  # the verifier's traceback still holds a view: the map closes when that is collected
+            pass
 
 
 def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:

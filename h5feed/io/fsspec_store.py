@@ -1,13 +1,17 @@
 """Objects under any fsspec URL: s3://, gs://, az://, https:// (read-only), chained URLs, ...
 
 Credentials and endpoints come the way each fsspec backend takes them (environment, config
-files) plus `storage_options`.  Ranges are fetched as coroutines on fsspec's I/O loop for async
-backends (s3fs, gcsfs, adlfs, http), or from a thread pool for the others, `concurrency` at a time.
+files) plus `storage_options` (for s3://, as `S3Settings` resolves them).  Requests run as coroutines
+on fsspec's I/O loop for async backends (s3fs, gcsfs, adlfs, http), where the retry policy's timeout
+cancels a try that gets no answer, or from a thread pool for the others, `concurrency` at a time.
+Every write is checked: on S3 by the server (Content-MD5) and the ETag it answers, elsewhere read back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import logging
 import os
 import time
@@ -15,12 +19,21 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
-from h5feed.io.objects import Buffer, ObjectInfo, ObjectNotFound, ObjectStore, Range, check_length
+from h5feed.io.objects import (
+    Buffer,
+    ObjectError,
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    Range,
+    TransferMismatch,
+    check_length,
+)
 from h5feed.io.retry import DEFAULT_RETRY, RetryPolicy
 
-T = TypeVar("T")
 log = logging.getLogger("h5feed")
 
 # Where a single PUT is atomic (the object appears whole on completion); elsewhere write, then move.
@@ -48,11 +61,13 @@ class FsspecStore(ObjectStore):
 
     def _filesystem_options(self) -> dict[str, Any]:
         """The user's options, plus for S3: a connection pool as large as the concurrency, botocore's
-        silent retries off (every retry is ours, and counted), one GET per whole-object read
-        (`get_large` splits large ones itself), and no listings cache (another process may have written)."""
+        silent retries off (every retry is ours, and counted), its timeouts the retry policy's, one GET per
+        whole-object read (`get_large` splits large ones itself), and no listings cache (another process
+        may have written)."""
         options = dict(self.storage_options)
         if self.protocol in ("s3", "s3a"):
-            config = {"max_pool_connections": self.concurrency, "retries": {"total_max_attempts": 1}}
+            config = {"max_pool_connections": self.concurrency, "retries": {"total_max_attempts": 1},
+                      "connect_timeout": self.retry.timeout, "read_timeout": self.retry.timeout}
             options["config_kwargs"] = {**config, **options.get("config_kwargs", {})}
             options.setdefault("max_concurrency", 1)
             options.setdefault("use_listings_cache", False)
@@ -77,60 +92,65 @@ class FsspecStore(ObjectStore):
         root = self._client()[1]
         return "/".join(part for part in (root, key) if part)
 
-    def _call(self, key: str, fn: Callable[[], T], nbytes: Callable[[T], int] = lambda _: 0) -> T:
-        """One request with retries, counted."""
+    def _call(self, key: str, method: str, *args: Any, check: Callable[[Any], Any] = lambda result: result,
+              nbytes: Callable[[Any], int] = lambda _: 0, size: int = 0, **kwargs: Any) -> Any:
+        """`fs.<method>(*args, **kwargs)` as one request with retries, counted.  `check` sees each answer and
+        raises TransferMismatch for one that went wrong on the way (retried); `size` is what the request moves
+        (a range's length, a PUT's body).  On an async backend the attempts run on its I/O loop, where the
+        retry policy cancels one that outlasts its deadline."""
+        fs = self._client()[0]
+        if getattr(fs, "async_impl", False) and hasattr(fs, f"_{method}"):
+            from fsspec.asyn import sync
 
-        def attempt() -> T:
+            return sync(fs.loop, self._call_async, fs, key, method, args, kwargs, check, nbytes, size)
+        stats = self.stats
+
+        def attempt() -> Any:
             t0 = time.perf_counter()
-            result = fn()
-            self.stats.add_request(nbytes(result), time.perf_counter() - t0)
+            result = check(getattr(fs, method)(*args, **kwargs))
+            stats.add_request(nbytes(result), time.perf_counter() - t0)
             return result
 
-        return self.retry.call(attempt, self.key_url(key), self.stats)
+        return self.retry.call(attempt, self.key_url(key), stats)
+
+    async def _call_async(self, fs: Any, key: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          check: Callable[[Any], Any], nbytes: Callable[[Any], int], size: int = 0) -> Any:
+        stats = self.stats
+
+        async def attempt() -> Any:
+            t0 = time.perf_counter()
+            result = check(await getattr(fs, f"_{method}")(*args, **kwargs))
+            stats.add_request(nbytes(result), time.perf_counter() - t0)
+            return result
+
+        async with self._client_slots:
+            return await self.retry.call_async(attempt, self.key_url(key), stats, size)
 
     # --- reads -------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
-        fs, path = self._client()[0], self._path(key)
-        return self._call(key, lambda: fs.cat_file(path), len)
+        return self._call(key, "cat_file", self._path(key), nbytes=len)
 
     def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Buffer]:
-        fs, path = self._client()[0], self._path(key)
+        fs, path, url = self._client()[0], self._path(key), self.key_url(key)
+        wanted = [(start, stop) for start, stop in ranges if start != stop]
         if getattr(fs, "async_impl", False):
             from fsspec.asyn import sync
 
-            return sync(fs.loop, self._get_ranges_async, fs, key, path, list(ranges))
-        return list(self._client_pool.map(lambda r: self._get_range_sync(fs, key, path, *r), ranges))
+            async def fetch_all() -> list[Buffer]:
+                return list(await asyncio.gather(*(
+                    self._call_async(fs, key, "cat_file", (path,), {"start": start, "end": stop},
+                                     partial(check_length, url, start, stop), len, stop - start)
+                    for start, stop in wanted)))
 
-    def _get_range_sync(self, fs: Any, key: str, path: str, start: int, stop: int) -> bytes:
-        if start == stop:
-            return b""
-        url = self.key_url(key)
-        return self._call(key, lambda: check_length(url, start, stop, fs.cat_file(path, start=start, end=stop)), len)
-
-    async def _get_ranges_async(self, fs: Any, key: str, path: str, ranges: list[Range]) -> list[Buffer]:
-        url, stats, slots = self.key_url(key), self.stats, self._client_slots
-
-        async def attempt(start: int, stop: int) -> bytes:
-            t0 = time.perf_counter()
-            data = check_length(url, start, stop, await fs._cat_file(path, start=start, end=stop))
-            stats.add_request(len(data), time.perf_counter() - t0)
-            return data
-
-        async def one(start: int, stop: int) -> bytes:
-            if start == stop:
-                return b""
-            async with slots:
-                return await self.retry.call_async(lambda: attempt(start, stop), url, stats)
-
-        return list(await asyncio.gather(*(one(start, stop) for start, stop in ranges)))
+            fetched = iter(sync(fs.loop, fetch_all))
+        else:
+            fetched = iter(self._client_pool.map(lambda r: self._call(
+                key, "cat_file", path, start=r[0], end=r[1], check=partial(check_length, url, *r), nbytes=len,
+                size=r[1] - r[0]), wanted))
+        return [b"" if start == stop else next(fetched) for start, stop in ranges]
 
     def size(self, key: str) -> int:
-        fs, path = self._client()[0], self._path(key)
-        fs.invalidate_cache(path)
-        info = self._call(key, lambda: fs.info(path))
-        if info.get("type") == "directory":
-            raise ObjectNotFound(self.key_url(key), "a folder (prefix), not an object")
-        return int(info["size"])
+        return self.info(key).size
 
     def list(self, prefix: str = "") -> dict[str, int]:
         return {key: info.size for key, info in self.list_info(prefix).items()}
@@ -141,7 +161,7 @@ class FsspecStore(ObjectStore):
         top = self._path(prefix)
         fs.invalidate_cache(top)
         try:
-            found = self._call(prefix, lambda: fs.find(top, detail=True))
+            found = self._call(prefix, "find", top, detail=True)
         except ObjectNotFound:
             return {}
         return {p[len(root) + 1:] if root else p: _object_info(info) for p, info in sorted(found.items())}
@@ -150,22 +170,59 @@ class FsspecStore(ObjectStore):
         """The object's size, ETag and modification time (one HEAD); ObjectNotFound when there is none."""
         fs, path = self._client()[0], self._path(key)
         fs.invalidate_cache(path)
-        found = self._call(key, lambda: fs.info(path))
+        found = self._call(key, "info", path)
         if found.get("type") == "directory":
             raise ObjectNotFound(self.key_url(key), "a folder (prefix), not an object")
         return _object_info(found)
 
     # --- writes ------------------------------------------------------------------------------
     def put_atomic(self, key: str, data: bytes | memoryview) -> None:
+        """The object written whole and checked: on S3 by the server (Content-MD5) and its ETag, elsewhere
+        read back; bytes that arrive otherwise are sent again, then an error naming the object."""
         self._check_writable(key)
-        fs, path = self._client()[0], self._path(key)
         data = bytes(data) if isinstance(data, memoryview) else data
+        if self.protocol in ("s3", "s3a"):
+            self._put_object(key, data, {})
+        else:
+            self.retry.call(lambda: self._put_and_read_back(key, data), self.key_url(key), self.stats)
+
+    def _put_and_read_back(self, key: str, data: bytes) -> None:
+        path = self._path(key)
         if self.protocol in _OBJECT_STORE_PROTOCOLS:
-            self._call(key, lambda: fs.pipe_file(path, data))
-            return
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}.h5feed-tmp"
-        self._call(key, lambda: fs.pipe_file(tmp, data))
-        self._call(key, lambda: fs.mv(tmp, path))
+            self._call(key, "pipe_file", path, data, size=len(data))
+        else:
+            tmp = f"{path}.{uuid.uuid4().hex[:8]}.h5feed-tmp"
+            self._call(key, "pipe_file", tmp, data, size=len(data))
+            self._call(key, "mv", tmp, path)
+        if self.get(key) != data:
+            raise TransferMismatch(self.key_url(key), f"reads back other bytes than the {len(data)} written; "
+                                                      "check the storage service and the network between")
+
+    def _put_object(self, key: str, data: bytes, condition: dict[str, str]) -> str:
+        """One S3 PUT, checked twice: Content-MD5 has the server refuse a body changed on the way (BadDigest,
+        retried), and the ETag it answers, the MD5 of what it stored, must be the MD5 of the bytes sent (where
+        it is one: not under SSE-KMS or SSE-C).  Returns the ETag."""
+        from fsspec.asyn import sync
+
+        fs, path, url = self._client()[0], self._path(key), self.key_url(key)
+        bucket, object_key, _ = fs.split_path(path)
+        md5 = hashlib.md5(data)
+        request = {"Bucket": bucket, "Key": object_key, "Body": data,
+                   "ContentMD5": base64.b64encode(md5.digest()).decode(), **condition}
+
+        def stored(response: dict[str, Any]) -> str:
+            etag = str(response.get("ETag", ""))
+            if _etag_is_md5(response) and etag.strip('"') != md5.hexdigest():
+                if condition:  # our write went in, garbled: the next try replaces exactly it (each try reads `request`)
+                    request.pop("IfNoneMatch", None)
+                    request["IfMatch"] = etag
+                raise TransferMismatch(url, f"the server stored other bytes than the {len(data)} sent (its ETag "
+                                            f"{etag}, their MD5 {md5.hexdigest()}); check the endpoint and the network "
+                                            "between")
+            return etag
+
+        return sync(fs.loop, self._call_async, fs, key, "call_s3", ("put_object",), request, stored, lambda _: 0,
+                    len(data))
 
     def put_if(self, key: str, data: bytes, etag: str | None) -> str | None:
         """A conditional PUT: create the object only if there is none (`etag` None: If-None-Match: *), or
@@ -173,7 +230,6 @@ class FsspecStore(ObjectStore):
         condition failed (someone else wrote first).  S3 honours both conditions atomically; on other
         backends this is a check, then a write (another writer can slip in between), said once in the log."""
         self._check_writable(key)
-        fs, path = self._client()[0], self._path(key)
         if self.protocol not in ("s3", "s3a"):
             if not _warned_unconditional:
                 _warned_unconditional.append(self.protocol)
@@ -187,29 +243,33 @@ class FsspecStore(ObjectStore):
                 return None
             self.put_atomic(key, data)
             return self.info(key).etag
-        bucket, object_key, _ = fs.split_path(path)
-        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
-
-        def put() -> str | None:
-            try:
-                return fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=data, **condition)["ETag"]
-            except OSError as exc:
-                if _precondition_failed(exc) or (etag is not None and isinstance(exc, FileNotFoundError)):
-                    return None  # written (or, for If-Match, deleted) by someone else meanwhile
-                raise
-
-        return self._call(key, put)
+        try:
+            return self._put_object(key, data, {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"})
+        except ObjectNotFound:
+            if etag is not None:
+                return None  # deleted by someone else meanwhile
+            raise
+        except ObjectError as exc:
+            if _precondition_failed(exc):
+                return None  # written by someone else meanwhile
+            raise
 
     def delete(self, key: str) -> None:
         self._check_writable(key)
-        fs, path = self._client()[0], self._path(key)
         try:
-            self._call(key, lambda: fs.rm_file(path))
+            self._call(key, "rm_file", self._path(key))
         except ObjectNotFound:
             pass
 
 
 _warned_unconditional: list[str] = []
+
+
+def _etag_is_md5(response: dict[str, Any]) -> bool:
+    """Whether a single-part PUT's ETag is the MD5 of the object: not under SSE-KMS or SSE-C, and not absent
+    (a server without ETags is trusted to have checked the Content-MD5 it was sent)."""
+    encrypted = str(response.get("ServerSideEncryption", "")).startswith("aws:kms") or "SSECustomerAlgorithm" in response
+    return bool(response.get("ETag")) and not encrypted
 
 
 def _precondition_failed(exc: BaseException) -> bool:

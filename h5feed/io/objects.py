@@ -41,6 +41,12 @@ class ObjectUnavailable(ObjectError):
     """Transient failures (resets, timeouts, 5xx, throttling) outlasted every retry."""
 
 
+class TransferMismatch(ObjectError):
+    """Bytes that are not what was asked for or sent: a range body of another length, an upload the server
+    stored otherwise.  Retried as a fresh request first (bytes garble in transit); raised as it is when they
+    come back wrong every time."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """What a listing or HEAD says of one object: enough to tell that it changed."""
@@ -198,9 +204,10 @@ class ObjectStore(ABC):
 
 
 def check_length(url: str, start: int, stop: int, data: Buffer) -> Buffer:
-    """A complete range, or an error: the object is shorter than the reader expects."""
+    """A complete range, or an error: the body was cut short on the way (retried), or the object is shorter
+    than the reader expects."""
     if len(data) != stop - start:
-        raise ObjectError(
+        raise TransferMismatch(
             url, f"asked for bytes [{start}, {stop}) but got {len(data)}: the object is not the size expected, "
             "so the store is damaged or another store's object is in its place; run `h5feed verify`",
         )

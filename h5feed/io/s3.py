@@ -11,18 +11,24 @@ s3fs, at less CPU per byte (bench/remote_bench.py), so reads go through it when
   as long as the parent made no range read before the fork (opening a store reads its metadata
   with `get`, which stays on s3fs).
 
-Credentials come from botocore's chain (environment, ~/.aws files, profiles, instance roles),
-exactly as s3fs takes them, unless given in the storage options.
+Both clients connect with one `S3Settings`, resolved when the store is opened and pickled with it: the
+endpoint, region and credentials in the storage options, else the environment's (AWS_ENDPOINT_URL_S3,
+AWS_ENDPOINT_URL, AWS_REGION, AWS_DEFAULT_REGION, the profile).  obstore reads the environment itself and
+lets AWS_ENDPOINT_URL_S3 override the endpoint it is given, so every setting is passed to it explicitly.
+Credentials not in the storage options come from botocore's chain (environment, ~/.aws files, profiles,
+instance roles), exactly as s3fs takes them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import multiprocessing
 import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -32,8 +38,9 @@ from h5feed.io.retry import DEFAULT_RETRY, RetryPolicy
 
 log = logging.getLogger("h5feed")
 
-_OBSTORE_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "profile", "client_kwargs"}
-_OBSTORE_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+_SETTINGS_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "profile"}  # what S3Settings resolves
+_SETTINGS_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+_OBSTORE_OPTIONS = _SETTINGS_OPTIONS | {"client_kwargs"}
 
 _obstore_used_by: list[int] = []  # the pid that started obstore's runtime (inherited by a fork, hence the pid)
 
@@ -41,6 +48,99 @@ _obstore_used_by: list[int] = []  # the pid that started obstore's runtime (inhe
 def obstore_usable() -> bool:
     """False in a process forked from one that had used obstore: its runtime's threads are gone there."""
     return not _obstore_used_by or _obstore_used_by[0] == os.getpid()
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """Where, and as whom, every client of one s3:// store connects.
+
+    Resolved once, when the store is opened, and pickled with it, so that s3fs, obstore, the node cache's
+    fetcher and every worker process send each request to the same server, signed the same way.
+    """
+
+    endpoint_url: str | None = None  # None: AWS's own endpoints
+    region: str | None = None  # None: the bucket's, asked when a client needs it
+    key: str | None = None  # None (and not anon): botocore's credential chain, with `profile`
+    secret: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    profile: str | None = None
+    anon: bool = False
+
+    @classmethod
+    def resolve(cls, url: str, options: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> S3Settings:
+        """The storage options' settings, and for what they leave open `environ`'s, then the profile's in the
+        AWS config file (an endpoint in its `services` section, a region), as botocore finds them; a setting
+        given in both, differently, is said once in the log (the storage options win)."""
+        import botocore.session
+
+        client_kwargs = options.get("client_kwargs", {})
+        profile = options.get("profile")  # else botocore takes AWS_PROFILE itself, in every client alike
+        _explicit_or_environment(url, "profile", profile, environ, ("AWS_PROFILE",))
+        session = botocore.session.Session(profile=profile)
+        explicit_endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+        endpoint = _explicit_or_environment(url, "endpoint_url", explicit_endpoint, environ,
+                                            ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
+        if not explicit_endpoint and session.get_config_variable("ignore_configured_endpoint_urls"):
+            endpoint = None
+        elif endpoint is None:
+            endpoint = _config_file_endpoint(session)
+        region = _explicit_or_environment(url, "client_kwargs.region_name", client_kwargs.get("region_name"),
+                                          environ, ("AWS_REGION", "AWS_DEFAULT_REGION"))
+        region = region or session.get_config_variable("region")
+        if options.get("key") and environ.get("AWS_ACCESS_KEY_ID"):
+            _say_once(f"{url}: storage_options' key and secret win over AWS_ACCESS_KEY_ID from the environment")
+        return cls(endpoint_url=endpoint, region=region or ("us-east-1" if endpoint else None),
+                   key=options.get("key"), secret=options.get("secret"), token=options.get("token"),
+                   profile=profile, anon=bool(options.get("anon")))
+
+    def s3fs_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The user's storage options with these settings in place of theirs (and of the environment's)."""
+        merged = {k: v for k, v in options.items() if k not in _SETTINGS_OPTIONS}
+        client_kwargs = {k: v for k, v in options.get("client_kwargs", {}).items() if k not in _SETTINGS_CLIENT_KWARGS}
+        if self.region:
+            client_kwargs["region_name"] = self.region
+        if client_kwargs:
+            merged["client_kwargs"] = client_kwargs
+        named = {"endpoint_url": self.endpoint_url, "key": self.key, "secret": self.secret, "token": self.token,
+                 "profile": self.profile}
+        merged.update({k: v for k, v in named.items() if v is not None})
+        if self.anon:
+            merged["anon"] = True
+        return merged
+
+
+def _explicit_or_environment(url: str, option: str, explicit: str | None, environ: Mapping[str, str],
+                             variables: tuple[str, ...]) -> str | None:
+    """The explicit setting, else the first of the environment's `variables` that is set; both, and different,
+    is said once in the log."""
+    found = next(((name, environ[name]) for name in variables if environ.get(name)), None)
+    if explicit and found and found[1] != explicit:
+        _say_once(f"{url}: storage_options' {option} {explicit} wins over {found[0]}={found[1]} from the "
+                  "environment; unset one of them to silence this")
+    return explicit or (found[1] if found else None)
+
+
+def _config_file_endpoint(session: Any) -> str | None:
+    """The S3 endpoint the profile's config names (its `services` section's, else its own), as botocore reads it."""
+    import botocore.exceptions
+
+    try:
+        scoped = session.get_scoped_config()
+    except botocore.exceptions.ProfileNotFound:  # s3fs says so, naming the profile, on its first request
+        return None
+    services = session.full_config.get("services", {}).get(scoped.get("services", ""), {})
+    return services.get("s3", {}).get("endpoint_url") or scoped.get("endpoint_url")
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A warning once per process, and only in the process that opened the store: its worker processes
+    inherit both settings and resolve them the same way."""
+    if message not in _said and multiprocessing.parent_process() is None:
+        _said.add(message)
+        log.warning(message)
 
 
 class S3Store(FsspecStore):
@@ -52,7 +152,8 @@ class S3Store(FsspecStore):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 16,
                  retry: RetryPolicy = DEFAULT_RETRY, use_obstore: bool = True) -> None:
-        super().__init__(url, storage_options, concurrency=concurrency, retry=retry)
+        self.settings = S3Settings.resolve(url.rstrip("/"), storage_options or {})
+        super().__init__(url, self.settings.s3fs_options(storage_options or {}), concurrency=concurrency, retry=retry)
         self.use_obstore = use_obstore and _obstore_can_honour(self.storage_options)
 
     @property
@@ -78,31 +179,24 @@ class S3Store(FsspecStore):
         return self._client_obstore
 
     def _make_obstore(self) -> Any:
+        """An obstore client with every setting explicit: none of them taken from the environment by obstore."""
         from obstore.store import S3Store as ObstoreS3Store
 
-        opts = self.storage_options
-        client_kwargs = opts.get("client_kwargs", {})
-        endpoint = (opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
-                    or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+        settings = self.settings
         bucket, _, prefix = self.url.split("://", 1)[1].partition("/")
         self._client_obstore_prefix = prefix.rstrip("/")
-        config: dict[str, Any] = {}
-        botocore_chain = _BotocoreCredentials(opts.get("profile"))
-        if opts.get("anon"):
-            config["skip_signature"] = True
-        elif opts.get("key"):
-            config.update(access_key_id=opts["key"], secret_access_key=opts.get("secret"))
-            if opts.get("token"):
-                config["token"] = opts["token"]
-        else:
-            config["credential_provider"] = botocore_chain
-        # A region as boto finds it; else any for another S3 service (as botocore signs), else AWS's answer.
-        region = client_kwargs.get("region_name") or botocore_chain.region
-        region = region or ("us-east-1" if endpoint else self._bucket_region(bucket))
+        config: dict[str, Any] = {"skip_signature": settings.anon}
+        if settings.endpoint_url:  # AWS_ENDPOINT_URL_S3 in the environment would override `endpoint` alone
+            config.update(endpoint=settings.endpoint_url, aws_endpoint_url_s3=settings.endpoint_url)
+        if not settings.anon:  # a provider, so that no key, secret or session token comes from the environment
+            config["credential_provider"] = (_StaticCredentials(settings) if settings.key
+                                             else _BotocoreCredentials(settings.profile))
+        endpoint, timeout = settings.endpoint_url, timedelta(seconds=self.retry.timeout)
         return ObstoreS3Store(
-            bucket, endpoint=endpoint, region=region,
+            bucket, region=settings.region or self._bucket_region(bucket),
             client_options={"allow_http": bool(endpoint and endpoint.startswith("http://")),
-                            "pool_max_idle_per_host": str(self.concurrency)},
+                            "pool_max_idle_per_host": str(self.concurrency),
+                            "connect_timeout": timeout, "read_timeout": timeout},  # no answer: fails in `timeout`
             retry_config={"max_retries": 0, "retry_timeout": timedelta(minutes=3), "backoff": {  # ours retry, counted
                 "init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2.0}},
             **config,
@@ -110,8 +204,7 @@ class S3Store(FsspecStore):
 
     def _bucket_region(self, bucket: str) -> str:
         """The bucket's region, asked through s3fs (which finds it the way boto does) when none is configured."""
-        fs = self._client()[0]
-        head = self._call("", lambda: fs.call_s3("head_bucket", Bucket=bucket))
+        head = self._call("", "call_s3", "head_bucket", Bucket=bucket)
         return head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region", "us-east-1")
 
     def _obstore_path(self, key: str) -> str:
@@ -140,7 +233,18 @@ class S3Store(FsspecStore):
 
 
 def _obstore_can_honour(options: Mapping[str, Any]) -> bool:
-    return set(options) <= _OBSTORE_OPTIONS and set(options.get("client_kwargs", {})) <= _OBSTORE_CLIENT_KWARGS
+    return set(options) <= _OBSTORE_OPTIONS and set(options.get("client_kwargs", {})) <= _SETTINGS_CLIENT_KWARGS
+
+
+class _StaticCredentials:
+    """obstore's credential provider for the key and secret in the storage options (they never expire)."""
+
+    def __init__(self, settings: S3Settings) -> None:
+        self._credential = {"access_key_id": settings.key, "secret_access_key": settings.secret,
+                            "token": settings.token, "expires_at": None}
+
+    def __call__(self) -> dict[str, Any]:
+        return self._credential
 
 
 class _BotocoreCredentials:
@@ -149,9 +253,7 @@ class _BotocoreCredentials:
     def __init__(self, profile: str | None) -> None:
         import botocore.session
 
-        session = botocore.session.Session(profile=profile)
-        self.region: str | None = session.get_config_variable("region")
-        self._credentials = session.get_credentials()
+        self._credentials = botocore.session.Session(profile=profile).get_credentials()
 
     def __call__(self) -> dict[str, Any]:
         if self._credentials is None:

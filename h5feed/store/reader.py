@@ -5,8 +5,11 @@ the shard (or chunk) objects itself, through an object source (`sources`: mapped
 local files, or bytes fetched from a bucket, directly or through the node cache),
 checks every inner chunk's crc32c and decodes it with numcodecs straight into the
 caller's buffer.  No byte that fails its checksum is ever decoded into a tensor a
-trainer sees: the read raises `CorruptSampleError` naming the sample, its source
-file and the object.
+trainer sees.  Bytes that fail are read once more, fresh (they may have been damaged
+on their way: a new request, a new download into the node cache, the file mapped
+again); when those fail too, the read raises `CorruptSampleError` naming the sample,
+its source file and the object.  A read from a bucket gives up at its deadline
+(`read_deadline`) with an `ObjectUnavailable` that says so.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from h5feed.store.layout import (
     CRC_BYTES,
     EMPTY,
     TOKEN_ARRAYS,
-    check_crc32c,
     crc32c,
     decode_shard_index,
     object_key,
@@ -42,9 +44,11 @@ from h5feed.store.layout import (
 )
 from h5feed.store.sources import (
     CachedSource,
+    Deadline,
     LocalSource,
     ObjectSource,
     RemoteSource,
+    check_inner_chunk,
     fingerprint,
     object_error,
     read_ahead,
@@ -53,6 +57,7 @@ from h5feed.store.sources import (
 
 log = logging.getLogger(__name__)
 _BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
+READ_DEADLINE = 300.0  # seconds a sample's read from a bucket may take, retries included, before it is given up
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Store:
     Cheap to pickle (only the location, options and number of samples travel), so DataLoader
     workers under fork, spawn or forkserver each open their own files or clients lazily.
     `checked=False` skips the checksum checks: only for measuring what they cost, never for training.
+    `read_deadline` bounds the seconds one read of a sample from a bucket may take, all its requests,
+    retries and cache downloads included (None: no bound).
 
     The index is read once, here: the `num_samples` the store's attributes publish (or the first
     `num_samples`, a snapshot).  A store can grow while it is open (`h5feed convert` appends new
@@ -118,8 +125,10 @@ class Store:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         num_samples: int | None = None,
+        read_deadline: float | None = READ_DEADLINE,
     ) -> None:
         self.checked = checked
+        self.read_deadline = read_deadline
         self.storage_options = dict(storage_options or {})
         self.cache_dir, self.cache_limit = cache_dir, cache_limit
         self.remote = is_remote(location)
@@ -149,7 +158,8 @@ class Store:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"location": self.path, "checked": self.checked, "storage_options": self.storage_options,
-                "cache_dir": self.cache_dir, "cache_limit": self.cache_limit, "num_samples": len(self)}
+                "cache_dir": self.cache_dir, "cache_limit": self.cache_limit, "num_samples": len(self),
+                "read_deadline": self.read_deadline}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("location"), **state)  # type: ignore[misc]
@@ -283,11 +293,12 @@ class Store:
         if read_ahead:
             self.will_need(i, max_tokens, extras=extras)
         rows = min(-(-t // self.info.chunk_tokens) * self.info.chunk_tokens, self._padded_length(i))
+        deadline = self._deadline(i)
         arrays = {}
         for name in names:
             width = self.info.width(name)
             buffer = allocate((rows, width) if self.info.is_matrix(name) else (rows,), self.info.storage_dtype(name))
-            self._read_rows(i, name, 0, rows, buffer, stats, delivered=t)
+            self._read_rows(i, name, 0, rows, buffer, stats, delivered=t, deadline=deadline)
             arrays[name] = buffer[:t].view(self.info.logical_dtype(name))
         last = arrays.pop("last_hidden_states", None)
         return RawSample(
@@ -319,7 +330,8 @@ class Store:
         shape = (stop - start, self.info.width(array)) if self.info.is_matrix(array) else (stop - start,)
         if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, not {out.dtype} {tuple(out.shape)}")
-        self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start)
+        self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start,
+                        deadline=self._deadline(i))
 
     def copy_frames_into(
         self, i: int, array: str, stop: int, out: np.ndarray, stats: ReadStats | None = None
@@ -336,7 +348,7 @@ class Store:
         stats = stats if stats is not None else ReadStats()
         placed, position = [], 0
         try:
-            for chunk, frame in self._frames(i, array, range(-(-stop // self.info.chunk_tokens)), stats):
+            for chunk, frame in self._frames(i, array, range(-(-stop // self.info.chunk_tokens)), stats, self._deadline(i)):
                 end = position + len(frame)
                 if end > out.nbytes:
                     raise _TooSmall(f"out holds {out.nbytes} bytes, the frames need more than {end}")
@@ -393,8 +405,13 @@ class Store:
             found.append((object_key(info, name, first_object + j), inner, whole))
         return found
 
+    def _deadline(self, i: int) -> Deadline | None:
+        """When a read of sample i must be done by (a bucket's; local files have none)."""
+        return Deadline.after(i, self.read_deadline) if self.remote and self.read_deadline is not None else None
+
     def _read_rows(
-        self, i: int, name: str, start: int, stop: int, out: torch.Tensor, stats: ReadStats, delivered: int
+        self, i: int, name: str, start: int, stop: int, out: torch.Tensor, stats: ReadStats, delivered: int,
+        deadline: Deadline | None,
     ) -> None:
         row_nbytes = self.info.row_nbytes(name)
         if not out.is_contiguous() or out.numel() * out.element_size() != (stop - start) * row_nbytes:
@@ -405,7 +422,7 @@ class Store:
         c = self.info.chunk_tokens
         whole = start == 0 and delivered == int(self.sample_lengths[i])
         try:
-            for chunk, frame in self._frames(i, name, range(start // c, -(-stop // c)), stats):
+            for chunk, frame in self._frames(i, name, range(start // c, -(-stop // c)), stats, deadline):
                 t0 = time.perf_counter()
                 lo, hi = max(start, chunk * c), min(stop, (chunk + 1) * c)
                 if lo == chunk * c and hi == (chunk + 1) * c:  # the whole chunk: decode in place
@@ -428,39 +445,64 @@ class Store:
                         "unchecked (reconvert it with `h5feed convert` to format 2)", self.path)
         stats.add_delivered(delivered * row_nbytes)
 
-    def _frames(self, i: int, name: str, chunks: range, stats: ReadStats) -> Iterator[tuple[int, memoryview]]:
+    def _frames(
+        self, i: int, name: str, chunks: range, stats: ReadStats, deadline: Deadline | None
+    ) -> Iterator[tuple[int, memoryview]]:
         """(chunk of the sample, its encoded bytes without the checksum) for each chunk, checked.
 
+        An object whose bytes fail a check is opened once more, fresh (a new request, a new download into
+        the node cache, the file mapped again), from the chunk that failed: bytes damaged on their way are
+        not damage in the store.  Only when the fresh bytes fail too does the ValueError go on.
         A frame is a view of a mapped file or of fetched bytes, valid until the next one is yielded."""
         if hasattr(stats, "add_request"):  # a loader's counters: the network's figures go there too
             self.io_stats = stats  # type: ignore[assignment]
         per_object = self.info.chunks_per_shard if self.info.sharded else 1
         for j, (key, inner, whole) in enumerate(self._objects_of(i, name, chunks)):
-            where = self._source.where(key)
             first = (chunks.start // per_object + j) * per_object  # the sample's chunk number of inner chunk 0
-            t0 = time.perf_counter()
-            with self._source.open(key, inner, whole) as view:
-                if not self.info.sharded:
-                    stats.add_read(view.size, time.perf_counter() - t0)
-                    with view.span(0, view.size) as frame:
-                        yield first, frame
-                    continue
-                index = self._shard_index(view.tail(shard_index_nbytes(per_object)), view.size, where)
-                stats.add_read(shard_index_nbytes(per_object), time.perf_counter() - t0)
-                for k in inner:
-                    offset, length = (int(x) for x in index[k])
-                    if offset == EMPTY:
-                        raise object_error(where, f"inner chunk {k} is missing from the shard")
-                    stats.add_read(length, 0.0)
-                    with view.span(offset, length) as encoded, encoded[:-CRC_BYTES] as frame:
-                        if self.checked:
-                            t1 = time.perf_counter()
-                            try:
-                                check_crc32c(frame, bytes(encoded[-CRC_BYTES:]), f"inner chunk {k}")
-                            except ValueError as exc:
-                                raise object_error(where, str(exc)) from None
-                            stats.add_decode(time.perf_counter() - t1)
+            todo = inner
+            for fresh in (False, True):
+                try:
+                    for k, frame in self._object_frames(key, todo, whole and todo == inner, stats, fresh, deadline):
                         yield first + k, frame
+                        todo = range(k + 1, inner.stop)
+                    break
+                except ValueError as exc:
+                    where = getattr(exc, "object_path", self._source.where(key))
+                    if fresh:
+                        raise object_error(where, f"{exc}, and again when read afresh") from None
+                    log.warning("%s: %s; reading it again", where, exc)
+                    if self.io_stats is not None:
+                        self.io_stats.add_retry()
+
+    def _object_frames(
+        self, key: str, inner: range, whole: bool, stats: ReadStats, fresh: bool, deadline: Deadline | None
+    ) -> Iterator[tuple[int, memoryview]]:
+        """(inner chunk, its frame) of one object, each checked; ValueError for bytes that fail."""
+        where = self._source.where(key)
+        t0 = time.perf_counter()
+        with self._source.open(key, inner, whole, fresh, deadline) as view:
+            if not self.info.sharded:
+                stats.add_read(view.size, time.perf_counter() - t0)
+                with view.span(0, view.size) as frame:
+                    yield 0, frame
+                return
+            per_object = self.info.chunks_per_shard
+            index = self._shard_index(view.tail(shard_index_nbytes(per_object)), view.size, where)
+            stats.add_read(shard_index_nbytes(per_object), time.perf_counter() - t0)
+            for k in inner:
+                offset, length = (int(x) for x in index[k])
+                if offset == EMPTY:
+                    raise object_error(where, f"inner chunk {k} is missing from the shard")
+                stats.add_read(length, 0.0)
+                with view.span(offset, length) as encoded, encoded[:-CRC_BYTES] as frame:
+                    if self.checked:
+                        t1 = time.perf_counter()
+                        try:
+                            check_inner_chunk(encoded, k)
+                        except ValueError as exc:
+                            raise object_error(where, str(exc)) from None
+                        stats.add_decode(time.perf_counter() - t1)
+                    yield k, frame
 
     def _shard_index(self, tail: bytes, size: int, where: str | Path) -> np.ndarray:
         try:

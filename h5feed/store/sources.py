@@ -13,19 +13,25 @@
 
 The two remote sources fetch ahead: `will_need` starts a sample's objects now, concurrently,
 on a per-process pool, within a byte budget (`PREFETCH_BYTES`); the read then takes what was
-fetched, or fetches it itself when nothing was asked ahead.  Nothing here checks bytes: the
-reader checks every inner chunk it decodes, whatever its source.
+fetched, or has it fetched when nothing was asked ahead, and waits for it until its `Deadline`.
+The reader checks every inner chunk it decodes, whatever its source; when bytes fail it opens the
+object again `fresh` (a new request, a new download into the cache, the file mapped again) before
+it calls them damage.  A download enters the node cache only once every inner chunk passes its
+crc32c (`check_shard`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import mmap
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -34,13 +40,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from h5feed.io import PART_BYTES, Buffer, CachedObject, CachedStore, ObjectNotFound, ObjectStore, Range, part_ranges
-from h5feed.store.layout import EMPTY, decode_shard_index, shard_index_nbytes
+from h5feed.io import (
+    PART_BYTES,
+    Buffer,
+    CachedObject,
+    CachedStore,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectUnavailable,
+    Range,
+    part_ranges,
+)
+from h5feed.store.layout import CRC_BYTES, EMPTY, check_crc32c, decode_shard_index, shard_index_nbytes
 
 PREFETCH_BYTES = 1 << 30  # per process: fetched objects not yet read (an estimate: their decoded size)
 PREFETCH_OBJECTS = 64  # per process: objects fetched ahead and not yet read
 PREFETCH_THREADS = 4  # objects fetched at once per process (each as concurrent ranges, up to the store's concurrency):
 # about one sample's, so that the next sample to be read comes first rather than sharing the bandwidth with later ones
+READ_THREADS = 16  # per process: objects fetched at once for reads that asked nothing ahead (a BatchLoader's threads)
 MAX_RANGE_BYTES = 2 * PART_BYTES  # the longest range request: 16 MiB
 
 # Read a mapped file's pages in one go (Linux), rather than one page fault at a time.
@@ -52,6 +69,52 @@ def object_error(where: str | Path, problem: str) -> ValueError:
     exc = ValueError(problem)
     exc.object_path = where  # type: ignore[attr-defined]
     return exc
+
+
+def check_inner_chunk(encoded: memoryview, k: int) -> None:
+    """Inner chunk `k` of a shard (its frame, then the frame's crc32c) against its checksum: ValueError if it fails."""
+    check_crc32c(encoded[:-CRC_BYTES], bytes(encoded[-CRC_BYTES:]), f"inner chunk {k}")
+
+
+def check_shard(chunks_per_shard: int, url: str, data: memoryview) -> None:
+    """Every inner chunk of a whole shard against its crc32c, and its index: what a download must pass
+    to enter the node cache."""
+    try:
+        index = decode_shard_index(data[-shard_index_nbytes(chunks_per_shard):], chunks_per_shard, len(data))
+        for k, (offset, length) in enumerate(index.tolist()):
+            if offset != EMPTY:
+                check_inner_chunk(data[offset : offset + length], k)
+    except ValueError as exc:
+        raise object_error(url, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a sample's read must be done by (`time.monotonic()`), and what the error says when it is not."""
+
+    sample: int
+    seconds: float
+    at: float
+
+    @classmethod
+    def after(cls, sample: int, seconds: float) -> Deadline:
+        return cls(sample, seconds, time.monotonic() + seconds)
+
+    def wait(self, future: Future[Any], where: str) -> Any:
+        """The future's result; ObjectUnavailable once the deadline passes (what it fetches is closed when it comes)."""
+        concurrent.futures.wait([future], timeout=max(0.0, self.at - time.monotonic()))
+        if not future.done():
+            future.add_done_callback(_close_result)
+            raise ObjectUnavailable(
+                where, f"sample {self.sample} was not read within its deadline of {self.seconds:g} s: the bucket is "
+                "slow or unreachable; check the network, or give the Store a longer read_deadline")
+        return future.result()  # the fetch's own error, if it failed
+
+
+def _close_result(future: Future[Any]) -> None:
+    """Close what a future fetched, once it is there, when nobody will read it."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 class ObjectView(Protocol):
@@ -72,6 +135,8 @@ class ObjectSource(ABC):
     """A store's objects, by key, for the reader: `open` a view, or say early that one `will_need` it.
 
     `inner` is the range of inner chunks of a shard the read decodes; `whole` says they are all its chunks.
+    `fresh` asks for new bytes, never ones fetched before (the ones it gave failed a check); a remote source
+    gives up waiting at the `deadline`.
     """
 
     @abstractmethod
@@ -79,7 +144,8 @@ class ObjectSource(ABC):
         """How errors name the object: its file or its URL."""
 
     @abstractmethod
-    def open(self, key: str, inner: range, whole: bool) -> contextlib.AbstractContextManager[ObjectView]: ...
+    def open(self, key: str, inner: range, whole: bool, fresh: bool = False,
+             deadline: Deadline | None = None) -> contextlib.AbstractContextManager[ObjectView]: ...
 
     @abstractmethod
     def will_need(self, key: str, inner: range, whole: bool, nbytes: int) -> None:
@@ -124,7 +190,9 @@ class LocalSource(ObjectSource):
         return self.root / key
 
     @contextlib.contextmanager
-    def open(self, key: str, inner: range, whole: bool) -> Iterator[ObjectView]:
+    def open(self, key: str, inner: range, whole: bool, fresh: bool = False,
+             deadline: Deadline | None = None) -> Iterator[ObjectView]:
+        """The file, mapped (afresh each time: `fresh` needs nothing more)."""
         path = self.root / key
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -171,26 +239,24 @@ class _Ahead:
 
     def discard(self) -> None:
         """Close what was fetched once it is there (eviction never waits)."""
-
-        def close(future: Future[Any]) -> None:
-            if not future.cancelled() and future.exception() is None:
-                future.result().close()
-
-        self.future.add_done_callback(close)
+        self.future.add_done_callback(_close_result)
 
 
 class _Prefetcher:
-    """Objects fetched ahead of their reads, at most `max_bytes` and `max_objects` of them not yet read.
+    """Objects fetched ahead of their reads, at most `max_bytes` and `max_objects` of them not yet read,
+    and the fetches of reads that asked for nothing ahead (`fetch_now`), on their own threads, so that
+    every read can stop waiting at its deadline.
 
     One per process (a forked child makes its own): a read takes its object out, so each
     fetched object is read once; beyond the budget the oldest finished ones are dropped
     (their reads fetch again), and asks that still do not fit are ignored (the read fetches).
     """
 
-    def __init__(self, fetch: Callable[[str, range, bool], Any], max_bytes: int, max_objects: int) -> None:
+    def __init__(self, fetch: Callable[[str, range, bool, bool], Any], max_bytes: int, max_objects: int) -> None:
         self._fetch = fetch
         self._max_bytes, self._max_objects = max_bytes, max_objects
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="h5feed-prefetch")
+        self._now = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="h5feed-read")
         self._ahead: OrderedDict[str, _Ahead] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -206,18 +272,26 @@ class _Prefetcher:
                 self._drop(self._ahead.pop(old))
             if self._bytes + nbytes > self._max_bytes or len(self._ahead) >= self._max_objects:
                 return
-            self._ahead[key] = _Ahead(inner, whole, nbytes, self._pool.submit(self._fetch, key, inner, whole))
+            self._ahead[key] = _Ahead(inner, whole, nbytes, self._pool.submit(self._fetch, key, inner, whole, False))
             self._bytes += nbytes
 
-    def take(self, key: str, inner: range, whole: bool) -> Any | None:
-        """What was fetched ahead for this read (waiting for it if need be), or None."""
+    def take(self, key: str, inner: range, whole: bool) -> Future[Any] | None:
+        """What is fetched ahead for this read (its result: the fetch's own error, if it failed), or None."""
         with self._lock:
             ahead = self._ahead.get(key)
             if ahead is None or not ahead.covers(inner, whole):
                 return None
             del self._ahead[key]
             self._bytes -= ahead.nbytes
-        return ahead.future.result()  # the fetch's own error, if it failed
+        return ahead.future
+
+    def forget(self, key: str) -> None:
+        """Drop what is fetched ahead of `key`: its bytes may be the ones that failed."""
+        with self._lock:
+            self._drop(self._ahead.pop(key, None))
+
+    def fetch_now(self, key: str, inner: range, whole: bool, fresh: bool) -> Future[Any]:
+        return self._now.submit(self._fetch, key, inner, whole, fresh)
 
     def _drop(self, ahead: _Ahead | None) -> None:
         if ahead is not None:
@@ -236,7 +310,8 @@ class _FetchingSource(ObjectSource):
         return self.objects.key_url(key)
 
     @abstractmethod
-    def _fetch(self, key: str, inner: range, whole: bool) -> ObjectView: ...
+    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool) -> Any:
+        """The object's view (a remote fetch is always a new request; `fresh` matters to the cache only)."""
 
     def _prefetcher(self) -> _Prefetcher:
         if self.__dict__.get("_prefetcher_pid") != os.getpid():  # a forked child makes its own pool
@@ -248,13 +323,22 @@ class _FetchingSource(ObjectSource):
         self._prefetcher().want(key, inner, whole or not self.chunks_per_shard, nbytes)
 
     @contextlib.contextmanager
-    def open(self, key: str, inner: range, whole: bool) -> Iterator[ObjectView]:
+    def open(self, key: str, inner: range, whole: bool, fresh: bool = False,
+             deadline: Deadline | None = None) -> Iterator[ObjectView]:
         whole = whole or not self.chunks_per_shard
-        view = self._prefetcher().take(key, inner, whole) or self._fetch(key, inner, whole)
+        view = self._get(key, inner, whole, fresh, deadline)
         try:
             yield view
         finally:
             view.close()
+
+    def _get(self, key: str, inner: range, whole: bool, fresh: bool, deadline: Deadline | None) -> Any:
+        """What `_fetch` gives for this read: fetched ahead unless `fresh`; waited for until the deadline."""
+        fetches = self._prefetcher()
+        if fresh:
+            fetches.forget(key)
+        future = (None if fresh else fetches.take(key, inner, whole)) or fetches.fetch_now(key, inner, whole, fresh)
+        return future.result() if deadline is None else deadline.wait(future, self.where(key))
 
 
 # --- a bucket, read directly ----------------------------------------------------------------------------
@@ -307,7 +391,7 @@ class RemoteSource(_FetchingSource):
         super().__init__(objects, chunks_per_shard)
         self.small_arrays = small_arrays
 
-    def _fetch(self, key: str, inner: range, whole: bool) -> FetchedObject:
+    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool) -> FetchedObject:
         n = shard_index_nbytes(self.chunks_per_shard)
         if key.split("/", 1)[0] in self.small_arrays:
             data = self.objects.get(key)
@@ -388,16 +472,27 @@ class _Opened:
 
 
 class CachedSource(_FetchingSource):
-    """Objects read from the node cache (`h5feed.io.NodeCache`); the first process that needs one downloads it whole."""
+    """Objects read from the node cache (`h5feed.io.NodeCache`); the first process that needs one downloads it
+    whole, and it enters the cache only when every inner chunk passes its checksum (format 2)."""
 
     objects: CachedStore
 
-    def _fetch(self, key: str, inner: range, whole: bool) -> Any:
-        return _Opened(self.objects.open_cached(key))
+    def __init__(self, objects: CachedStore, chunks_per_shard: int) -> None:
+        super().__init__(objects, chunks_per_shard)
+        if chunks_per_shard:  # format 2: the store's own checksums say what a sound download is
+            objects.verify = functools.partial(check_shard, chunks_per_shard)
+
+    def _fetch(self, key: str, inner: range, whole: bool, fresh: bool) -> _Opened:
+        """The cached copy, opened; `fresh`: a new download in place of the copy unless this open made it."""
+        cached = self.objects.open_cached(key)
+        if fresh and not cached.downloaded:
+            cached = self.objects.replace_cached(cached, key)
+        return _Opened(cached)
 
     @contextlib.contextmanager
-    def open(self, key: str, inner: range, whole: bool) -> Iterator[ObjectView]:
-        opened = self._prefetcher().take(key, inner, True) or self._fetch(key, inner, True)
+    def open(self, key: str, inner: range, whole: bool, fresh: bool = False,
+             deadline: Deadline | None = None) -> Iterator[ObjectView]:
+        opened = self._get(key, inner, True, fresh, deadline)
         view = CachedView(opened.cached, populate=whole or not self.chunks_per_shard)
         try:
             yield view
