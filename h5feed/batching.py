@@ -41,9 +41,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
+from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.errors import CorruptSampleError
+from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
 from h5feed.metrics import WorkerCounters
@@ -325,23 +326,20 @@ class BatchWriter:
             batch: Batch = {key: shared_allocator(*spec) for key, spec in specs.items()}
         else:
             batch = self.layout.views(self.ring.memory(slot), specs)
-        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
-        for i, t, place in zip(indices, tokens, plan.placements):
-            counters.begin_sample(i)
-            window = self.stream.tokens_to_read(i)
-            for rk in collate.row_keys:
-                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
-                if rk.array is not None and rows:
-                    dest = batch[rk.key][place.row, place.offset : place.offset + rows]
-                    self._decode(i, rk.array, rk.shift, dest, counters)
-                written[rk.key][place.row] = place.offset + rows
+
+        def decode_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
+            counters.begin_sample(indices[n])
+            for rk, dest in rows.items():
+                if rk.array is not None:  # the rest derive_rows writes
+                    self._decode(indices[n], rk.array, rk.shift, dest, counters)
+
+        windows = [self.stream.tokens_to_read(i) for i in indices]
+        marks = place_items(collate, plan, batch, decode_rows, windows=windows,
+                            dirty=None if slot is None else self.ring.dirty[slot])
+        if slot is not None:
+            self.ring.dirty[slot] = marks
         for i, place in zip(indices, plan.placements):  # counted once the batch is whole: a retry counts none twice
             counters.end_sample(i, place.count)
-        for n, rk in enumerate(collate.row_keys):
-            dirty = None if slot is None else int(self.ring.dirty[slot, n])
-            mark = zero_pads(batch[rk.key], written[rk.key], dirty)
-            if slot is not None:
-                self.ring.dirty[slot, n] = mark
         collate.derive_rows(batch, plan)
         collate.write_summary(batch, plan)
         if slot is None:

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from h5feed.batching import stream_of
-from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
+from h5feed.collate import Batch, RowKey, TensorSpec, trainer_collate
 from h5feed.datasets import HiddenStatesStream
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
+from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.store import HIDDEN_ARRAYS, Store
 
@@ -230,18 +231,16 @@ class CudaBatchLoader:
         plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in indices])
         batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
                  for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
-        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
-        for n, (window, place) in enumerate(zip(windows, plan.placements)):
-            for rk in collate.row_keys:
-                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
-                if rk.array is not None and rows:
-                    source = decoded[(n, rk.array)][rk.shift : rk.shift + rows]
+
+        def copy_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
+            for rk, dest in rows.items():
+                if rk.array is not None:  # the rest derive_rows writes
+                    source = decoded[(n, rk.array)][rk.shift : rk.shift + dest.shape[0]]
                     if rk.array in HIDDEN_ARRAYS:
                         source = source.view(store.info.torch_dtype)
-                    batch[rk.key][place.row, place.offset : place.offset + rows].copy_(source)
-                written[rk.key][place.row] = place.offset + rows
-        for rk in collate.row_keys:
-            zero_pads(batch[rk.key], written[rk.key])
+                    dest.copy_(source)
+
+        place_items(collate, plan, batch, copy_rows, windows=windows)
         collate.derive_rows(batch, plan)
         collate.write_summary(batch, plan)
         return batch
