@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of th
 
 import h5feed
 from h5feed.baseline import create_collate_fn
-from h5feed.datasets import HiddenStatesStream, StreamLoader
+from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 
 log = logging.getLogger("train_step")

@@ -42,8 +42,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
-from h5feed.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.errors import CorruptSampleError
+from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker

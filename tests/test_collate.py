@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from h5feed import trainer_collate
-from h5feed.datasets import HiddenStatesDataset
+from h5feed.loading.datasets import HiddenStatesDataset
 from h5feed.loading.placement import zero_pads
 
 H = 32
