@@ -13,7 +13,7 @@ tensor, those of the collate the flavor's trainer runs (notes/trainer_semantics.
   item in its own row, zero-padded to the longest.
 
 Each collate is described as a layout (`plan`: where each sample's rows go, `specs`:
-the batch tensors) so that `h5feed.batching` can decode stored rows straight into
+the batch tensors) so that `h5feed.loading` can decode stored rows straight into
 their place in the batch, and `__call__` copies each item's rows once into a batch
 allocated once (no cat, no pad), in shared memory inside a DataLoader worker.
 """

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from h5feed.batching import stream_of
 from h5feed.collate import Batch, RowKey, TensorSpec, trainer_collate
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
+from h5feed.loading.batch_loader import stream_of
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
