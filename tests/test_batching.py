@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from h5feed import BatchLoader, StoreError, trainer_collate
-from h5feed.loading.batch_loader import FREE
+from h5feed.loading.slots import FREE
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 
