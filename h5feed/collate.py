@@ -149,7 +149,7 @@ class TrainerCollate:
             for row_key, dest in rows.items():
                 dest[...] = self.item_rows_of(items[n], row_key.key)[: dest.shape[0]]
 
-        place_items(self, plan, batch, copy_rows)
+        place_items(self.row_keys, plan, batch, copy_rows)
         self.write_summary(batch, plan)
         return batch
 

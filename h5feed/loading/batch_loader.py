@@ -143,7 +143,7 @@ class BatchWriter:
                     self._decode(indices[n], rk.array, rk.shift, dest, counters)
 
         windows = [self.stream.tokens_to_read(i) for i in indices]
-        marks = place_items(collate, plan, batch, decode_rows, windows=windows,
+        marks = place_items(collate.row_keys, plan, batch, decode_rows, windows=windows,
                             dirty=None if slot is None else self.ring.dirty[slot])
         if slot is not None:
             self.ring.dirty[slot] = marks

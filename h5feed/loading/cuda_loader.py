@@ -240,7 +240,7 @@ class CudaBatchLoader:
                         source = source.view(store.info.torch_dtype)
                     dest.copy_(source)
 
-        place_items(collate, plan, batch, copy_rows, windows=windows)
+        place_items(collate.row_keys, plan, batch, copy_rows, windows=windows)
         collate.derive_rows(batch, plan)
         collate.write_summary(batch, plan)
         return batch

@@ -12,33 +12,69 @@ batch wrote (its dirty mark).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:  # h5feed.collate calls place_items: at run time this module imports nothing of it
-    from h5feed.collate import Batch, BatchPlan, RowKey, TrainerCollate
 
-FillItem = Callable[[int, "dict[RowKey, torch.Tensor]"], None]  # (item n, each row key's destination rows)
+class RowKeyLike(Protocol):
+    """A batch key with one entry per token position (`h5feed.collate.RowKey`)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def array(self) -> str | None: ...  # the store array it is decoded from; None: h5feed computes it
+
+    @property
+    def shift(self) -> int: ...  # stored row of the sample that lands on the item's first row
 
 
-def place_items(collate: TrainerCollate, plan: BatchPlan, batch: Batch, fill: FillItem, *,
-                windows: Sequence[int] | None = None, dirty: Sequence[int] | None = None) -> list[int]:
+class ItemPlace(Protocol):
+    """Where one item's rows go (`h5feed.collate.Placement`): batch row `row`, positions [offset, offset + count)."""
+
+    @property
+    def row(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...
+
+
+class BatchLayout(Protocol):
+    """Where every item of one batch goes (`h5feed.collate.BatchPlan`)."""
+
+    @property
+    def batch_rows(self) -> int: ...
+
+    @property
+    def placements(self) -> Sequence[ItemPlace]: ...
+
+
+Key = TypeVar("Key", bound=RowKeyLike)
+
+
+def place_items(row_keys: Sequence[Key], plan: BatchLayout, batch: dict[str, Any],
+                fill: Callable[[int, dict[Key, torch.Tensor]], None], *, windows: Sequence[int] | None = None,
+                dirty: Sequence[int] | None = None) -> list[int]:
     """Each item's rows into their place in `batch`, then its pads zeroed; the dirty marks for the buffer's next use.
 
     Args:
-        fill: `fill(n, rows)` writes item n's rows: `rows` maps each of the collate's row keys the item
-            has rows of to their destination, `batch[key][row, offset : offset + count]`.
+        row_keys: the collate's row keys ([B, N] or [B, N, width] tensors of `batch`).
+        fill: `fill(n, rows)` writes item n's rows: `rows` maps each row key the item has rows of
+            to their destination, `batch[key][row, offset : offset + count]`.
         windows: the stored rows read of each item (paths that decode from the store): a key stored with
             shift s has windows[n] - s of them, one h5feed computes (`derive_rows`) all of the placement's.
             None: every item has all its placed rows (the collate over items).
         dirty: for each row key, the positions of the flattened [B*N] tensor a reused buffer may still hold
             from its last batch; None: fresh memory, all of them.
     """
-    written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
+    written = {rk.key: [0] * plan.batch_rows for rk in row_keys}
     for n, place in enumerate(plan.placements):
-        rows: dict[RowKey, torch.Tensor] = {}
-        for rk in collate.row_keys:
+        rows: dict[Key, torch.Tensor] = {}
+        for rk in row_keys:
             count = place.count
             if windows is not None and rk.array is not None:
                 count = max(0, min(count, windows[n] - rk.shift))
@@ -47,7 +83,7 @@ def place_items(collate: TrainerCollate, plan: BatchPlan, batch: Batch, fill: Fi
             written[rk.key][place.row] = place.offset + count
         fill(n, rows)
     return [zero_pads(batch[rk.key], written[rk.key], None if dirty is None else int(dirty[k]))
-            for k, rk in enumerate(collate.row_keys)]
+            for k, rk in enumerate(row_keys)]
 
 
 def zero_pads(tensor: torch.Tensor, written: Sequence[int], dirty_rows: int | None = None) -> int:
