@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ast
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import h5feed
-from h5feed import BatchLoader, HiddenStatesStream
+from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, trainer_collate
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule
 
@@ -87,3 +89,41 @@ def test_read_ahead_hands_back_in_order_and_draws_work_only_depth_ahead():
         assert reads.take() == 0
         assert drawn == [0, 1, 2, 3]
         assert list(reads) == [10, 20, 30, 40, 50, 60, 70]
+
+
+def functions_called_in(call):
+    """The names of the Python functions `call()` runs on this thread (other threads are not profiled)."""
+    names = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = call()
+    finally:
+        sys.setprofile(None)
+    return result, names
+
+
+@pytest.mark.parametrize("kind", ["threads", "workers"])
+def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_store, assert_same_batch, kind):
+    """Taking the filled slot from the workers, wrapping it and the slot ring's bookkeeping all run on the
+    delivery thread: the trainer's next() calls none of them."""
+    workers = {"num_workers": 1, "multiprocessing_context": "fork"} if kind == "workers" else {"threads": 1}
+    with BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, batch_size=1, shuffle=False,
+                     **workers) as loader:
+        batches = iter(loader)
+        next(batches)  # the first batch, dropped at once
+        got = []
+        for _ in range(3):
+            time.sleep(0.3)  # the step: the next batch is made ready meanwhile
+            batch, called = functions_called_in(lambda: next(batches))
+            got.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+            assert not called & {"_next_data", "_get_data", "batch_memory", "views", "write", "take", "_deliver"}
+        del batch
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, shuffle=False)
+    want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
+    for g, w in zip(got, want[1:4]):
+        assert_same_batch(g, w)

@@ -12,9 +12,12 @@ trainer's process makes and, when CUDA is available, page-locks once.
   processes (each with slots of its own, each mapping the file itself: fork, spawn and
   forkserver alike), claim a free slot, decode a batch into it and pass on only the slot
   number and the batch's shapes.
-- The trainer's process wraps the slot as the batch's tensors.  The slot goes back to
-  the ring when nothing refers to them any more and, if CUDA is in use, once a CUDA
-  event recorded at that moment has completed (the copy to the GPU is done).
+- A delivery thread in the trainer's process (`h5feed.loading.delivery`) takes each filled
+  slot, one batch ahead of the trainer, wraps it as the batch's tensors and, with `device=`,
+  queues their copy to the GPU on a stream of its own: the trainer's `next()` only hands
+  over a ready batch.  The slot goes back to the ring when nothing refers to its tensors
+  any more and, if CUDA is in use, once a CUDA event recorded at that moment (behind the
+  copy to the GPU) has completed.
 - A trainer that keeps more batches than the ring holds gets the rest in fresh memory
   (with a warning), never a slot still in use.
 - The ring's memory goes back when the loader does (`close()`, the end of a `with` block, or
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.errors import CorruptSampleError
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers
+from h5feed.loading.delivery import Delivery
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
@@ -170,6 +174,27 @@ class BatchWriter:
         dest.copy_(scratch.view(logical))
 
 
+@dataclass
+class ReadyBatch:
+    """What the delivery thread hands the trainer's thread: a batch (None: only damaged samples were left), the
+    schedule's samples it moves the position past, and with `device=` the event its copy to the GPU completes."""
+
+    batch: Batch | None
+    passed: int
+    copied: torch.cuda.Event | None = None
+    in_fresh_memory: bool = False  # no slot was free: the trainer holds more batches than the ring keeps
+
+
+def _hand_over_on_device(batch: Batch, copied: torch.cuda.Event, device: torch.device | None) -> None:
+    """The trainer's stream waits for the batch's copy (no wait here); its memory, made on the delivery thread's
+    stream, is kept for the trainer's stream's work."""
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_event(copied)
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(consumer)
+
+
 def _as_is(message: Any) -> Any:
     """The DataLoader's collate for slot messages: they are already what the trainer's process needs."""
     return message
@@ -225,11 +250,14 @@ class BatchLoader:
         threads: reader threads with num_workers=0 (default: the cores this process may use, at most 4).
         prefetch: batches in flight per worker (the DataLoader's prefetch_factor), or in all
             with threads.
-        device: when given (e.g. "cuda"), batches arrive on it (copied without blocking from
-            the page-locked slot); otherwise they are CPU tensors in the slot, page-locked
-            when CUDA is available.
-        slots_per_worker: slots each worker (or the threads) may fill; the default,
-            prefetch + 2, covers a trainer that holds the batch it is given.
+        device: when given (e.g. "cuda"), batches arrive on it: the delivery thread queues the copy
+            from the page-locked slot on a stream of its own, and the trainer's stream waits for it
+            (an event; `next()` itself does not wait); otherwise they are CPU tensors in the slot,
+            page-locked when CUDA is available.
+        slots_per_worker: slots each worker (or the threads) may fill; the default, the batches in
+            flight + 2, covers a trainer that holds the batch it is given (in flight: with threads,
+            max(prefetch, threads), the delivery thread's ready batch among them; with workers,
+            prefetch + 1, the ready batch besides).
         multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
         **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, on_corrupt, ...).
 
@@ -282,7 +310,8 @@ class BatchLoader:
                              else ((), torch.long)) for rk in self.collate.row_keys}
         longest = max((self.collate.item_rows(int(store.sample_lengths[i])) for i in stream.indices), default=1)
         layout = SlotLayout(self.collate.specs(self.collate.largest_plan(batch_size, max(longest, 1)), trailing))
-        in_flight = prefetch if num_workers else max(prefetch, self.threads)
+        # threads: the batch the delivery thread has ready counts among those in flight; workers: it is one more
+        in_flight = prefetch + 1 if num_workers else max(prefetch, self.threads)
         self.slots_per_worker = slots_per_worker or in_flight + 2
         ring = SlotRing(self.slots_per_worker * max(num_workers, 1), layout.nbytes, len(self.collate.row_keys))
         if torch.cuda.is_available():
@@ -296,6 +325,7 @@ class BatchLoader:
         self._closed = False
         self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # weak: a dropped pass ends at once
         self._warned = False
+        self._copy_stream: torch.cuda.Stream | None = None  # the delivery thread's, for copies to `device`
 
     # --- what DataLoader users call ----------------------------------------------------------
     def __len__(self) -> int:
@@ -357,17 +387,39 @@ class BatchLoader:
 
     # --- one pass ----------------------------------------------------------------------------
     def _batches(self) -> Generator[Batch, None, None]:
+        """The pass on the trainer's thread: each batch, made ready by the delivery thread, is only handed over."""
         stream = self.dataset
         stream.schedule.begin_pass()  # every pass starts at the stream's start: a second one replays the epoch
+        delivery = Delivery(self._ready_batches, name="h5feed-batch-delivery")
+        try:
+            for ready in delivery:
+                stream.note_consumed(ready.passed)
+                if ready.batch is None:  # only damaged samples were left: the position still moved past them
+                    continue
+                if ready.in_fresh_memory and not self._warned:
+                    self._warned = True
+                    warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots "
+                                  "per worker keep; the rest are built in fresh memory (slower); pass a larger "
+                                  "slots_per_worker if that is intended", stacklevel=2)
+                if ready.copied is not None:
+                    _hand_over_on_device(ready.batch, ready.copied, self.device)
+                yield ready.batch
+        finally:
+            delivery.close()
+
+    def _ready_batches(self) -> Generator[ReadyBatch, None, None]:
+        """The delivery thread's work: each filled slot wrapped as the trainer's batch (and queued to the GPU)."""
         feed = self._from_workers() if self.num_workers else self._from_threads()
+        skipped = 0  # samples of batches that were all damaged, since the last batch
         try:
             for filled in feed:
-                if filled.empty:  # every sample of it was damaged and skipped: the position still moves past it
-                    stream.note_consumed(filled.samples)
+                if filled.empty:
+                    skipped += filled.samples
                     continue
-                batch = self._deliver(filled)
-                stream.note_consumed(filled.samples)
-                yield batch
+                yield self._deliver(filled, skipped + filled.samples)
+                skipped = 0
+            if skipped:
+                yield ReadyBatch(None, skipped)
         finally:
             feed.close()
 
@@ -394,18 +446,15 @@ class BatchLoader:
         def write(indices: list[int]) -> FilledBatch:
             return writer.write(indices, ring.claim(range(ring.count)))
 
-        with ReadAhead(batches, write, threads=self.threads, depth=max(self.prefetch, self.threads), announce=writer.will_need,
-                       counters=counters, name="h5feed-batch") as writes:
+        # held: the batch the delivery thread has ready keeps its slot until the trainer takes it
+        with ReadAhead(batches, write, threads=self.threads, depth=max(self.prefetch, self.threads),
+                       announce=writer.will_need, counters=counters, held=True, name="h5feed-batch") as writes:
             yield from writes
 
-    def _deliver(self, filled: FilledBatch) -> Batch:
-        """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory)."""
+    def _deliver(self, filled: FilledBatch, passed: int) -> ReadyBatch:
+        """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory), with
+        `device`, its copy queued on the delivery thread's own stream."""
         if filled.slot is None:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots per "
-                              "worker keep; the rest are built in fresh memory (slower); pass a larger "
-                              "slots_per_worker if that is intended", stacklevel=3)
             batch = filled.batch
             assert batch is not None
         else:
@@ -414,10 +463,17 @@ class BatchLoader:
             memory = self._writer.ring.batch_memory(filled.slot, self._release)
             batch = {**self._writer.layout.views(memory, filled.specs), **filled.extras}
             del memory
-        if self.device is not None:
-            batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in batch.items()}
-        return batch
+        if self.device is None:
+            return ReadyBatch(batch, passed, in_fresh_memory=filled.slot is None)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            on_device = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}
+            copied = torch.cuda.Event()
+            copied.record()
+            del batch  # the slot's last views: its release is recorded on this stream, behind the copy
+        return ReadyBatch(on_device, passed, copied, in_fresh_memory=filled.slot is None)
 
     def _release(self, slot: int) -> None:
         """Nothing refers to the slot's batch any more: it goes back to the ring (`SlotReturns`), and after the
