@@ -6,7 +6,8 @@ For each shape (tiny: H=64, 64-128 tokens; medium: H=1024 x 3 aux layers, 512-10
 speculators-legacy batches of 1, max_len 1024, bf16) and each loader (2 worker processes,
 2 threads), times `next()` on the training thread around a step simulated by sleeping
 `--step-ms` (a GPU step waits without holding the GIL), after 10 warm-up steps, warm page
-cache.  Prints one line per case: median and p90 of `next()` in ms.  To compare two
+cache.  Prints one line per case: median and p90 of `next()` in ms, and the median of the
+trainer's drop of a batch (`del batch`: where a slot's release runs).  To compare two
 versions in one run, run it once per version with PYTHONPATH pointing at each.
 """
 
@@ -38,10 +39,12 @@ def store_for(cache: Path, shape: str) -> Path:
     return store
 
 
-def next_latencies(store: Path, steps: int, step_seconds: float, **loader_kwargs: int) -> list[float]:
+def next_latencies(store: Path, steps: int, step_seconds: float, **loader_kwargs: int) -> tuple[list[float], list[float]]:
+    """Seconds of each `next()`, and of each drop of the batch before (what gives its slot back), after warm-up."""
     loader = BatchLoader(store, flavor="speculators-legacy", max_len=1024, hidden_states_dtype=torch.bfloat16,
                          batch_size=1, **loader_kwargs)
     seconds: list[float] = []
+    drops: list[float] = []
     with loader:
         while len(seconds) < WARMUP + steps:
             batches = iter(loader)
@@ -53,9 +56,11 @@ def next_latencies(store: Path, steps: int, step_seconds: float, **loader_kwargs
                     break
                 seconds.append(elapsed)
                 time.sleep(step_seconds)  # the step: the GPU works, the training thread waits without the GIL
+                t0 = time.perf_counter()
                 del batch
+                drops.append(time.perf_counter() - t0)
             del batches
-    return seconds[WARMUP:]
+    return seconds[WARMUP:], drops[WARMUP:]
 
 
 def main() -> None:
@@ -68,9 +73,11 @@ def main() -> None:
     for shape in SHAPES:
         store = store_for(args.cache, shape)
         for name, kwargs in (("2 workers", {"num_workers": 2}), ("2 threads", {"threads": 2})):
-            ms = sorted(s * 1e3 for s in next_latencies(store, args.steps, args.step_ms / 1e3, **kwargs))
+            taken, dropped = next_latencies(store, args.steps, args.step_ms / 1e3, **kwargs)
+            ms = sorted(s * 1e3 for s in taken)
             p90 = ms[int(0.9 * (len(ms) - 1))]
-            print(f"{shape:6} {name:9}: next() median {statistics.median(ms):.3f} ms, p90 {p90:.3f} ms "
+            print(f"{shape:6} {name:9}: next() median {statistics.median(ms):.3f} ms, p90 {p90:.3f} ms; "
+                  f"dropping a batch median {statistics.median(dropped) * 1e3:.3f} ms "
                   f"({len(ms)} steps of {args.step_ms:.0f} ms)", flush=True)
 
 

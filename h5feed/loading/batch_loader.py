@@ -394,18 +394,23 @@ class BatchLoader:
         try:
             for ready in delivery:
                 stream.note_consumed(ready.passed)
-                if ready.batch is None:  # only damaged samples were left: the position still moved past them
-                    continue
-                if ready.in_fresh_memory and not self._warned:
-                    self._warned = True
-                    warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots "
-                                  "per worker keep; the rest are built in fresh memory (slower); pass a larger "
-                                  "slots_per_worker if that is intended", stacklevel=2)
-                if ready.copied is not None:
-                    _hand_over_on_device(ready.batch, ready.copied, self.device)
-                yield ready.batch
+                if ready.batch is not None:  # None: only damaged samples were left, the position moved past them
+                    yield self._hand_over(ready)  # the generator keeps no reference to the batch while it waits
         finally:
             delivery.close()
+
+    def _hand_over(self, ready: ReadyBatch) -> Batch:
+        """The ready batch, taken out of `ready`; with `device`, the trainer's stream waits for its copy."""
+        batch, ready.batch = ready.batch, None
+        assert batch is not None
+        if ready.in_fresh_memory and not self._warned:
+            self._warned = True
+            warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots per worker "
+                          "keep; the rest are built in fresh memory (slower); pass a larger slots_per_worker if that "
+                          "is intended", stacklevel=3)
+        if ready.copied is not None:
+            _hand_over_on_device(batch, ready.copied, self.device)
+        return batch
 
     def _ready_batches(self) -> Generator[ReadyBatch, None, None]:
         """The delivery thread's work: each filled slot wrapped as the trainer's batch (and queued to the GPU)."""
