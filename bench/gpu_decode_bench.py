@@ -11,18 +11,29 @@ bit for bit against numcodecs.  The store's 1 MiB Blosc blocks are compared
 with 256 KiB ones (more, smaller zstd streams for nvCOMP to spread over the
 GPU).  `--distinct` chunks are generated and repeated to fill large batches.
 
+`--group-samples` adds the loader's case: a group of Kimi-shaped samples
+(`--sample-tokens` rows of 3 x 7168 aux and 7168 last-layer bf16 states, and
+int64 token ids, in 256-token chunks), read into one pinned slot, decoded
+straight into the rows of the trainer's batch tensors (`decode_placed`).  With
+`--baseline FILE` (an older h5feed/gpu_decode.py) the same frames also go through
+that module as the loader used it: decoded into temporaries, then one placement
+`copy_` per sample and array; both batches are checked equal, bit for bit.
+
     python bench/gpu_decode_bench.py --out gpu_decode.json
+    python bench/gpu_decode_bench.py --batches --group-samples 4 16 --baseline old_gpu_decode.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -146,9 +157,118 @@ def run(
     )
 
 
+@dataclass
+class GroupRow:
+    decoder: str  # "placed": decode_placed into the batch rows; "baseline": the given module, then copy_ per array
+    samples: int
+    decoded_mib: float
+    launch_ms: float  # CPU on the launching thread: parse, layout, queueing every kernel (median)
+    h2d_ms: float  # GPU (CUDA events), per group
+    zstd_ms: float
+    unshuffle_ms: float
+    place_ms: float  # the baseline's device-to-device placement copies; 0 when decoded in place
+    gpu_ms_per_sample: float  # all of the above GPU time, divided by the samples
+    bit_exact: bool
+
+
+def load_baseline(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("baseline_gpu_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
+    spec.loader.exec_module(module)
+    return module
+
+
+def group_frames(bits: torch.Tensor, samples: int, tokens: int, chunk: int, hidden: int) -> tuple[list, list]:
+    """Frames of `samples` samples (aux, last layer, ids chunk by chunk) and (sample, array, chunk) of each."""
+    encode_aux, encode_ids = frame_encoder(chunk_codec("zstd"), 2), frame_encoder(chunk_codec("zstd"), 8)
+    distinct = bits.shape[0]
+    ids = torch.randint(0, 160_000, (distinct, chunk), generator=torch.Generator().manual_seed(0))
+    cache: dict[tuple[str, int], bytes] = {}
+
+    def frame(array: str, k: int) -> bytes:
+        if (array, k) not in cache:
+            data = {"aux": bits[k], "last": bits[k][:, :hidden].contiguous(), "ids": ids[k]}[array]
+            cache[array, k] = (encode_ids if array == "ids" else encode_aux)(data.numpy())
+        return cache[array, k]
+
+    frames, where, chunks = [], [], -(-tokens // chunk)
+    for n in range(samples):
+        for array in ("aux", "last", "ids"):
+            for c in range(chunks):
+                frames.append(frame(array, (n * chunks + c) % distinct))
+                where.append((n, array, c))
+    return frames, where
+
+
+def run_group(decode_module: ModuleType, label: str, bits: torch.Tensor, samples: int, tokens: int, chunk: int,
+              hidden: int, repeats: int) -> GroupRow:
+    frames, where = group_frames(bits, samples, tokens, chunk, hidden)
+    spans, end = [], 0
+    for f in frames:
+        spans.append((end, len(f)))
+        end += -(-len(f) // 64) * 64
+    slot = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    for f, (offset, length) in zip(frames, spans):
+        slot[offset : offset + length] = torch.frombuffer(bytearray(f), dtype=torch.uint8)
+    widths = {"aux": bits.shape[2], "last": hidden}
+    batch = {a: torch.empty(samples, tokens, w, dtype=torch.bfloat16, device="cuda") for a, w in widths.items()}
+    batch["ids"] = torch.empty(samples, tokens, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    decoder = decode_module.CudaBloscDecoder(stream=side)
+    rounded = -(-tokens // chunk) * chunk
+    if label == "placed":
+        placements = [decode_module.Placement(i, 0, batch[a][n, c * chunk : min((c + 1) * chunk, tokens)])
+                      for i, (n, a, c) in enumerate(where)]
+
+        def call() -> tuple[object, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+            return decoder.decode_placed(slot, spans, placements), None
+    else:
+        temporaries = {(n, a): torch.empty((rounded, *batch[a].shape[2:]), dtype=batch[a].dtype, device="cuda")
+                       for n in range(samples) for a in batch}
+        outs = [temporaries[n, a][c * chunk : (c + 1) * chunk] for n, a, c in where]
+        placed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+        def call() -> tuple[object, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+            timing = decoder.decode_from_pinned(slot, spans, outs)
+            with torch.cuda.stream(side):  # as CudaBatchLoader._place: one copy per sample and array
+                placed[0].record()
+                for (n, a), rows in temporaries.items():
+                    batch[a][n].copy_(rows[:tokens])
+                placed[1].record()
+            return timing, placed
+
+    call()[0].gpu_times()  # warm-up: buffers grow, nvCOMP and the kernel initialise
+    measured = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        timing, placed = call()
+        launch = time.perf_counter() - start
+        times = timing.gpu_times()
+        if placed is not None:
+            placed[1].synchronize()
+        place = placed[0].elapsed_time(placed[1]) if placed is not None else 0.0
+        measured.append((launch, times, place))
+    torch.cuda.synchronize()
+    expected = {a: torch.empty_like(t, device="cpu") for a, t in batch.items()}
+    for f, (n, a, c) in zip(frames, where):
+        rows = torch.frombuffer(bytearray(blosc.decompress(f)), dtype=expected[a].dtype)
+        rows = rows.view(-1, *expected[a].shape[2:])[: min(chunk, tokens - c * chunk)]
+        expected[a][n, c * chunk : c * chunk + len(rows)] = rows
+    bits_of = {torch.bfloat16: torch.int16, torch.int64: torch.int64}
+    exact = all(torch.equal(batch[a].cpu().view(bits_of[t.dtype]), t.view(bits_of[t.dtype])) for a, t in expected.items())
+    med = statistics.median
+    h2d, zstd = med(t.h2d_ms for _, t, _ in measured), med(t.decode_ms for _, t, _ in measured)
+    unshuffle, place = med(t.unshuffle_ms for _, t, _ in measured), med(p for _, _, p in measured)
+    return GroupRow(label, samples, sum(t.numel() * t.element_size() for t in expected.values()) / 2**20,
+                    med(w for w, _, _ in measured) * 1e3, h2d, zstd, unshuffle, place,
+                    (h2d + zstd + unshuffle + place) / samples, exact)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256], help="chunks per call")
+    p.add_argument("--batches", type=int, nargs="*", default=[16, 64, 256], help="chunks per call")
     p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--layers", type=int, default=3, help="hidden layers side by side in a chunk")
@@ -157,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocksizes", type=int, nargs="+", default=[1 << 20, 1 << 18], help="Blosc block sizes")
     p.add_argument("--sources", nargs="+", choices=("staged", "pinned"), default=["staged", "pinned"])
     p.add_argument("--configs", nargs="+", choices=("sync-free", "header"), default=["sync-free"])
+    p.add_argument("--group-samples", type=int, nargs="*", default=[], help="samples per loader group")
+    p.add_argument("--sample-tokens", type=int, default=1750, help="tokens of each sample of a loader group")
+    p.add_argument("--baseline", type=Path, help="an older gpu_decode.py to compare the loader groups with")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = p.parse_args(argv)
     if not gpu_decode.available():
@@ -232,7 +355,21 @@ def main(argv: list[str] | None = None) -> int:
                 "yes" if r.bit_exact else "NO",
             ]
         )
-    print("\n".join(format_table(table, right={0, *range(3, 15)})))
+    if rows:
+        print("\n".join(format_table(table, right={0, *range(3, 15)})))
+    groups = []
+    decoders = [("placed", gpu_decode)] + ([("baseline", load_baseline(a.baseline))] if a.baseline else [])
+    for samples in a.group_samples:
+        for label, module in decoders:
+            groups.append(run_group(module, label, bits, samples, a.sample_tokens, a.tokens, a.hidden, a.repeats))
+            torch.cuda.empty_cache()
+    if groups:
+        header = ["decoder", "samples", "decoded MiB", "launch ms (CPU)", "H2D ms", "zstd ms", "unshuffle ms",
+                  "place ms", "GPU ms / sample", "bit-exact"]
+        table = [header] + [[g.decoder, str(g.samples), f"{g.decoded_mib:.0f}", f"{g.launch_ms:.2f}",
+                             f"{g.h2d_ms:.2f}", f"{g.zstd_ms:.2f}", f"{g.unshuffle_ms:.2f}", f"{g.place_ms:.2f}",
+                             f"{g.gpu_ms_per_sample:.2f}", "yes" if g.bit_exact else "NO"] for g in groups]
+        print("\n".join(format_table(table, right=set(range(1, 9)))))
     for blocksize, c in codec.items():
         print(
             f"blocks of {blocksize // 1024} KiB: ratio {c['ratio']:.3f}, "
@@ -251,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
                     "repeats": a.repeats,
                     "codec": codec,
                     "rows": [asdict(r) for r in rows],
+                    "groups": [asdict(g) for g in groups],
                 },
                 indent=2,
             )
         )
-    return 0 if rows and all(r.bit_exact for r in rows) else 1
+    done = rows + groups
+    return 0 if done and all(r.bit_exact for r in done) else 1
 
 
 if __name__ == "__main__":

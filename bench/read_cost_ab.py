@@ -36,7 +36,7 @@ print(json.dumps({"cpu_s_per_sample": (time.process_time() - cpu) / n, "wall_s_p
 
 
 def run_with(root: Path, args: list[str]) -> str:
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True, text=True).stdout
 
 

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,16 @@ import torch
 from numcodecs import Blosc, blosc
 
 from h5feed import gpu_decode
-from h5feed.gpu_decode import DamagedFrame, FrameError, UnsupportedFrame, parse_frame, reference_decode_into
+from h5feed.gpu_decode import (
+    DamagedFrame,
+    FrameError,
+    Placement,
+    UnsupportedFrame,
+    parse_frame,
+    parse_frames,
+    reference_decode_into,
+    reference_decode_placed,
+)
 from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.synthetic import column_scales, make_sample
 
@@ -106,8 +116,8 @@ def test_store_chunks_in_a_batch():
     assert batch[3, 100:].isnan().all()  # rows beyond the short chunk are not touched
 
 
-def test_split_blocks():
-    """Blocks split into one stream per byte plane (BLOSC_SPLITMODE=ALWAYS) decode as numcodecs decodes them."""
+def split_frame() -> bytes:
+    """A frame whose blocks are split into one stream per byte plane (BLOSC_SPLITMODE=ALWAYS)."""
     script = textwrap.dedent("""
         import sys, numpy as np
         from numcodecs import Blosc
@@ -115,7 +125,12 @@ def test_split_blocks():
         sys.stdout.buffer.write(Blosc("zstd", 1, Blosc.SHUFFLE, blocksize=1 << 16, typesize=2).encode(a))
     """)
     env = os.environ | {"BLOSC_SPLITMODE": "ALWAYS"}
-    frame = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True).stdout
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True).stdout
+
+
+def test_split_blocks():
+    """Blocks split into one stream per byte plane (BLOSC_SPLITMODE=ALWAYS) decode as numcodecs decodes them."""
+    frame = split_frame()
     parsed = parse_frame(frame)
     assert not header(frame)[2] & 0x10  # split
     blocks, leftover = divmod(parsed.nbytes, parsed.blocksize)
@@ -128,6 +143,128 @@ def test_split_blocks():
         == bytes(blosc.decompress(frame))
         == ((np.arange(200_001) % 251).astype(np.uint16)).tobytes()
     )
+
+
+# =========================================================================== the bulk parser
+
+
+def pack(frames: list[bytes], gap: int = 3) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The frames one after another in one buffer, each after `gap` bytes of 0xEE (as a loader's slot holds them)."""
+    buffer = np.full(sum(len(f) + gap for f in frames) + gap, 0xEE, np.uint8)
+    spans, at = [], gap
+    for frame in frames:
+        buffer[at : at + len(frame)] = np.frombuffer(frame, np.uint8)
+        spans.append((at, len(frame)))
+        at += len(frame) + gap
+    return buffer, spans
+
+
+def store_frames() -> list[bytes]:
+    """Frames as the store writes them: bf16-like activations of odd token counts (leftover blocks), token ids."""
+    rng = np.random.default_rng(3)
+    encode_hidden = frame_encoder(chunk_codec("zstd") | {"blocksize": 1 << 14}, 2)
+    frames = [encode_hidden(activations(t, 48, index=t).view(torch.uint16).numpy()) for t in (256, 255, 77, 3, 1)]
+    frames += [encode(rng.integers(0, 32000, n).astype(np.int64), blocksize=1 << 12) for n in (256, 1000, 7)]
+    frames += [encode(rng.normal(size=n).astype(np.float32)) for n in (10, 70_001)]
+    return frames
+
+
+def test_bulk_parser_equals_the_frame_parser(monkeypatch):
+    """Every frame of a mixed batch parsed in bulk equals parse_frame's view of it; only the unusual ones
+    (memcpyed, split, empty) take the per-frame path."""
+    frames = store_frames() + [encode(a, **kw) for a, kw, _ in CASES.values()] + [split_frame()]
+    frames.append(encode(np.zeros(0, np.uint16)))
+    calls = []
+    monkeypatch.setattr(gpu_decode, "parse_frame", lambda f: calls.append(bytes(f)) or parse_frame(f))
+    buffer, spans = pack(frames)
+    table = parse_frames(buffer, spans)
+    assert [table.frame(i) for i in range(len(frames))] == [parse_frame(f) for f in frames]
+    one_by_one = [f for f in frames if header(f)[2] & 0x02 or header(f)[4] == 0 or not header(f)[2] & 0x10]
+    assert calls == one_by_one and len(one_by_one) == 8  # 6 memcpyed frames, the split one, the empty one
+    assert table.stream_src.size == sum(len(parse_frame(f).streams) for f in frames) == 155
+
+
+def test_bulk_parser_refuses_what_the_frame_parser_refuses():
+    """Hundreds of random byte mutations of headers, block offsets, stream sizes and zstd headers of a batch:
+    the bulk parser raises the frame parser's first error (type, message, frame), or parses what it parses."""
+    frames = store_frames()[:4] + [encode((np.arange(30_000) % 300).astype(np.int64), blocksize=16384)]
+    metadata = []  # (frame, byte) of every header, block offset, stream size and zstd header byte
+    for i, f in enumerate(frames):
+        streams = parse_frame(f).streams
+        metadata += [(i, b) for b in range(16 + 4 * len(streams))]
+        metadata += [(i, s.src + k) for s in streams for k in range(-4, 14)]
+    rng = np.random.default_rng(11)
+    outcomes = {"refused": 0, "parsed": 0}
+    for _ in range(400):
+        damaged = [bytearray(f) for f in frames]
+        for pick in rng.choice(len(metadata), size=int(rng.integers(1, 4))):
+            i, at = metadata[pick]
+            damaged[i][at] = int(rng.integers(0, 256))
+        expected: list | FrameError = []
+        for i, f in enumerate(damaged):
+            try:
+                expected.append(parse_frame(bytes(f)))
+            except FrameError as e:
+                expected = e
+                index = i
+                break
+        buffer, spans = pack([bytes(f) for f in damaged])
+        if isinstance(expected, FrameError):
+            with pytest.raises(type(expected)) as info:
+                parse_frames(buffer, spans)
+            assert (info.value.problem, info.value.index) == (expected.problem, index)
+            outcomes["refused"] += 1
+        else:
+            table = parse_frames(buffer, spans)
+            assert [table.frame(i) for i in range(len(frames))] == expected
+            outcomes["parsed"] += 1
+    assert outcomes["refused"] > 200 and outcomes["parsed"] > 20
+
+
+def test_hostile_sizes_are_refused_without_huge_allocations():
+    """A header claiming 2 GB in blocks of 1 byte, or a negative size, is refused before any table is built."""
+    good = encode((np.arange(1_500_000) % 977).astype(np.uint16))
+    for patched, message in [
+        (_patch(_patch(good, 4, "<i", 2**31 - 1), 8, "<i", 1), "2147483647 block offsets do not fit"),
+        (_patch(good, 4, "<i", -7), "impossible header: nbytes -7"),
+        (_patch(good, 8, "<i", -1), "impossible block size -1"),
+        (_patch(good, 3, "<B", 0), "impossible header: nbytes 3000000, typesize 0"),
+    ]:
+        with pytest.raises(DamagedFrame, match=f"^frame 0 of the batch: {message}"):
+            parse_frames(*pack([patched]))
+    with pytest.raises(ValueError, match=r"span 0 \(0, 99\) lies outside the buffer's 10 bytes"):
+        parse_frames(np.zeros(10, np.uint8), [(0, 99)])
+
+
+# =========================================================================== straight into rows of a batch
+
+
+def test_placements_write_row_ranges_of_a_batch():
+    """Chunks of two samples placed into rows of one batch with the first row dropped (a shifted key) and the
+    last chunk cut at the sample's end; blocks of 16 KiB, so placements start and end inside blocks."""
+    width, c = 3 * 48, 256
+    encode_hidden = frame_encoder(chunk_codec("zstd") | {"blocksize": 1 << 14}, 2)
+    samples = [activations(3 * c, 48, index=0), activations(2 * c, 48, index=1)]
+    lengths = [700, 300]
+    frames = [encode_hidden(s[k * c : (k + 1) * c].view(torch.uint16).numpy()) for s in samples
+              for k in range(len(s) // c)]
+    batch = torch.full((2, 720, width), float("nan"), dtype=torch.bfloat16)
+    placements, frame, row_bytes = [], 0, width * 2
+    for n, (sample, length) in enumerate(zip(samples, lengths)):
+        for k in range(len(sample) // c):
+            first, last = max(k * c, 1), min((k + 1) * c, length)  # rows [1, length) of the sample
+            if first < last:
+                out = batch[n, first - 1 : last - 1]
+                placements.append(Placement(frame, (first - k * c) * row_bytes, out))
+            frame += 1
+    reference_decode_placed(frames, placements)
+    for n, (sample, length) in enumerate(zip(samples, lengths)):
+        assert torch.equal(batch[n, : length - 1].view(torch.uint16), sample[1:length].view(torch.uint16))
+        assert batch[n, length - 1 :].isnan().all()  # pads are the caller's: never written
+    with pytest.raises(ValueError, match=r"frame 4 of the batch decodes to 73728 bytes: bytes 288..74016"):
+        reference_decode_placed(frames, [Placement(4, 288, torch.empty(73728, dtype=torch.uint8))])
+    with pytest.raises(ValueError, match="a placement names frame 5; the batch has 5"):
+        reference_decode_placed(frames, [Placement(5, 0, torch.empty(8, dtype=torch.uint8))])
 
 
 # =========================================================================== what is refused
@@ -175,8 +312,14 @@ _bstart1 = struct.unpack_from("<i", _multi, 20)[0]
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_bad_frames_are_refused(frame, error, message):
-    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(error, match=pattern):
         parse_frame(frame)
+    good = encode(np.arange(1000, dtype=np.uint16))
+    buffer, spans = pack([good, frame, good])
+    with pytest.raises(error, match="^frame 1 of the batch: .*" + pattern) as info:  # the bulk parser says the same
+        parse_frames(buffer, spans)
+    assert info.value.index == 1
 
 
 def test_memcpyed_size_mismatch_is_refused():
@@ -242,10 +385,11 @@ def _case_frames() -> list[tuple[bytes, bytes]]:
 
 
 @gpu
-@pytest.mark.parametrize("sync_free", [True, False])
-def test_gpu_equals_numcodecs(sync_free):
+@pytest.mark.parametrize("sync_free, unshuffle", [(True, "triton"), (False, "triton"), (True, "torch")])
+def test_gpu_equals_numcodecs(sync_free, unshuffle):
     """Every CPU case plus Kimi-shaped bf16 chunks (256 x 3 x 7168), in one batch, bit for bit."""
-    decoder = gpu_decode.CudaBloscDecoder(sync_free=sync_free)
+    decoder = gpu_decode.CudaBloscDecoder(sync_free=sync_free, unshuffle=unshuffle)
+    assert decoder.unshuffle == unshuffle
     encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
     kimi = [activations(256, 7168, index=i) for i in range(3)] + [activations(77, 7168, index=3)]
     cases = _case_frames() + [
@@ -308,3 +452,67 @@ def test_gpu_refuses_damage_before_touching_outputs():
         gpu_decode.decode_into_cuda([good, _patch(good, 20, "<i", len(good) - 2)], outs)
     torch.cuda.synchronize()
     assert all(bool((out == 7).all()) for out in outs)
+
+
+@gpu
+@pytest.mark.parametrize("unshuffle", ["triton", "torch"])
+def test_gpu_placements_into_rows_of_a_batch(unshuffle):
+    """decode_placed writes row ranges of chunks straight into a CUDA batch (a shifted key, cut last chunks, an
+    int64 key beside it), equal to the CPU reference, pads untouched, from one pinned slot."""
+    c, width = 256, 3 * 512
+    encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
+    encode_ids = frame_encoder(chunk_codec("zstd"), 8)
+    samples = [activations(3 * c, 512, index=0), activations(2 * c, 512, index=1)]
+    ids = [torch.randint(0, 32000, (len(s),), generator=torch.Generator().manual_seed(n)) for n, s in enumerate(samples)]
+    lengths = [700, 300]
+    frames, placements = [], []
+    cpu = {"h": torch.full((2, 720, width), float("nan"), dtype=torch.bfloat16), "i": torch.full((2, 720), -1)}
+    gpu_batch = {key: value.cuda() for key, value in cpu.items()}
+    for n, length in enumerate(lengths):
+        for k in range(len(samples[n]) // c):
+            for key, frame in (("h", encode_hidden(samples[n][k * c : (k + 1) * c].view(torch.uint16).numpy())),
+                               ("i", encode_ids(ids[n][k * c : (k + 1) * c].numpy()))):
+                first, last = max(k * c, 1), min((k + 1) * c, length)
+                if first < last:
+                    row_bytes = width * 2 if key == "h" else 8
+                    placements.append((len(frames), (first - k * c) * row_bytes, key, n, first - 1, last - 1))
+                frames.append(frame)
+    reference_decode_placed(frames, [Placement(f, skip, cpu[key][n, a:b]) for f, skip, key, n, a, b in placements])
+    source = torch.zeros(sum(map(len, frames)) + 7 * len(frames), dtype=torch.uint8).pin_memory()
+    spans, at = [], 5
+    for frame in frames:
+        source[at : at + len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        spans.append((at, len(frame)))
+        at += len(frame) + 7
+    decoder = gpu_decode.CudaBloscDecoder(stream=torch.cuda.Stream(), unshuffle=unshuffle)
+    timing = decoder.decode_placed(
+        source, spans, [Placement(f, skip, gpu_batch[key][n, a:b]) for f, skip, key, n, a, b in placements])
+    timing.gpu_times()
+    for key, expected in cpu.items():
+        bits = torch.int16 if key == "h" else torch.int64
+        assert torch.equal(gpu_batch[key].cpu().view(bits), expected.view(bits))
+    for n, length in enumerate(lengths):
+        assert torch.equal(cpu["h"][n, : length - 1].view(torch.uint16), samples[n][1:length].view(torch.uint16))
+        assert torch.equal(cpu["i"][n, : length - 1], ids[n][1:length]) and bool((cpu["i"][n, length - 1 :] == -1).all())
+
+
+@gpu
+def test_gpu_call_returns_before_the_gpu_has_decoded():
+    """The launching thread only queues work: with the decoder's stream held busy, the call returns while its
+    decode is still to run, and the outputs are right once it has."""
+    encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
+    chunks = [activations(256, 512, index=i) for i in range(4)]
+    frames = [encode_hidden(c.view(torch.uint16).numpy()) for c in chunks]
+    decoder = gpu_decode.CudaBloscDecoder(stream=torch.cuda.Stream())
+    outs = [torch.empty(256, 3 * 512, dtype=torch.bfloat16, device="cuda") for _ in chunks]
+    decoder.decode(frames, outs).gpu_times()  # warm-up: buffers, nvCOMP, the kernel
+    for _ in range(3):  # the second and third calls free the arrays of the ones before
+        with torch.cuda.stream(decoder.stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles queued ahead of the decode
+        start = time.perf_counter()
+        timing = decoder.decode(frames, outs)
+        took = time.perf_counter() - start
+        assert took < 0.05 and not timing.events[2].query()  # it did not wait for the stream: decode still to run
+        timing.gpu_times()
+    for chunk, out in zip(chunks, outs):
+        assert torch.equal(out.cpu().view(torch.uint16), chunk.view(torch.uint16))

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import h5feed
-from h5feed import HiddenStatesDataset, HiddenStatesStream, StreamLoader
+from h5feed import HiddenStatesDataset, HiddenStatesStream, StreamLoader, TrainerCollate, trainer_collate
 from h5feed.conversion.lock import LOCK_FILE
 from h5feed.errors import SourceError, StoreError
 from h5feed.flavors import FLAVORS
-from h5feed.pipeline_collates import pipeline_collate
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
@@ -336,12 +335,12 @@ def test_modelopt_items_and_batches(made: Any, name: str) -> None:
     assert want[0]["base_hidden_prenorm"] is (name == "modelopt-flagged")  # the flag decides, read from the file
     for train_len in (12, 40):  # shorter than some samples, longer than all: only train_len + 1 tokens are read
         got = items(dst, "modelopt", max_len=train_len)
-        assert_same(pipeline_collate("modelopt", train_len)(got[:4]), modelopt_collate(want[:4], train_len))
+        assert_same(trainer_collate("modelopt", train_len)(got[:4]), modelopt_collate(want[:4], train_len))
     if name == "modelopt-hf":
         assert_same(items(dst, "modelopt-answer-only"), [modelopt_item(p, answer_only_loss=True) for p in files])
         assert_same(items(dst, "modelopt-0.45"), [modelopt_item(p, release="0.45") for p in files])
         got = items(dst, "modelopt-0.45", max_len=12)
-        assert_same(pipeline_collate("modelopt-0.45", 12)(got), modelopt_collate([modelopt_item(p, release="0.45")
+        assert_same(trainer_collate("modelopt-0.45", 12)(got), modelopt_collate([modelopt_item(p, release="0.45")
                                                                                    for p in files], 12))
 
 
@@ -369,8 +368,8 @@ def test_angelslim_items_and_batches(made: Any, name: str) -> None:
     want = [angelslim_item(p) for p in sources(dst, src)]
     got = items(dst, "angelslim")
     assert_same(got, want)
-    assert_same(pipeline_collate("angelslim")(got[:4]), angelslim_collate(want[:4]))
-    assert_same(pipeline_collate("angelslim")(got[3:]), angelslim_collate(want[3:]))
+    assert_same(trainer_collate("angelslim")(got[:4]), angelslim_collate(want[:4]))
+    assert_same(trainer_collate("angelslim")(got[3:]), angelslim_collate(want[3:]))
     with pytest.raises(ValueError, match="flavor 'angelslim' yields whole samples"):
         HiddenStatesDataset(dst, "angelslim", max_len=16)
 
@@ -410,9 +409,9 @@ def test_nemo_items_and_batches(made: Any, name: str) -> None:
     want = [without_pad_activations(cache[i]) for i in range(N)]
     got = items(dst, "nemo-eagle3")
     assert_same(got, want)
-    assert_same(pipeline_collate("nemo-eagle3")(got[:4]), nemo_collate(want[:4]))
+    assert_same(trainer_collate("nemo-eagle3")(got[:4]), nemo_collate(want[:4]))
     full = nemo_collate([cache[i] for i in range(4)])  # the trainer's own batch: equal wherever it is not padding
-    batch = pipeline_collate("nemo-eagle3")(got[:4])
+    batch = trainer_collate("nemo-eagle3")(got[:4])
     seen = full["attention_mask"].bool()
     for key in ("aux_hidden_states", "target_probs"):
         assert torch.equal(bits(batch[key][seen]), bits(full[key][seen]))
@@ -423,12 +422,11 @@ def test_nemo_items_and_batches(made: Any, name: str) -> None:
         HiddenStatesDataset(dst, "nemo-eagle3", max_len=16)
 
 
-@pytest.mark.parametrize("flavor", ["modelopt", "angelslim", "nemo-eagle3"])
-def test_trainer_collate_points_to_the_pipeline_collates(flavor: str) -> None:
-    with pytest.raises(ValueError) as info:
-        h5feed.trainer_collate(flavor, 16)
-    assert str(info.value) == (f"flavor {flavor!r}: its trainer's collate is h5feed.pipeline_collate({flavor!r}, "
-                               "max_len); BatchLoader's decoding straight into the batch does not serve it yet")
+def test_trainer_collate_is_the_collate_of_every_flavor() -> None:
+    """One entry point: every flavor's collate has the batch layout BatchLoader decodes into (test_batch_layouts)."""
+    for flavor in FLAVORS:
+        max_len = None if flavor in ("angelslim", "nemo-eagle3") else 16
+        assert isinstance(trainer_collate(flavor, max_len), TrainerCollate)
 
 
 def test_a_stream_in_spawned_workers_serves_the_same_items(made: Any) -> None:
@@ -436,7 +434,7 @@ def test_a_stream_in_spawned_workers_serves_the_same_items(made: Any) -> None:
     src, dst = made("modelopt-trtllm", "modelopt-pt", "trtllm")
     stream = HiddenStatesStream(dst, "modelopt", max_len=40, shuffle=False)
     loader = StreamLoader(stream, batch_size=3, num_workers=1, multiprocessing_context="spawn",
-                          collate_fn=pipeline_collate("modelopt", 40))
+                          collate_fn=trainer_collate("modelopt", 40))
     batches = list(loader)
     want = [modelopt_item(p) for p in sources(dst, src)]
     assert_same(batches, [modelopt_collate(want[:3], 40), modelopt_collate(want[3:], 40)])
@@ -461,7 +459,7 @@ def test_a_speculators_legacy_store_serves_model_optimizer(tmp_path: Path) -> No
                     "hidden_states_prenorm": True}, dumps / f"{i}.pt")
     want = [modelopt_item(dumps / f"{i}.pt") for i in range(N)]
     assert_same(items(store, "modelopt"), want)
-    assert_same(pipeline_collate("modelopt", 16)(items(store, "modelopt", max_len=16)), modelopt_collate(want, 16))
+    assert_same(trainer_collate("modelopt", 16)(items(store, "modelopt", max_len=16)), modelopt_collate(want, 16))
     for flavor in ("modelopt-0.45", "angelslim"):
         with pytest.raises(StoreError, match="after the final norm .post-norm., but this store holds it before"):
             HiddenStatesDataset(store, flavor)
@@ -481,7 +479,7 @@ def test_a_specforge_store_serves_angelslim_and_model_optimizer(tmp_path: Path) 
                     "hidden_states": d["aux_hidden_state"], "target_hiddens": d["hidden_state"]}, ckpts[-1])
     want = [angelslim_item(p) for p in ckpts]
     assert_same(items(store, "angelslim"), want)
-    assert_same(pipeline_collate("angelslim")(items(store, "angelslim")), angelslim_collate(want))
+    assert_same(trainer_collate("angelslim")(items(store, "angelslim")), angelslim_collate(want))
     assert [item["base_hidden_prenorm"] for item in items(store, "modelopt")] == [False] * N
 
 

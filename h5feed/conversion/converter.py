@@ -71,6 +71,7 @@ from h5feed.store.layout import (
     DEFAULT_CHUNK_TOKENS,
     MAX_DEFAULT_SHARD_TOKENS,
     OPTIONAL_ARRAYS_FORMAT_VERSION,
+    IndexDigest,
     LastStateNorm,
     StoreInfo,
     chunk_codec,
@@ -1190,6 +1191,7 @@ def _publish_index(dst: Path, columns: dict[str, np.ndarray], rebuild: bool) -> 
             array.resize(values.shape)
         if len(values):
             array[...] = values
+    index.update_attributes(IndexDigest.of(columns).to_attributes())  # after the rows it covers
 
 
 def _open_column(index: Any, name: str) -> Any:

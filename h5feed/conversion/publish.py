@@ -13,8 +13,8 @@ The conversion itself is the local one (plan, journal, shards, index, status fli
 3. at the end, what is left (the journal, rewritten in plan order), then the index, then
    the root `zarr.json` with status "complete": the bucket's completion marker goes last.
 
-Every upload is journaled in `<staging>/uploads.jsonl` with the size and crc32c of the
-bytes sent; a resumed run skips a file whose size and crc32c are in that journal and
+Every upload is journaled in `<staging>/uploads.jsonl` with the size and BLAKE2b digest of
+the bytes sent; a resumed run skips a file whose size and digest are in that journal and
 whose object the bucket lists with that size, and uploads the rest again (a PUT of the
 same bytes is harmless).  A staging folder that is missing (another machine, a cleaned
 cache) is rebuilt from the bucket: every object but the token arrays' shards is fetched,
@@ -42,7 +42,7 @@ from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
-from h5feed.store.layout import StoreInfo, crc32c, object_key, read_info
+from h5feed.store.layout import StoreInfo, object_key, read_info
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class BucketPublisher:
     def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock) -> None:
         self.objects, self.root, self.lock = objects, root, lock
         self.store = root / "store"
-        self._uploaded: dict[str, tuple[int, int]] = {}  # key -> (size, crc32c) of what the bucket holds
+        self._uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, digest) of what the bucket holds
         self._journal_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="h5feed-upload")
         self._in_flight: set[Future[None]] = set()
@@ -129,7 +129,7 @@ class BucketPublisher:
         for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, data, durable=False)
-            lines.append(json.dumps({"key": key, "size": len(data), "crc32c": crc32c(data)}) + "\n")
+            lines.append(json.dumps({"key": key, "size": len(data), "blake2b": _digest(data)}) + "\n")
         (self.root / UPLOADS_FILE).write_text("".join(lines))
 
     def _staging_path(self, key: str) -> Path:
@@ -140,7 +140,7 @@ class BucketPublisher:
                              f"{self.objects.url}: delete that object from the bucket, or pass --overwrite to convert "
                              "the store again from scratch") from exc
 
-    def _read_uploads(self, listed: dict[str, ObjectInfo]) -> dict[str, tuple[int, int]]:
+    def _read_uploads(self, listed: dict[str, ObjectInfo]) -> dict[str, tuple[int, str]]:
         """The journal's uploads whose objects the bucket still lists at the size sent (a line cut by a kill is ignored)."""
         uploaded: dict[str, tuple[int, int]] = {}
         path = self.root / UPLOADS_FILE
@@ -150,7 +150,7 @@ class BucketPublisher:
             except json.JSONDecodeError:
                 continue
             if record["key"] in listed and listed[record["key"]].size == record["size"]:
-                uploaded[record["key"]] = (record["size"], record["crc32c"])
+                uploaded[record["key"]] = (record["size"], record.get("blake2b"))
         return uploaded
 
     # --- uploads -------------------------------------------------------------------------------
@@ -160,12 +160,12 @@ class BucketPublisher:
         self.lock.check()
         path = self.store / key
         data = path.read_bytes()
-        sent = (len(data), crc32c(data))
+        sent = (len(data), _digest(data))
         if self._uploaded.get(key) != sent:
             self.objects.put_atomic(key, data)
             with self._journal_lock:
                 with open(self.root / UPLOADS_FILE, "a") as journal:
-                    journal.write(json.dumps({"key": key, "size": sent[0], "crc32c": sent[1]}) + "\n")
+                    journal.write(json.dumps({"key": key, "size": sent[0], "blake2b": sent[1]}) + "\n")
                 self._uploaded[key] = sent
                 self.uploads += 1
         if remove:
@@ -220,3 +220,9 @@ class BucketPublisher:
         self._upload_body(keys)
         self._run_all(self._upload, [k for k in keys if k.startswith("index/")])
         self._upload("zarr.json")
+
+
+def _digest(data: bytes) -> str:
+    """What says the bucket already holds these bytes.  Not crc32c: every zarr chunk and shard ends with its own
+    crc32c, and the crc32c of such bytes is one constant, so two chunks of one size would look the same."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

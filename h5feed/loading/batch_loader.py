@@ -49,12 +49,10 @@ from h5feed.loading.schedule import current_worker
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
-    HIDDEN_ARRAYS,
     BufferPool,
     ReadStats,
     Store,
     shared_allocator,
-    storage_dtype,
 )
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -164,14 +162,16 @@ class BatchWriter:
     def _decode(self, i: int, array: str, start: int, dest: torch.Tensor, stats: ReadStats) -> None:
         """Stored rows [start, start + len(dest)) into `dest`: in place when it has the stored dtype
         (bf16 viewed as its uint16 bits), else through a reused buffer and one cast."""
-        logical = self.stream.store.info.torch_dtype if array in HIDDEN_ARRAYS else torch.int64
-        stored = storage_dtype(logical) if array in HIDDEN_ARRAYS else torch.int64
+        info = self.stream.store.info
+        logical, stored = info.logical_dtype(array), info.storage_dtype(array)
+        shape = (dest.shape[0], info.width(array)) if info.is_matrix(array) else (dest.shape[0],)
         if dest.dtype == logical:
-            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(stored), stats)
+            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(stored).view(shape),
+                                             stats)
             return
-        scratch = self._pool(tuple(dest.shape), stored)
+        scratch = self._pool(shape, stored)
         self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], scratch, stats)
-        dest.copy_(scratch.view(logical))
+        dest.copy_(scratch.view(logical).view(dest.shape))
 
 
 @dataclass
@@ -303,11 +303,9 @@ class BatchLoader:
         self.multiprocessing_context, self.worker_init_fn, self.timeout = multiprocessing_context, worker_init_fn, timeout
         self.device = torch.device(device) if device is not None and torch.device(device).type != "cpu" else None
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
-                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
-        widths = {"aux_hidden_states": store.num_aux_layers * store.hidden_size,
-                  "last_hidden_states": store.hidden_size}
-        trailing = {rk.key: (((widths[rk.array],), self.collate.hidden_states_dtype) if rk.array in widths
-                             else ((), torch.long)) for rk in self.collate.row_keys}
+                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
+                                       ).for_store(store.info)
+        trailing = self.collate.trailing()
         longest = max((self.collate.item_rows(int(store.sample_lengths[i])) for i in stream.indices), default=1)
         layout = SlotLayout(self.collate.specs(self.collate.largest_plan(batch_size, max(longest, 1)), trailing))
         # threads: the batch the delivery thread has ready counts among those in flight; workers: it is one more
@@ -400,7 +398,8 @@ class BatchLoader:
             delivery.close()
 
     def _hand_over(self, ready: ReadyBatch) -> Batch:
-        """The ready batch, taken out of `ready`; with `device`, the trainer's stream waits for its copy."""
+        """The ready batch, taken out of `ready`, in the trainer's structure; with `device`, the trainer's stream
+        waits for its copy."""
         batch, ready.batch = ready.batch, None
         assert batch is not None
         if ready.in_fresh_memory and not self._warned:
@@ -410,7 +409,7 @@ class BatchLoader:
                           "is intended", stacklevel=3)
         if ready.copied is not None:
             _hand_over_on_device(batch, ready.copied, self.device)
-        return batch
+        return self.collate.finish(batch)
 
     def _ready_batches(self) -> Generator[ReadyBatch, None, None]:
         """The delivery thread's work: each filled slot wrapped as the trainer's batch (and queued to the GPU)."""

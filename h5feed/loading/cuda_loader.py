@@ -29,7 +29,7 @@ from h5feed.loading.batch_loader import stream_of
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
-from h5feed.store import HIDDEN_ARRAYS, Store
+from h5feed.store import Store
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
 
@@ -92,11 +92,10 @@ class CudaBatchLoader:
         self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
         self.device = torch.device(device)
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
-                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype)
+                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
+                                       ).for_store(store.info)
         info = store.info
-        self._trailing: dict[str, TensorSpec] = {
-            rk.key: (((info.width(rk.array),), self.collate.hidden_states_dtype) if rk.array in HIDDEN_ARRAYS
-                     else ((), torch.long)) for rk in self.collate.row_keys}
+        self._trailing: dict[str, TensorSpec] = self.collate.trailing()
         self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None})
         longest = max((stream.tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
@@ -165,7 +164,7 @@ class CudaBatchLoader:
                         if isinstance(value, torch.Tensor) and value.is_cuda:
                             value.record_stream(consumer)  # made on the side stream, used on the trainer's
                     stream.note_consumed(staged.scheduled)
-                    yield batch
+                    yield self.collate.finish(batch)
             finally:
                 self._collect_timings(wait=True)
 
@@ -207,7 +206,7 @@ class CudaBatchLoader:
         info = self.dataset.store.info
         c, side = info.chunk_tokens, self._decoder.stream
         with torch.cuda.stream(side):
-            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if array in HIDDEN_ARRAYS
+            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if info.is_matrix(array)
                                                 else (-(-w // c) * c,), dtype=info.storage_dtype(array),
                                                 device=self.device)
                         for n, w in enumerate(staged.windows) for array in self._arrays} for staged in group]
@@ -236,9 +235,7 @@ class CudaBatchLoader:
             for rk, dest in rows.items():
                 if rk.array is not None:  # the rest derive_rows writes
                     source = decoded[(n, rk.array)][rk.shift : rk.shift + dest.shape[0]]
-                    if rk.array in HIDDEN_ARRAYS:
-                        source = source.view(store.info.torch_dtype)
-                    dest.copy_(source)
+                    dest.copy_(source.view(store.info.logical_dtype(rk.array)).view(dest.shape))
 
         place_items(collate.row_keys, plan, batch, copy_rows, windows=windows)
         collate.derive_rows(batch, plan)

@@ -27,6 +27,9 @@ sharded, chunked and checksummed exactly like them; no `last_hidden_states`
 `index/checksum` then has one column per stored array, in `StoreInfo.array_names`
 order.
 
+Any format's index group may carry in its attributes (`IndexDigest`) the crc32c of its rows, written by
+the conversion after the rows: readers check it at open, and a store without it opens unchecked.
+
 Format 1 (still read): the same arrays unsharded, one file per chunk of
 `chunk_tokens` rows, no per-chunk checksum; samples start on chunk boundaries
 and `index/checksum` holds crc32c of each sample's decoded bytes.
@@ -35,7 +38,7 @@ and `index/checksum` holds crc32c of each sample's decoded bytes.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +64,7 @@ DEFAULT_CHUNK_TOKENS = 256
 MAX_DEFAULT_SHARD_TOKENS = 8192  # a longer sample spans several shards
 EMPTY = np.uint64(2**64 - 1)  # a shard index entry of an absent inner chunk
 CRC_BYTES = 4
+BLOSC_MAX_OVERHEAD = 16  # c-blosc's header; a chunk that does not compress is stored copied, behind it
 
 COMPANIONS_DIR = "companions"  # files the trainer needs beside the samples, kept byte for byte
 LastStateNorm = Literal["pre", "post"]
@@ -181,6 +185,42 @@ class StoreInfo:
     def row_nbytes(self, name: str) -> int:
         return self.width(name) * self.storage_dtype(name).itemsize
 
+    def problem(self) -> str | None:
+        """What makes these attributes impossible (None: nothing): every size is checked before anything is
+        sized from it, so a damaged or hostile store is refused instead of dividing by zero or allocating."""
+        sizes = {"hidden_size": self.hidden_size, "num_aux_layers": self.num_aux_layers,
+                 "chunk_tokens": self.chunk_tokens}
+        sizes.update({f"extra_arrays.{name}.width": spec.get("width") if isinstance(spec, dict) else spec
+                      for name, spec in self.extra_arrays.items()})
+        for name, value in sizes.items():
+            if not _is_int(value) or value <= 0:
+                return f"{name} is {value!r}, not a positive whole number"
+        for name in ("shard_tokens", "num_samples", "num_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                return f"{name} is {value!r}, not a whole number of at least 0"
+        if self.format_version >= STORE_FORMAT_VERSION and not self.sharded:
+            return f"shard_tokens is 0, but a format-{self.format_version} store is sharded"
+        if self.shard_tokens % self.chunk_tokens:
+            return f"shard_tokens {self.shard_tokens} is not a multiple of chunk_tokens {self.chunk_tokens}"
+        try:
+            for name in self.array_names:
+                self.storage_dtype(name)
+        except (ValueError, TypeError, KeyError) as exc:
+            return f"the dtype of {name} is not one h5feed stores ({exc})"
+        return None
+
+    def max_chunk_nbytes(self, name: str) -> int:
+        """The most bytes one stored inner chunk of array `name` can take: its rows, Blosc's header and copy
+        fallback, and the crc32c.  Reads are bounded by it, whatever a shard index or a file's size claims."""
+        return self.chunk_tokens * self.row_nbytes(name) + BLOSC_MAX_OVERHEAD + CRC_BYTES
+
+    def max_object_nbytes(self, name: str) -> int:
+        """The most bytes one stored object (shard, or in format 1 chunk) of array `name` can take."""
+        if not self.sharded:
+            return self.max_chunk_nbytes(name)
+        return self.chunks_per_shard * self.max_chunk_nbytes(name) + shard_index_nbytes(self.chunks_per_shard)
+
     def to_json(self) -> dict[str, Any]:
         """The attributes; a format-2 store's are exactly what format 2 wrote (no format-3 keys)."""
         return {k: v for k, v in self.__dict__.items() if k not in _FORMAT_3_DEFAULTS or v != _FORMAT_3_DEFAULTS[k]}
@@ -192,6 +232,10 @@ class StoreInfo:
 
 _FORMAT_3_DEFAULTS: dict[str, Any] = {"has_last_state": True, "ids_shifted": False, "extra_arrays": {},
                                       "source_info": {}, "companions": {}}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def chunk_codec(codec: str) -> dict[str, Any]:
@@ -274,17 +318,27 @@ def shard_index_nbytes(chunks_per_shard: int) -> int:
     return chunks_per_shard * 16 + CRC_BYTES
 
 
-def decode_shard_index(tail: bytes | memoryview, chunks_per_shard: int, shard_nbytes: int) -> np.ndarray:
-    """The [chunks, 2] (offset, length) table at the end of a shard, checked: ValueError if damaged."""
-    if len(tail) != shard_index_nbytes(chunks_per_shard):
+def decode_shard_index(
+    tail: bytes | memoryview, chunks_per_shard: int, shard_nbytes: int, max_chunk_nbytes: int | None = None
+) -> np.ndarray:
+    """The [chunks, 2] (offset, length) table at the end of a shard, checked: ValueError if damaged.
+
+    Every present chunk lies inside the shard's body (checked so that no offset near 2^64 can wrap the
+    sum), and, given `max_chunk_nbytes`, is no longer than a chunk can be: a read never takes more."""
+    if len(tail) != shard_index_nbytes(chunks_per_shard) or shard_nbytes < len(tail):
         raise ValueError(f"shard of {shard_nbytes} bytes is too short for an index of {chunks_per_shard} chunks")
     body = tail[:-CRC_BYTES]
     check_crc32c(body, tail[-CRC_BYTES:], "shard index")
     index = np.frombuffer(body, dtype="<u8").reshape(chunks_per_shard, 2)
     present = index[:, 0] != EMPTY
-    ends = index[present, 0] + index[present, 1]
-    if np.any(ends > shard_nbytes - len(tail)) or np.any(index[present, 1] <= CRC_BYTES):
+    offsets, lengths = index[present, 0], index[present, 1]
+    body_nbytes = np.uint64(shard_nbytes - len(tail))
+    if np.any(offsets > body_nbytes) or np.any(lengths > body_nbytes - offsets) or np.any(lengths <= CRC_BYTES):
         raise ValueError("shard index points outside the shard")
+    if max_chunk_nbytes is not None and np.any(lengths > max_chunk_nbytes):
+        k = int(np.flatnonzero(present)[np.argmax(lengths > max_chunk_nbytes)])
+        raise ValueError(f"shard index gives inner chunk {k} {int(index[k, 1])} bytes, more than a chunk of this "
+                         f"array can take ({max_chunk_nbytes})")
     return index
 
 
@@ -309,6 +363,51 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
     return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
 
 
+# The dtype each index column's rows are checksummed in (`index_digest`); source_path as UTF-8, each ending in NUL.
+_INDEX_DIGEST_DTYPES = {"sample_start": "<i8", "sample_length": "<i8", "source_index": "<i8", "checksum": "<u4",
+                        "has_loss_mask": "u1"}
+
+
+def index_digest(columns: Mapping[str, Any]) -> int:
+    """crc32c of the index rows (`INDEX_COLUMNS`, in order), recorded in the index group's attributes at
+    conversion: a row rewritten through zarr (whose chunk checksums it recomputes) no longer matches.  With
+    `index/checksum`, whose per-sample crc32c cover exactly `sample_length` rows, it binds each row to its data."""
+    crc = 0
+    for name in INDEX_COLUMNS:
+        if name == "source_path":
+            crc = crc32c(("\0".join(columns[name]) + "\0").encode("utf-8", "surrogatepass"), crc)
+        else:
+            crc = crc32c(np.asarray(columns[name]).astype(_INDEX_DIGEST_DTYPES[name], copy=False), crc)
+    return crc
+
+
+@dataclass(frozen=True)
+class IndexDigest:
+    """The `index_digest` of the first `rows` index rows, kept in the index group's attributes (so readers of
+    format 2 and 3 read such a store unchanged; a store converted before it has none, and is not checked)."""
+
+    rows: int
+    crc32c: int
+
+    @classmethod
+    def of(cls, columns: Mapping[str, Any]) -> IndexDigest:
+        return cls(len(columns["sample_length"]), index_digest(columns))
+
+    def to_attributes(self) -> dict[str, Any]:
+        return {ATTRS_KEY: {"rows": self.rows, "crc32c": self.crc32c}}
+
+    @classmethod
+    def from_attributes(cls, attributes: Mapping[str, Any]) -> IndexDigest | None:
+        """The recorded digest, or None when there is none (or it is not one: then the index is not checked,
+        as a store converted before digests)."""
+        recorded = attributes.get(ATTRS_KEY)
+        try:
+            digest = cls(recorded["rows"], recorded["crc32c"])
+        except (TypeError, KeyError):
+            return None
+        return digest if _is_int(digest.rows) and _is_int(digest.crc32c) else None
+
+
 def read_info(location: Path | ObjectStore) -> StoreInfo:
     """Read the store's attributes without zarr, with errors that say what is wrong.
 
@@ -331,9 +430,18 @@ def read_info(location: Path | ObjectStore) -> StoreInfo:
             f"({', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade h5feed or reconvert the store"
         )
     try:
-        return StoreInfo.from_json(attrs)
+        info = StoreInfo.from_json(attrs)
     except TypeError as exc:
         raise StoreError(where, f"store attributes are damaged ({exc})") from exc
+    problem = info.problem()
+    if problem is not None:
+        raise StoreError(where, f"store attributes are damaged: {problem}; {edited_hint(where)}")
+    return info
+
+
+def edited_hint(where: str | Path) -> str:
+    """What to say about a store whose own figures disagree."""
+    return f"the store is damaged or was edited: run `h5feed verify {where}`, or convert it again"
 
 
 def write_info(path: Path, info: StoreInfo, *, durable: bool) -> None:

@@ -14,6 +14,7 @@ its source file and the object.  A read from a bucket gives up at its deadline
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -35,9 +36,13 @@ from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
     EMPTY,
+    INDEX_COLUMNS,
     TOKEN_ARRAYS,
+    IndexDigest,
     crc32c,
     decode_shard_index,
+    edited_hint,
+    index_digest,
     object_key,
     read_info,
     shard_index_nbytes,
@@ -151,8 +156,12 @@ class Store:
             raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
         self._load_index(self.info.num_samples if num_samples is None else num_samples)
         self._check_index()
+        self._check_index_digest()
+        self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
         self._source = self._make_source()
         self._compressed = self.info.codec.get("name") != "none"
+        if len(self) and not self.remote:  # in a bucket it would cost requests at every open; reads check sizes
+            self._check_stored_width(int(np.argmax(self.sample_lengths)))
         self._scratch = threading.local()
         self._warned_unchecked = False
 
@@ -187,18 +196,23 @@ class Store:
 
     def _load_index(self, n: int) -> None:
         """The first n rows of each index column: the columns may already hold an append's rows that
-        the attributes, read before them, do not publish yet."""
+        the attributes, read before them, do not publish yet.
+
+        Nothing is read or allocated for n rows before the arrays' metadata agrees with the attributes
+        and every column's stored chunks hold n rows: a store claiming 2^26 samples is refused at once."""
         try:
             group = self.zarr_group()
             index = group["index"]
+            self._recorded_digest = IndexDigest.from_attributes(index.attrs)  # before the rows it may cover
+            self.total_rows = self._check_arrays(group)
+            self._check_columns(index, n)
             self.sample_starts = np.asarray(index["sample_start"][:n], dtype=np.int64)
             self.sample_lengths = np.asarray(index["sample_length"][:n], dtype=np.int64)
             self.source_paths: list[str] = [str(p) for p in index["source_path"][:n]]
             self.source_indices = np.asarray(index["source_index"][:n], dtype=np.int64)
             self.checksums = np.asarray(index["checksum"][:n], dtype=np.uint32)
             self.has_loss_mask = np.asarray(index["has_loss_mask"][:n], dtype=bool)
-            self.total_rows = int(group["aux_hidden_states"].shape[0])
-        except ObjectError:  # the bucket said no (denied, unreachable): its error names the object
+        except (ObjectError, StoreError):  # the bucket said no (its error names the object), or a check above
             raise
         except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
             raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
@@ -206,9 +220,60 @@ class Store:
             raise StoreError(self.path, f"the sample index is damaged: it holds {len(self.sample_lengths)} samples, "
                              f"fewer than the {n} the store's attributes publish; {_REBUILD_HINT}")
 
+    def _check_arrays(self, group: Any) -> int:
+        """The arrays' rows, once each array's metadata agrees with the attributes (width, dtype, shards and
+        chunks) and all hold the same rows.  An array whose metadata zarr cannot parse is left to `h5feed verify`
+        (reads do not use it, and check every chunk's decoded size against the attributes)."""
+        info, rows = self.info, {}
+        for name in info.array_names:
+            try:
+                array = group[name]
+                shape, dtype, chunks, shards = tuple(array.shape), str(array.dtype), array.chunks, array.shards
+            except Exception:
+                if name == "aux_hidden_states":  # its rows bound the index: it must open
+                    raise
+                continue
+            width = (info.width(name),) if info.is_matrix(name) else ()
+            claimed = {"row width": width, "dtype": str(info.storage_dtype(name)).removeprefix("torch."),
+                       "chunk shape": (info.chunk_tokens, *width),
+                       "shard shape": (info.shard_tokens, *width) if info.sharded else None}
+            stored = {"row width": shape[1:], "dtype": dtype, "chunk shape": tuple(chunks),
+                      "shard shape": tuple(shards) if shards else None}
+            for what, value in claimed.items():
+                if value != stored[what]:
+                    raise StoreError(self.path, f"the store's attributes ({self._sizes_claimed()}) give {name} "
+                                     f"{what} {_plain(value)}, but {name}/zarr.json says "
+                                     f"{_plain(stored[what])}; {edited_hint(self.path)}")
+            rows[name] = shape[0]
+        if len(set(rows.values())) > 1:
+            raise StoreError(self.path, f"the arrays hold different numbers of rows ({_plain(rows)}); "
+                             f"{edited_hint(self.path)}")
+        return rows["aux_hidden_states"]
+
+    def _sizes_claimed(self) -> str:
+        info = self.info
+        return (f"hidden_size {info.hidden_size}, num_aux_layers {info.num_aux_layers}, chunk_tokens "
+                f"{info.chunk_tokens}, shard_tokens {info.shard_tokens}")
+
+    def _check_columns(self, index: Any, n: int) -> None:
+        """Every index column holds n rows, and `sample_length`'s stored chunks do (zarr stores no chunk of fill
+        values, so a column of zeros may have none, but lengths are positive: a missing chunk would read as
+        zeros), and `checksum` has one column per array: from metadata and a listing, before any row is read."""
+        lengths = index["sample_length"]
+        stored = lengths.nchunks_initialized * lengths.chunks[0]
+        for name, held in [("sample_length", min(lengths.shape[0], stored)),
+                           *((name, index[name].shape[0]) for name in INDEX_COLUMNS if name != "sample_length")]:
+            if held < n:
+                raise StoreError(self.path, f"the store's attributes say {n} samples, but index/{name} holds {held}; "
+                                 f"{edited_hint(self.path)}")
+        width = index["checksum"].shape[1:]
+        if width != (len(self.info.array_names),):
+            raise StoreError(self.path, f"index/checksum has {_plain(width)} columns, not one for each of the "
+                             f"{len(self.info.array_names)} arrays; {edited_hint(self.path)}")
+
     def _make_source(self) -> ObjectSource:
         if self._objects is None:
-            return LocalSource(Path(self.path))
+            return LocalSource(Path(self.path), {name: self.info.max_object_nbytes(name) for name in self.info.array_names})
         per_shard = self.info.chunks_per_shard if self.info.sharded else 0
         if isinstance(self._objects, CachedStore):
             self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
@@ -239,11 +304,80 @@ class Store:
                     f"{int(self.sample_lengths[i])} tokens) {what}; {_REBUILD_HINT}"
                 )
 
+    def _check_index_digest(self) -> None:
+        """The index rows against the digest recorded at conversion: a rewritten length, start or source path
+        is refused here (with the per-sample checksums, which bind each row to its data, on read).  Checked when
+        the digest covers exactly the published samples: an append in flight, a snapshot of fewer samples (its
+        opener checked) and a store converted before digests are not."""
+        recorded = self._recorded_digest
+        if recorded is None or recorded.rows != len(self) or len(self) != self.info.num_samples:
+            return
+        got = index_digest({"sample_start": self.sample_starts, "sample_length": self.sample_lengths,
+                            "source_path": self.source_paths, "source_index": self.source_indices,
+                            "checksum": self.checksums, "has_loss_mask": self.has_loss_mask})
+        if got != recorded.crc32c:
+            raise StoreError(self.path, f"the sample index fails the checksum recorded at conversion (crc32c "
+                             f"{got:#010x}, recorded {recorded.crc32c:#010x}): its rows were changed; "
+                             f"{edited_hint(self.path)}")
+
+    def _check_stored(self, i: int) -> None:
+        """In a local store, the file holding sample i's last row exists: checked before buffers are sized from
+        the sample's length, which the arrays' metadata alone could inflate (one stat; in a bucket, a missing
+        object fails its read, and the buffers are sized then)."""
+        last_row = int(self.sample_starts[i]) + int(self.sample_lengths[i]) - 1
+        key = object_key(self.info, "aux_hidden_states", last_row // self.info.object_tokens)
+        if self._objects is None and not Path(self.path, key).is_file():
+            raise self._corrupt(i, self._source.where(key), f"the index gives it {int(self.sample_lengths[i])} "
+                                "tokens, but the file that would hold its last row does not exist")
+
+    def _check_stored_width(self, i: int) -> None:
+        """Sample i's first chunk of aux_hidden_states holds `chunk_tokens` rows of the width the attributes give
+        (its Blosc header's size, or its bytes): hidden_size is bound to the files, not only to the metadata.
+        A chunk that fails its own checks (or a shard kept only in a bucket, as a staging copy's) is left for
+        its read to report."""
+        name = "aux_hidden_states"
+        expected = self.info.chunk_tokens * self.info.row_nbytes(name)
+        try:
+            with contextlib.closing(self._frames(i, name, range(1), ReadStats(), self._deadline(i))) as frames:
+                _, frame = next(frames)
+                stored = _BLOSC_HEADER.unpack_from(frame)[4] if self._compressed else len(frame)
+        except (ValueError, OSError, struct.error):
+            return
+        if stored != expected:
+            where = self._source.where(object_key(self.info, name, int(self.sample_starts[i]) // self.info.object_tokens))
+            raise StoreError(self.path, f"the store's attributes ({self._sizes_claimed()}) give {name} chunks of "
+                             f"{expected} bytes, but the first chunk in {where} holds {stored}; {edited_hint(self.path)}")
+
+    def _check_length(self, i: int, name: str, rows: torch.Tensor) -> None:
+        """A token array read whole against its crc32c recorded at conversion, which covers exactly the
+        sample's `sample_length` rows: a rewritten length or start fails here, whatever the chunks' own
+        checksums say.  8 bytes a token: nothing beside the hidden states."""
+        if not (self.checked and self.info.sharded and name in TOKEN_ARRAYS):
+            return  # format 1 checks every whole sample's arrays in `_read_rows`
+        got = crc32c(rows.numpy())
+        want = int(self.checksums[i][self.info.array_names.index(name)])
+        if got != want:
+            raise self._corrupt(i, self._source.where("index"), f"its {name} of the {int(self.sample_lengths[i])} "
+                                f"tokens the index gives it fail the checksum recorded at conversion (crc32c "
+                                f"{got:#010x}, recorded {want:#010x}): the index does not describe the stored data")
+
     def __len__(self) -> int:
         return len(self.sample_lengths)
 
     @property
+    def max_sample_tokens(self) -> int:
+        """The longest sample's tokens: what a loader sizes its buffers from (never the attributes, which a
+        damaged store can inflate).  Checked against the arrays' rows at open and, in a local store, against
+        the file that would hold its last row here (`CorruptSampleError` if there is none)."""
+        if not len(self):
+            return 0
+        i = int(np.argmax(self.sample_lengths))
+        self._check_stored(i)
+        return int(self.sample_lengths[i])
+
+    @property
     def hidden_size(self) -> int:
+        """The hidden size, checked at open against the arrays' metadata."""
         return self.info.hidden_size
 
     @property
@@ -287,6 +421,7 @@ class Store:
         Buffers are rounded up to whole chunks, so every chunk decodes in place (no scratch copy).
         """
         self._check_sample(i)
+        self._check_stored(i)
         stats = stats if stats is not None else ReadStats()
         names = self._arrays_to_read(extras)
         t = self._tokens_to_read(i, max_tokens)
@@ -300,6 +435,8 @@ class Store:
             buffer = allocate((rows, width) if self.info.is_matrix(name) else (rows,), self.info.storage_dtype(name))
             self._read_rows(i, name, 0, rows, buffer, stats, delivered=t, deadline=deadline)
             arrays[name] = buffer[:t].view(self.info.logical_dtype(name))
+            if t == int(self.sample_lengths[i]):
+                self._check_length(i, name, arrays[name])
         last = arrays.pop("last_hidden_states", None)
         return RawSample(
             input_ids=arrays.pop("input_ids"),
@@ -332,6 +469,8 @@ class Store:
             raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, not {out.dtype} {tuple(out.shape)}")
         self._read_rows(i, array, start, stop, out, stats if stats is not None else ReadStats(), delivered=stop - start,
                         deadline=self._deadline(i))
+        if start == 0 and stop == int(self.sample_lengths[i]):
+            self._check_length(i, array, out)
 
     def copy_frames_into(
         self, i: int, array: str, stop: int, out: np.ndarray, stats: ReadStats | None = None
@@ -506,7 +645,7 @@ class Store:
 
     def _shard_index(self, tail: bytes, size: int, where: str | Path) -> np.ndarray:
         try:
-            return decode_shard_index(tail, self.info.chunks_per_shard, size)
+            return decode_shard_index(tail, self.info.chunks_per_shard, size, self._max_chunk_nbytes)
         except ValueError as exc:
             raise object_error(where, str(exc)) from None
 
@@ -548,5 +687,14 @@ class _TooSmall(Exception):
 
 
 _REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
+
+
+def _plain(value: Any) -> str:
+    """A shape or figure as a user reads it: (96,) as 96, (16, 96) as 16 x 96."""
+    if isinstance(value, tuple):
+        return " x ".join(map(_plain, value)) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value)
 
 __all__ = ["RawSample", "ReadStats", "Store", "read_ahead"]

@@ -34,7 +34,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,10 +158,12 @@ class ObjectSource(ABC):
 class MappedObject:
     """A file mapped read-only; spans are views of the map."""
 
-    def __init__(self, fd: int, where: str | Path, populate: bool) -> None:
+    def __init__(self, fd: int, where: str | Path, populate: bool, max_nbytes: int | None = None) -> None:
         self.size = os.fstat(fd).st_size
         if self.size == 0:
             raise object_error(where, "is empty")
+        if max_nbytes is not None and self.size > max_nbytes:  # e.g. a sparse file: refused before it is mapped
+            raise object_error(where, f"is {self.size} bytes, more than an object of its array can take ({max_nbytes})")
         self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
                               prot=mmap.PROT_READ)
         self._view = memoryview(self._map)
@@ -181,10 +183,11 @@ class MappedObject:
 
 
 class LocalSource(ObjectSource):
-    """Objects as files under a folder."""
+    """Objects as files under a folder; a file larger than `max_nbytes[array]` is refused before it is mapped."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_nbytes: Mapping[str, int] | None = None) -> None:
         self.root = root
+        self.max_nbytes = dict(max_nbytes or {})
 
     def where(self, key: str) -> Path:
         return self.root / key
@@ -199,7 +202,7 @@ class LocalSource(ObjectSource):
         except FileNotFoundError:
             raise object_error(path, "is missing") from None
         try:
-            view = MappedObject(fd, path, populate=whole)
+            view = MappedObject(fd, path, populate=whole, max_nbytes=self.max_nbytes.get(key.split("/", 1)[0]))
         finally:
             os.close(fd)
         try:
