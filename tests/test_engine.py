@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import h5feed
-from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, trainer_collate
+from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu_decode, trainer_collate
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule
 
@@ -127,3 +127,31 @@ def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_stor
     want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
     for g, w in zip(got, want[1:4]):
         assert_same_batch(g, w)
+
+
+def test_decode_auto_without_the_gpu_is_the_cpu_loader_and_its_batches(legacy_store, assert_same_batch):
+    if gpu_decode.available():
+        pytest.skip("CUDA and nvCOMP are here: auto decodes on the GPU")
+    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators-legacy", max_len=64, threads=2,
+                     shuffle=False) as loader:
+        assert type(loader) is BatchLoader
+        got = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, shuffle=False)
+    want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
+    assert len(got) == len(want) == len(LENGTHS)
+    for g, w in zip(got, want):
+        assert_same_batch(g, w)
+
+
+def test_decode_cuda_says_what_it_needs(legacy_store):
+    with pytest.raises(ValueError, match="decode must be 'cpu', 'cuda' or 'auto', not 'gpu'"):
+        BatchLoader(legacy_store.path, decode="gpu", max_len=64)
+    with pytest.raises(ValueError, match=r"num_workers belong to decode='cpu'; decode='cuda' reads with threads"):
+        BatchLoader(legacy_store.path, decode="cuda", max_len=64, num_workers=2)
+    if gpu_decode.available():
+        from h5feed.loading.cuda_loader import CudaBatchLoader
+
+        assert type(BatchLoader(legacy_store.path, decode="cuda", max_len=64)) is CudaBatchLoader
+    else:
+        with pytest.raises(RuntimeError, match=r"decode on the GPU is not available \(.+\); use h5feed.BatchLoader"):
+            BatchLoader(legacy_store.path, decode="cuda", max_len=64)

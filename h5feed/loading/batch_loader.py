@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -41,7 +41,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.errors import CorruptSampleError
-from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers
+from h5feed.gpu_decode import why_unavailable
+from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
+from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
 from h5feed.loading.delivery import Delivery
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
@@ -58,6 +60,9 @@ from h5feed.store import (
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
 
+Decode = Literal["cpu", "cuda", "auto"]
+_CPU_DECODE_ONLY = ("num_workers", "slots_per_worker", "multiprocessing_context", "worker_init_fn", "timeout")
+_GPU_DECODE_TAKES = ("batch_size", "drop_last", "threads", "prefetch", "device")  # CudaBatchLoader's own arguments
 READ_AHEAD_BATCHES = 3  # a worker's batches the disk is asked for ahead of the one it decodes (a cold cache
 # needs several requests in flight to reach the disk's rate: one sample ahead per worker left 2 workers at ~60% of it)
 
@@ -220,19 +225,6 @@ class _SlotFeed(IterableDataset[FilledBatch]):
             yield self.writer.write(indices, self.writer.ring.claim(own))
 
 
-def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
-              hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
-    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
-    if isinstance(data, HiddenStatesStream):
-        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
-        extra = [name for name, value in given.items() if value is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
-        return data
-    return HiddenStatesStream(data, flavor or "speculators-legacy", max_len, hidden_states_dtype=hidden_states_dtype,
-                              **stream_kwargs)
-
-
 class BatchLoader:
     """The trainer's batches, decoded straight into a recycled ring of (page-locked) batch buffers.
 
@@ -243,6 +235,11 @@ class BatchLoader:
     Args:
         data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out
             the stream's own arguments).
+        decode: where the chunks are decoded: "cpu" (default: worker processes or threads, into
+            the ring), "cuda" (a `CudaBatchLoader`: threads read and check the compressed chunks,
+            the GPU decodes them; batches arrive on the GPU), or "auto": "cuda" when CUDA and nvCOMP
+            are here, the store is Blosc-zstd and no argument of CPU decode (num_workers, ...) is
+            given, else "cpu".
         flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`.
         batch_size: items per batch (speculators packs them into one max_len row).
         drop_last: leave out the last batch when it is short (SpecForge's loader does).
@@ -266,10 +263,29 @@ class BatchLoader:
     `close()` (or the end of a `with` block) gives the ring's memory back; so does dropping the loader.
     """
 
+    def __new__(cls, data: HiddenStatesStream | Store | str | os.PathLike[str], *, decode: Decode = "cpu",
+                **kwargs: Any) -> Any:
+        """This CPU loader, or for decode on the GPU a `CudaBatchLoader` (then `__init__` does not run)."""
+        if decode not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"decode must be 'cpu', 'cuda' or 'auto', not {decode!r}")
+        cpu_only = [name for name in _CPU_DECODE_ONLY if kwargs.get(name)]
+        if decode == "cpu" or (decode == "auto" and (cpu_only or why_unavailable() is not None)):
+            return super().__new__(cls)
+        if cpu_only:
+            raise ValueError(f"{', '.join(cpu_only)} belong to decode='cpu'; decode='cuda' reads with threads in this "
+                             "process (threads=, prefetch=)")
+        taken = {name: kwargs.pop(name) for name in _GPU_DECODE_TAKES if kwargs.get(name) is not None}
+        stream = stream_of(data, kwargs.pop("flavor", None), kwargs.pop("max_len", None),
+                           kwargs.pop("hidden_states_dtype", None), kwargs)
+        if decode == "auto" and store_refusal(stream.store) is not None:
+            return super().__new__(cls)
+        return CudaBatchLoader(stream, **taken)
+
     def __init__(
         self,
         data: HiddenStatesStream | Store | str | os.PathLike[str],
         *,
+        decode: Decode = "cpu",
         flavor: str | None = None,
         max_len: int | None = None,
         hidden_states_dtype: torch.dtype | None = None,

@@ -15,21 +15,24 @@ the GPU.  A region is reused once the event recorded after its copy to the GPU h
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from h5feed.collate import Batch, RowKey, TensorSpec, trainer_collate
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
-from h5feed.loading.batch_loader import stream_of
-from h5feed.loading.datasets import HiddenStatesStream
+from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.store import Store
+
+if TYPE_CHECKING:  # typing.Self is 3.11+
+    from typing_extensions import Self
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
 
@@ -44,6 +47,20 @@ class _Staged:
     region: int  # which region of the staging memory
     spans: list[tuple[int, int]]  # (offset in the staging memory, length) of each frame
     targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
+
+
+def store_refusal(store: Store) -> str | None:
+    """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2)."""
+    codec = store.info.codec
+    if codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded:
+        return None
+    return (f"decode on the GPU needs a format-2 store with the zstd codec (this one: format "
+            f"{store.info.format_version}, {codec})")
+
+
+def gpu_decode_refusal(store: Store) -> str | None:
+    """Why `CudaBatchLoader` cannot decode this store here (no CUDA, no nvCOMP, another codec); None when it can."""
+    return why_unavailable() or store_refusal(store)
 
 
 class CudaBatchLoader:
@@ -83,10 +100,9 @@ class CudaBatchLoader:
                                "decodes on the CPU")
         stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
         store = stream.store
-        codec = store.info.codec
-        if not (codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded):
-            raise ValueError(f"{store.path}: decode on the GPU needs a format-2 store with the zstd codec "
-                             f"(this one: format {store.info.format_version}, {codec}); use h5feed.BatchLoader")
+        reason = store_refusal(store)
+        if reason is not None:
+            raise ValueError(f"{store.path}: {reason}; use h5feed.BatchLoader(decode='cpu')")
         stream.batch_size, stream.schedule.counted_by_loader = batch_size, True
         self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
         self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
@@ -103,6 +119,8 @@ class CudaBatchLoader:
         self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
         self._region_bytes = batch_size * per_sample
         self._staging = torch.empty(self._regions * self._region_bytes, dtype=torch.uint8, pin_memory=True)
+        self._closed = False
+        self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # the pass close() ends
         self._copied: list[torch.cuda.Event | None] = [None] * self._regions
         self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
         self.gpu_decode_ms = 0.0
@@ -120,7 +138,29 @@ class CudaBatchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
 
+    def close(self) -> None:
+        """End the current pass and give the pinned staging memory back; the loader cannot be iterated again."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._closed = True
+        self.__dict__.pop("_staging", None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def __iter__(self) -> Iterator[Batch]:
+        """One pass over this rank's batches."""
+        if self._closed:
+            raise ValueError("this CudaBatchLoader is closed (its staging memory was given back): make a new one")
+        batches = self._batches()
+        self._active = weakref.ref(batches)
+        return batches
+
+    def _batches(self) -> Generator[Batch, None, None]:
         stream = self.dataset
         stream.schedule.begin_pass()
         stream.counters.worker().start()

@@ -540,3 +540,16 @@ def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) 
         how = f"exited with status {exitcode} {doing} (its output says why)"
     return WorkerDiedError(store.path, f"DataLoader worker {worker} (pid {pid}) {how}; continue from the last "
                            "state_dict() in a new loader", worker, pid, sample)
+
+
+def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
+              hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
+    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
+    if isinstance(data, HiddenStatesStream):
+        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
+        return data
+    return HiddenStatesStream(data, flavor or "speculators-legacy", max_len, hidden_states_dtype=hidden_states_dtype,
+                              **stream_kwargs)
