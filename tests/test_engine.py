@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,3 +156,30 @@ def test_decode_cuda_says_what_it_needs(legacy_store):
     else:
         with pytest.raises(RuntimeError, match=r"decode on the GPU is not available \(.+\); use h5feed.BatchLoader"):
             BatchLoader(legacy_store.path, decode="cuda", max_len=64)
+
+
+def test_read_ahead_held_keeps_the_taken_result_in_its_place_until_the_next_take():
+    drawn = []
+
+    def work():
+        for i in range(4):
+            drawn.append(i)
+            yield i
+
+    with ReadAhead(work(), lambda i: i, threads=1, depth=2, held=True) as reads:
+        assert reads.take() == 0
+        assert drawn == [0, 1]  # the slot of 0 is still the consumer's: nothing new started
+        assert reads.take() == 1
+        assert drawn == [0, 1, 2]
+        assert list(reads) == [2, 3]
+
+
+def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_slots_back(legacy_store):
+    loader = BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, threads=2)
+    batches = iter(loader)
+    next(batches)
+    assert any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
+    del batches
+    assert not any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
+    loader.close()
+    assert loader._writer.ring.fd == -1  # the ring's memory went with the loader's close
