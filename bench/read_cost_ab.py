@@ -6,7 +6,7 @@ A, B, A, B, ..., so the machine's noise hits both alike.  Each pass reports CPU 
 sample (reads with checks on, into pooled buffers, as the loaders read); the summary gives the medians
 and B's cost relative to A.
 
-    python bench/read_cost_ab.py --a OLD_ROOT --b NEW_ROOT --work /tmp/ab [--samples 16] [--passes 5]
+    python bench/read_cost_ab.py --a OLD_ROOT --b NEW_ROOT --work /tmp/ab [--samples 16] [--passes 5] [--rounds 3]
 
 OLD_ROOT and NEW_ROOT are folders that hold an `h5feed/` package (a `git archive` of a commit, a worktree).
 """
@@ -24,13 +24,14 @@ from pathlib import Path
 ONE_PASS = """
 import json, sys, time
 from h5feed.store import BufferPool, ReadStats, Store
-store, pool, stats = Store(sys.argv[1]), BufferPool(capacity=4), ReadStats()
+store, pool, stats, rounds = Store(sys.argv[1]), BufferPool(capacity=4), ReadStats(), int(sys.argv[2])
 for i in range(len(store)):  # warm-up: buffers, page cache
     store.read_sample(i, allocate=pool, stats=stats)
 wall, cpu = time.perf_counter(), time.process_time()
-for i in range(len(store)):
-    store.read_sample(i, allocate=pool, stats=stats)
-n = len(store)
+for _ in range(rounds):
+    for i in range(len(store)):
+        store.read_sample(i, allocate=pool, stats=stats)
+n = rounds * len(store)
 print(json.dumps({"cpu_s_per_sample": (time.process_time() - cpu) / n, "wall_s_per_sample": (time.perf_counter() - wall) / n}))
 """
 
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=7168)
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="reads of every sample in one pass")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="conversion workers")
     args = parser.parse_args()
     src = args.work / "src"
@@ -63,7 +65,7 @@ def main() -> None:
     passes: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
     for _ in range(args.passes):
         for name, store in stores.items():
-            passes[name].append(json.loads(run_with(getattr(args, name), ["-c", ONE_PASS, str(store)])))
+            passes[name].append(json.loads(run_with(getattr(args, name), ["-c", ONE_PASS, str(store), str(args.rounds)])))
     summary: dict[str, object] = {"samples": args.samples, "hidden_size": args.hidden_size, "passes": passes}
     for key in ("cpu_s_per_sample", "wall_s_per_sample"):
         a, b = (statistics.median(p[key] for p in passes[n]) for n in ("a", "b"))

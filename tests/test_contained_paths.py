@@ -26,7 +26,7 @@ import h5feed
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import open_url
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
-from h5feed.store.layout import crc32c, read_info, write_info
+from h5feed.store.layout import INDEX_COLUMNS, IndexDigest, crc32c, read_info, write_info
 from h5feed.synthetic import write_synthetic
 
 WORKTREE = Path(__file__).resolve().parents[1]
@@ -226,8 +226,10 @@ def hostile_store(tmp_path: Path) -> tuple[Path, Path]:
     (src / "data_2.pt").symlink_to(tmp_path / "elsewhere" / "data_2.pt")
     (src / "data_3.pt").unlink()
     os.mkfifo(src / "data_3.pt")  # opening it waits for a writer for ever
-    index = zarr.open_array(store / "index" / "source_path", mode="r+")
-    index[:] = np.array(["../outside.pt", "/etc/passwd", "data_2.pt", "data_3.pt", "data_4.pt"])
+    zarr.open_array(store / "index" / "source_path", mode="r+")[:] = np.array(
+        ["../outside.pt", "/etc/passwd", "data_2.pt", "data_3.pt", "data_4.pt"])
+    index = zarr.open_group(store / "index", mode="r+")  # an editor who records the index digest again
+    index.update_attributes(IndexDigest.of({name: index[name][...] for name in INDEX_COLUMNS}).to_attributes())
     return src, store
 
 

@@ -383,3 +383,24 @@ def test_a_rewritten_length_in_a_bucket_is_refused_on_read(dst, s3, bucket):
             f"{url}/index: sample 1 (converted from data_1.pt): its input_ids of the 34 tokens the index gives it "
             "fail the checksum recorded at conversion")):
         HiddenStatesDataset(url, storage_options=s3.storage_options)[1]
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_oversized_shard_in_a_bucket_is_refused_before_it_is_fetched(dst, s3, bucket, tmp_path, cache):
+    """The listing's size is the bucket's claim: an object larger than its array's objects can be is refused
+    before a byte of it is asked for (through the node cache too), not fetched whole into memory."""
+    shard = shard_of(dst, 2)
+    key = shard.relative_to(dst).as_posix()
+    url = upload(dst, s3, bucket)
+    open_url(url, s3.storage_options).put_atomic(key, bytes(2 << 20))
+    max_nbytes = (SHARD // CHUNK) * AUX_CHUNK_NBYTES + shard_index_nbytes(SHARD // CHUNK)
+    s3.proxy.reset()
+    options = {"cache_dir": tmp_path / "cache"} if cache else {}
+    with bounded(), pytest.raises(CorruptSampleError) as err:
+        HiddenStatesDataset(url, storage_options=s3.storage_options, **options)[2]
+    if cache:  # the cache downloads to its disk (bounded by cache_limit) and checks the download: it is not sound
+        assert str(err.value).startswith(f"{url}/{key}: sample 2 (converted from data_2.pt): shard index fails its")
+    else:
+        assert str(err.value).startswith(f"{url}/{key}: sample 2 (converted from data_2.pt): is 2097152 bytes, more "
+                                         f"than an object of its array can take ({max_nbytes})")
+        assert [r for r in s3.proxy.requests("GET") if key in r.path] == []

@@ -272,13 +272,14 @@ class Store:
                              f"{len(self.info.array_names)} arrays; {edited_hint(self.path)}")
 
     def _make_source(self) -> ObjectSource:
+        max_nbytes = {name: self.info.max_object_nbytes(name) for name in self.info.array_names}
         if self._objects is None:
-            return LocalSource(Path(self.path), {name: self.info.max_object_nbytes(name) for name in self.info.array_names})
+            return LocalSource(Path(self.path), max_nbytes)
         per_shard = self.info.chunks_per_shard if self.info.sharded else 0
         if isinstance(self._objects, CachedStore):
             self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
-            return CachedSource(self._objects, per_shard)
-        return RemoteSource(self._objects, per_shard, small_arrays=TOKEN_ARRAYS)
+            return CachedSource(self._objects, per_shard, max_nbytes)
+        return RemoteSource(self._objects, per_shard, small_arrays=TOKEN_ARRAYS, max_nbytes=max_nbytes)
 
     def _check_index(self) -> None:
         """Refuse an index that could hand out another sample's rows: starts aligned and increasing,

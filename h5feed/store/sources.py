@@ -303,11 +303,16 @@ class _Prefetcher:
 
 
 class _FetchingSource(ObjectSource):
-    """What the bucket's two sources share: keys to URLs, and fetching ahead in each process."""
+    """What the bucket's two sources share: keys to URLs, fetching ahead in each process, and the most bytes
+    an object of each array can take (`max_nbytes`: larger objects are refused before they are read)."""
 
-    def __init__(self, objects: ObjectStore, chunks_per_shard: int) -> None:
+    def __init__(self, objects: ObjectStore, chunks_per_shard: int, max_nbytes: Mapping[str, int] | None = None) -> None:
         self.objects = objects
         self.chunks_per_shard = chunks_per_shard  # 0: format 1 (objects are chunks, always read whole)
+        self.max_nbytes = dict(max_nbytes or {})
+
+    def _max_nbytes(self, key: str) -> int | None:
+        return self.max_nbytes.get(key.split("/", 1)[0])
 
     def where(self, key: str) -> str:
         return self.objects.key_url(key)
@@ -390,8 +395,9 @@ class RemoteSource(_FetchingSource):
     it); an object the listing lacks is asked for alone (`size`), so a deleted one is a clear 404.
     """
 
-    def __init__(self, objects: ObjectStore, chunks_per_shard: int, small_arrays: tuple[str, ...]) -> None:
-        super().__init__(objects, chunks_per_shard)
+    def __init__(self, objects: ObjectStore, chunks_per_shard: int, small_arrays: tuple[str, ...],
+                 max_nbytes: Mapping[str, int] | None = None) -> None:
+        super().__init__(objects, chunks_per_shard, max_nbytes)
         self.small_arrays = small_arrays
 
     def _fetch(self, key: str, inner: range, whole: bool, fresh: bool) -> FetchedObject:
@@ -399,7 +405,9 @@ class RemoteSource(_FetchingSource):
         if key.split("/", 1)[0] in self.small_arrays:
             data = self.objects.get(key)
             return FetchedObject(len(data), data[-n:], [(0, data)])
-        size = self._size(key)
+        size, most = self._size(key), self._max_nbytes(key)
+        if most is not None and size > most:  # a listing's claim: refused before any byte is fetched
+            raise object_error(self.where(key), f"is {size} bytes, more than an object of its array can take ({most})")
         if not self.chunks_per_shard:  # format 1: the object is one chunk
             return FetchedObject(size, b"", self._pieces(key, [(0, size)]))
         if size < n:
@@ -450,10 +458,10 @@ class RemoteSource(_FetchingSource):
 class CachedView(MappedObject):
     """A cached object's local file, mapped, held under the cache's shared lock until closed."""
 
-    def __init__(self, cached: CachedObject, populate: bool) -> None:
+    def __init__(self, cached: CachedObject, populate: bool, max_nbytes: int | None = None) -> None:
         self._cached = cached
         try:
-            super().__init__(cached.fileno(), cached.url, populate)
+            super().__init__(cached.fileno(), cached.url, populate, max_nbytes)
         except BaseException:
             cached.close()
             raise
@@ -480,8 +488,8 @@ class CachedSource(_FetchingSource):
 
     objects: CachedStore
 
-    def __init__(self, objects: CachedStore, chunks_per_shard: int) -> None:
-        super().__init__(objects, chunks_per_shard)
+    def __init__(self, objects: CachedStore, chunks_per_shard: int, max_nbytes: Mapping[str, int] | None = None) -> None:
+        super().__init__(objects, chunks_per_shard, max_nbytes)
         if chunks_per_shard:  # format 2: the store's own checksums say what a sound download is
             objects.verify = functools.partial(check_shard, chunks_per_shard)
 
@@ -496,7 +504,7 @@ class CachedSource(_FetchingSource):
     def open(self, key: str, inner: range, whole: bool, fresh: bool = False,
              deadline: Deadline | None = None) -> Iterator[ObjectView]:
         opened = self._get(key, inner, True, fresh, deadline)
-        view = CachedView(opened.cached, populate=whole or not self.chunks_per_shard)
+        view = CachedView(opened.cached, populate=whole or not self.chunks_per_shard, max_nbytes=self._max_nbytes(key))
         try:
             yield view
         finally:
