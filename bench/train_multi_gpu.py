@@ -63,7 +63,7 @@ from train_step import Shape, Trainer, evict, filesystem, make_data, step_second
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.bench import format_table
-from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
+from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 from h5feed.verify import describe_store
 

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of th
 
 import h5feed
 from h5feed.baseline import create_collate_fn
-from h5feed.datasets import HiddenStatesStream, StreamLoader
+from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 
 log = logging.getLogger("train_step")
@@ -304,7 +304,7 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
 
 
 def _cuda_batch_loader(store: Store, stream_args: dict[str, Any], threads: int) -> Any:
-    from h5feed.gpu_loader import CudaBatchLoader
+    from h5feed.loading.cuda_loader import CudaBatchLoader
 
     return CudaBatchLoader(store, **stream_args, threads=threads)
 

@@ -1,10 +1,11 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
-from h5feed.batching import BatchLoader
 from h5feed.collate import TrainerCollate, trainer_collate
 from h5feed.conversion import ConvertReport, convert
-from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
+from h5feed.loading.batch_loader import BatchLoader
+from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
 from h5feed.pipeline_collates import pipeline_collate
@@ -17,6 +18,7 @@ __all__ = [
     "BatchLoader",
     "ConvertReport",
     "CorruptSampleError",
+    "CudaBatchLoader",
     "H5feedError",
     "HiddenStatesDataset",
     "HiddenStatesStream",

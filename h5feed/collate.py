@@ -20,7 +20,7 @@ tensor for tensor, those of the collate the flavor's trainer runs (notes/trainer
 
 Each collate is described as a layout (`plan`: where each sample's rows go, `specs`:
 the batch tensors, `derive_rows`: what is computed rather than read, `finish`: the
-trainer's structure) so that `h5feed.batching` can decode stored rows straight into
+trainer's structure) so that `h5feed.loading` can decode stored rows straight into
 their place in the batch, and `__call__` copies each item's rows once into a batch
 allocated once (no cat, no pad), in shared memory inside a DataLoader worker.
 """
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from h5feed.flavors import IGNORE_TOKEN_ID, TARGET_PROBS_ARRAYS, Flavor, FlavorName, get_flavor
+from h5feed.loading.placement import place_items
 from h5feed.store import HIDDEN_ARRAYS, Allocator, StoreInfo, shared_allocator
 
 Batch = dict[str, Any]
@@ -191,38 +192,14 @@ class TrainerCollate:
             dtype = self.hidden_states_dtype if self.casts_hidden_states and rows.dim() > 1 else rows.dtype
             trailing[row_key.key] = (tuple(rows.shape[1:]), dtype)
         batch = {key: allocate(*spec) for key, spec in self.specs(plan, trailing).items()}
-        written: dict[str, list[int]] = {rk.key: [0] * plan.batch_rows for rk in self.row_keys}
-        for item, place in zip(items, plan.placements):
-            for row_key in self.row_keys:
-                if place.count:
-                    rows = self.item_rows_of(item, row_key.key)[: place.count]
-                    batch[row_key.key][place.row, place.offset : place.offset + place.count] = rows
-                written[row_key.key][place.row] = place.offset + place.count
-        for row_key in self.row_keys:
-            zero_pads(batch[row_key.key], written[row_key.key])
+
+        def copy_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
+            for row_key, dest in rows.items():
+                dest[...] = self.item_rows_of(items[n], row_key.key)[: dest.shape[0]]
+
+        place_items(self.row_keys, plan, batch, copy_rows)
         self.write_summary(batch, plan)
         return self.finish(batch)
-
-
-def zero_pads(tensor: torch.Tensor, written: Sequence[int], dirty_rows: int | None = None) -> int:
-    """Zero positions [written[b], N) of each batch row b of a [B, N, ...] tensor, where they may be non-zero.
-
-    `dirty_rows`: positions of the flattened [B*N] tensor (counted from its start) that may
-    hold values from an earlier batch; None: all of them (fresh memory).  Returns the same
-    count for after this batch, for the next reuse of the buffer.
-    """
-    batch_rows, positions = tensor.shape[0], tensor.shape[1]
-    flat = tensor.reshape(batch_rows * positions, -1)
-    end = flat.shape[0]
-    dirty = end if dirty_rows is None else min(dirty_rows, end)
-    data_end = 0
-    for b, filled in enumerate(written):
-        lo, hi = b * positions + filled, min((b + 1) * positions, dirty)
-        if lo < hi:
-            flat[lo:hi] = 0
-        if filled:
-            data_end = b * positions + filled
-    return data_end if dirty_rows is None or dirty_rows <= end else dirty_rows
 
 
 def pack_lengths(lengths: Sequence[int], max_len: int) -> list[int]:

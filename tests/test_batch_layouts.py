@@ -211,7 +211,7 @@ def on_cpu(value: Any) -> Any:
 @gpu
 @pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)
 def test_gpu_batches_equal_the_trainers_collate(store: Any, name: str, flavor: str, max_len: int | None) -> None:
-    from h5feed.gpu_loader import CudaBatchLoader
+    from h5feed.loading.cuda_loader import CudaBatchLoader
 
     path = store(name)
     loader = CudaBatchLoader(path, flavor=flavor, max_len=max_len, batch_size=3, seed=2, threads=2)

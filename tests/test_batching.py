@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from h5feed import BatchLoader, StoreError, trainer_collate
-from h5feed.batching import FREE
-from h5feed.datasets import HiddenStatesStream, StreamLoader
+from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
+from h5feed.loading.slots import FREE
 from h5feed.store import Store
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -18,7 +18,7 @@ from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_s
 from h5feed.bench.loaders import BASELINE, ITEMS, USABLE, compare_digests, digest
 from h5feed.bench.report import TABLE_COLUMNS
 from h5feed.cli import main
-from h5feed.datasets import HiddenStatesDataset
+from h5feed.loading.datasets import HiddenStatesDataset
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 

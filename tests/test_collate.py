@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from h5feed import trainer_collate
-from h5feed.collate import zero_pads
-from h5feed.datasets import HiddenStatesDataset
+from h5feed.loading.datasets import HiddenStatesDataset
+from h5feed.loading.placement import zero_pads
 
 H = 32
 K = 3

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from h5feed import Store, StoreError
-from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, split_samples
+from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, split_samples
 
 H = 32
 K = 3

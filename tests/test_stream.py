@@ -18,7 +18,7 @@ from conftest import inner_chunk_span
 from torch.utils.data import DataLoader
 
 from h5feed import Store
-from h5feed.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
+from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store.layout import shard_index_nbytes
 
 # the brief's 3 workers per rank exceed the 2 cores of CI on purpose

@@ -15,20 +15,24 @@ the GPU.  A region is reused once the event recorded after its copy to the GPU h
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from h5feed.batching import _in_batches, stream_of
-from h5feed.collate import Batch, TensorSpec, trainer_collate, zero_pads
-from h5feed.datasets import HiddenStatesStream
+from h5feed.collate import Batch, RowKey, TensorSpec, trainer_collate
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
+from h5feed.loading.datasets import HiddenStatesStream, stream_of
+from h5feed.loading.placement import place_items
+from h5feed.loading.readahead import ReadAhead
 from h5feed.store import Store
+
+if TYPE_CHECKING:  # typing.Self is 3.11+
+    from typing_extensions import Self
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
 
@@ -43,6 +47,20 @@ class _Staged:
     region: int  # which region of the staging memory
     spans: list[tuple[int, int]]  # (offset in the staging memory, length) of each frame
     targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
+
+
+def store_refusal(store: Store) -> str | None:
+    """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2)."""
+    codec = store.info.codec
+    if codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded:
+        return None
+    return (f"decode on the GPU needs a format-2 store with the zstd codec (this one: format "
+            f"{store.info.format_version}, {codec})")
+
+
+def gpu_decode_refusal(store: Store) -> str | None:
+    """Why `CudaBatchLoader` cannot decode this store here (no CUDA, no nvCOMP, another codec); None when it can."""
+    return why_unavailable() or store_refusal(store)
 
 
 class CudaBatchLoader:
@@ -82,11 +100,10 @@ class CudaBatchLoader:
                                "decodes on the CPU")
         stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
         store = stream.store
-        codec = store.info.codec
-        if not (codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded):
-            raise ValueError(f"{store.path}: decode on the GPU needs a format-2 store with the zstd codec "
-                             f"(this one: format {store.info.format_version}, {codec}); use h5feed.BatchLoader")
-        stream.batch_size, stream._counted_by_loader = batch_size, True
+        reason = store_refusal(store)
+        if reason is not None:
+            raise ValueError(f"{store.path}: {reason}; use h5feed.BatchLoader(decode='cpu')")
+        stream.batch_size, stream.schedule.counted_by_loader = batch_size, True
         self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
         self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
         self.device = torch.device(device)
@@ -96,19 +113,21 @@ class CudaBatchLoader:
         info = store.info
         self._trailing: dict[str, TensorSpec] = self.collate.trailing()
         self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None})
-        longest = max((stream._tokens_to_read(i) for i in stream.indices), default=1)
+        longest = max((stream.tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
         self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
         self._region_bytes = batch_size * per_sample
         self._staging = torch.empty(self._regions * self._region_bytes, dtype=torch.uint8, pin_memory=True)
+        self._closed = False
+        self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # the pass close() ends
         self._copied: list[torch.cuda.Event | None] = [None] * self._regions
         self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
         self.gpu_decode_ms = 0.0
         self._pending_timings: deque[Any] = deque()
 
     def __len__(self) -> int:
-        return len(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
+        return len(self.dataset.schedule.worker_batches(self.drop_last))
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -119,43 +138,61 @@ class CudaBatchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
 
-    def __iter__(self) -> Iterator[Batch]:
-        stream = self.dataset
-        stream._consumed = 0
-        stream.counters.worker().start()
-        batches = iter(enumerate(_in_batches(stream._worker_sequence(), self.batch_size, self.drop_last)))
-        in_flight: deque[Future[_Staged]] = deque()
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-gpu-read") as pool:
+    def close(self) -> None:
+        """End the current pass and give the pinned staging memory back; the loader cannot be iterated again."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._closed = True
+        self.__dict__.pop("_staging", None)
 
-            def submit_next() -> None:
-                j, indices = next(batches, (None, None))
-                if indices is not None:
-                    for i in indices:
-                        stream.store.will_need(i, stream._tokens_to_read(i))
-                    region = j % self._regions  # its last batch is decoded by now: its copy is queued or done
-                    in_flight.append(pool.submit(self._stage, indices, region, self._copied[region]))
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One pass over this rank's batches."""
+        if self._closed:
+            raise ValueError("this CudaBatchLoader is closed (its staging memory was given back): make a new one")
+        batches = self._batches()
+        self._active = weakref.ref(batches)
+        return batches
+
+    def _batches(self) -> Generator[Batch, None, None]:
+        stream = self.dataset
+        stream.schedule.begin_pass()
+        stream.counters.worker().start()
+        # drawn as each batch is submitted, `prefetch` batches ahead of the one taken: the batch that used its
+        # region before was decoded by then, and its copy to the GPU is queued or done (the event)
+        work = ((indices, j % self._regions, self._copied[j % self._regions])
+                for j, indices in enumerate(stream.schedule.worker_batches(self.drop_last)))
+
+        def announce(batch: tuple[list[int], int, torch.cuda.Event | None]) -> None:
+            for i in batch[0]:
+                stream.store.will_need(i, stream.tokens_to_read(i))
+
+        # each staged batch with its batch and the event that says it is placed; None: all its samples skipped
+        decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event] | None]] = deque()
+        with ReadAhead(work, lambda batch: self._stage(*batch), threads=self.threads, depth=self.prefetch,
+                       announce=announce, name="h5feed-gpu-read") as staging:
 
             def decode_next_group() -> None:  # the staged batches at the head, up to decode_group of them
-                group = [in_flight.popleft().result()]
-                while (len(group) < self.decode_group and in_flight and in_flight[0].done()
-                       and in_flight[0].result().region == group[-1].region + 1):  # one contiguous copy
-                    group.append(in_flight.popleft().result())
+                group = [staging.take()]
+                while (len(group) < self.decode_group and (ahead := staging.ready()) is not None
+                       and ahead.region == group[-1].region + 1):  # one contiguous copy
+                    group.append(staging.take())
                 sound = [staged for staged in group if staged.indices]
                 ready = iter(self._decode(sound) if sound else [])
                 decoded.extend((staged, next(ready) if staged.indices else None) for staged in group)
-                for _ in group:
-                    submit_next()
 
-            # each staged batch with its batch and the event that says it is placed; None: all its samples skipped
-            decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event] | None]] = deque()
             try:
-                for _ in range(self.prefetch):
-                    submit_next()
-                while in_flight or decoded:
+                while staging or decoded:
                     if not decoded:
                         decode_next_group()
                     staged, placed = decoded.popleft()
-                    if not decoded and in_flight and in_flight[0].done():
+                    if not decoded and staging.ready() is not None:
                         decode_next_group()  # queued now, it runs on the GPU while the trainer's step does
                     if placed is None:
                         stream.note_consumed(staged.scheduled)
@@ -169,8 +206,6 @@ class CudaBatchLoader:
                     stream.note_consumed(staged.scheduled)
                     yield self.collate.finish(batch)
             finally:
-                for future in in_flight:
-                    future.cancel()
                 self._collect_timings(wait=True)
 
     # --- reader threads: compressed, checked frames into pinned memory ----------------------------
@@ -187,7 +222,7 @@ class CudaBatchLoader:
         position = 0
         for i in indices:
             counters.begin_sample(i)
-            window = stream._tokens_to_read(i)
+            window = stream.tokens_to_read(i)
             n, frames, sample_start = len(staged.indices), len(staged.spans), position
             try:
                 for array in self._arrays:
@@ -235,17 +270,14 @@ class CudaBatchLoader:
         plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in indices])
         batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
                  for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
-        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
-        for n, (window, place) in enumerate(zip(windows, plan.placements)):
-            for rk in collate.row_keys:
-                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
-                if rk.array is not None and rows:
-                    source = decoded[(n, rk.array)][rk.shift : rk.shift + rows].view(store.info.logical_dtype(rk.array))
-                    dest = batch[rk.key][place.row, place.offset : place.offset + rows]
-                    dest.copy_(source.view(dest.shape))
-                written[rk.key][place.row] = place.offset + rows
-        for rk in collate.row_keys:
-            zero_pads(batch[rk.key], written[rk.key])
+
+        def copy_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
+            for rk, dest in rows.items():
+                if rk.array is not None:  # the rest derive_rows writes
+                    source = decoded[(n, rk.array)][rk.shift : rk.shift + dest.shape[0]]
+                    dest.copy_(source.view(store.info.logical_dtype(rk.array)).view(dest.shape))
+
+        place_items(collate.row_keys, plan, batch, copy_rows, windows=windows)
         collate.derive_rows(batch, plan)
         collate.write_summary(batch, plan)
         return batch

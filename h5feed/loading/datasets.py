@@ -13,9 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +21,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert, get_worker_info
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
+from h5feed.loading.readahead import ReadAhead
+from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 
@@ -183,7 +182,8 @@ class _FlavoredReader:
         state.pop("_pool", None)
         return state
 
-    def _tokens_to_read(self, store_index: int) -> int:
+    def tokens_to_read(self, store_index: int) -> int:
+        """Tokens of the sample the flavor reads (its window: max_len and the shift)."""
         return self.flavor.tokens_to_read(int(self.store.sample_lengths[store_index]), self.max_len)
 
     def _read_item(self, store_index: int, read_ahead: bool = True) -> Item | None:
@@ -191,7 +191,7 @@ class _FlavoredReader:
         counters = self.counters.worker()
         self.store.io_stats = counters
         counters.begin_sample(store_index)
-        tokens = self._tokens_to_read(store_index)
+        tokens = self.tokens_to_read(store_index)
         allocate = self._allocator()
         try:
             raw = self.store.read_sample(store_index, tokens, allocate=allocate, stats=counters, read_ahead=read_ahead,
@@ -330,90 +330,72 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
             on_corrupt, storage_options, cache_dir, cache_limit,
         )
-        self.shuffle = shuffle
-        self.locality_block = locality_block
-        self.seed = seed
-        self.equal_per_rank = equal_per_rank
-        self.batch_size = batch_size
+        disk_order = None
+        if shuffle == "locality":
+            chosen = np.asarray(self.indices)
+            disk_order = chosen[np.argsort(self.store.sample_starts[chosen], kind="stable")].tolist()
+        self.schedule = SampleSchedule(self.indices, disk_order, shuffle, locality_block, seed, equal_per_rank,
+                                       batch_size, rank, world_size)
         self.prefetch = prefetch
         self.threads = max(1, threads)
-        self._rank, self._world_size = rank, world_size
-        self.epoch = 0
-        self._start = 0  # position in the epoch order where this iteration starts (resume)
-        self._consumed = 0  # items of this rank taken by the trainer since _start (main process)
-        self._counted_by_loader = False  # a StreamLoader counts batches instead
-        self._stands_in_for_skips = False  # a StreamLoader keeps its batches to the schedule (SkippedSample)
+        self.stands_in_for_skips = False  # a StreamLoader keeps its batches to the schedule (SkippedSample)
 
-    # --- order and sharding ------------------------------------------------------------------
+    # --- order, sharding, epochs and resume: the schedule's --------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.schedule.batch_size
+
+    @batch_size.setter
+    def batch_size(self, batch_size: int) -> None:
+        self.schedule.batch_size = batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self.schedule.epoch
+
+    @property
+    def seed(self) -> int:
+        return self.schedule.seed
+
     def rank_and_world_size(self) -> tuple[int, int]:
-        if self._rank is not None:
-            return self._rank, self._world_size or 1
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        return self.schedule.rank_and_world_size()
 
     def epoch_order(self, epoch: int | None = None) -> list[int]:
         """Store indices in this epoch's global order (the same on every rank)."""
-        epoch = self.epoch if epoch is None else epoch
-        indices = np.asarray(self.indices)
-        if not self.shuffle:
-            return indices.tolist()
-        rng = np.random.default_rng([self.seed, epoch])
-        if self.shuffle == "locality":
-            by_disk = indices[np.argsort(self.store.sample_starts[indices], kind="stable")]
-            blocks = [by_disk[i : i + self.locality_block] for i in range(0, len(by_disk), self.locality_block)]
-            return [int(x) for b in rng.permutation(len(blocks)) for x in rng.permutation(blocks[b])]
-        return indices[rng.permutation(len(indices))].tolist()
+        return self.schedule.epoch_order(epoch)
 
     def rank_sequence(self) -> list[int]:
         """This rank's samples from the resume position on, in the order the DataLoader delivers them."""
-        rank, world = self.rank_and_world_size()
-        order = self.epoch_order()
-        remaining = order[self._start :]
-        if self.equal_per_rank and remaining and len(remaining) % world:
-            pad = world - len(remaining) % world
-            remaining = remaining + (order * (pad // max(len(order), 1) + 1))[:pad]
-        return remaining[rank::world]
-
-    def _worker_sequence(self) -> list[int]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        sequence, b = self.rank_sequence(), self.batch_size
-        return [s for j in range(worker, -(-len(sequence) // b), workers) for s in sequence[j * b : (j + 1) * b]]
+        return self.schedule.rank_sequence()
 
     def __len__(self) -> int:
-        return len(self.rank_sequence())
+        return len(self.schedule)
 
-    # --- epochs and resume ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (call before each epoch, like DistributedSampler)."""
-        if epoch != self.epoch:
-            self.epoch, self._start, self._consumed = epoch, 0, 0
+        self.schedule.set_epoch(epoch)
 
     def note_consumed(self, items: int) -> None:
         """Count items the trainer took (StreamLoader does this for you)."""
-        self._consumed += items
+        self.schedule.note_consumed(items)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch stands: a position in the epoch order that does not depend on worker count."""
-        _, world = self.rank_and_world_size()
-        position = min(self._start + self._consumed * world, len(self.indices))
-        return {"epoch": self.epoch, "seed": self.seed, "position": position}
+        return self.schedule.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed {self.seed}")
-        self.epoch, self._start, self._consumed = int(state["epoch"]), int(state["position"]), 0
+        self.schedule.load_state_dict(state)
 
     # --- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item | SkippedSample]:
-        sequence = self._worker_sequence()
-        counting = get_worker_info() is None and not self._counted_by_loader
+        schedule = self.schedule
+        sequence = schedule.worker_sequence(*current_worker())
+        counting = get_worker_info() is None and not schedule.counted_by_loader
         if counting:
-            self._consumed = 0  # every pass starts at _start: a second one without set_epoch replays the epoch
+            schedule.begin_pass()
         for item in self._prefetched(sequence):
             if counting:
-                self._consumed += 1  # before the yield: the item is the trainer's once it has it
+                schedule.note_consumed(1)  # before the yield: the item is the trainer's once it has it
             yield item
 
     def _prefetched(self, sequence: list[int]) -> Iterator[Item | SkippedSample]:
@@ -432,36 +414,23 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             for index in sequence:
                 yield from self._delivered(index, self._read_item(index))
             return
-        upcoming = iter(sequence)
-        in_flight: deque[tuple[int, Future[Item | None]]] = deque()
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-read") as pool:
 
-            def submit_next() -> None:
-                index = next(upcoming, None)
-                if index is not None:
-                    self.store.will_need(index, self._tokens_to_read(index), extras=self._extras)  # the disk starts now
-                    in_flight.append((index, pool.submit(self._read_item, index, read_ahead=False)))
+        def announce(index: int) -> None:
+            self.store.will_need(index, self.tokens_to_read(index), extras=self._extras)  # the disk starts now
 
-            try:
-                for _ in range(max(self.prefetch, self.threads)):
-                    submit_next()
-                while in_flight:
-                    t0 = time.perf_counter()
-                    index, future = in_flight.popleft()
-                    item = future.result()
-                    counters.add_wait(time.perf_counter() - t0)
-                    submit_next()
-                    counters.set_queue_depth(sum(f.done() for _, f in in_flight))
-                    yield from self._delivered(index, item)
-            finally:  # also when the consumer stops early: drop what was not started
-                for _, future in in_flight:
-                    future.cancel()
+        def read(index: int) -> tuple[int, Item | None]:
+            return index, self._read_item(index, read_ahead=False)
+
+        with ReadAhead(sequence, read, threads=self.threads, depth=max(self.prefetch, self.threads), announce=announce,
+                       counters=counters) as reads:  # closed also when the consumer stops early
+            for index, item in reads:
+                yield from self._delivered(index, item)
 
     def _delivered(self, index: int, item: Item | None) -> Iterator[Item | SkippedSample]:
         """What the consumer gets for one sample of the sequence (None: damaged and skipped)."""
         if item is not None:
             yield item
-        elif self._stands_in_for_skips:
+        elif self.stands_in_for_skips:
             yield SkippedSample(index)
 
 
@@ -477,8 +446,8 @@ class StreamLoader(DataLoader):
 
     def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
         dataset.batch_size = batch_size or 1
-        dataset._counted_by_loader = True
-        dataset._stands_in_for_skips = True
+        dataset.schedule.counted_by_loader = True
+        dataset.stands_in_for_skips = True
         if batch_size is None and dataset.shared_memory is None:  # items leave the workers as they are
             dataset.shared_memory = True  # (the dataset would learn it too, after the first item)
         collate = kwargs.pop("collate_fn", None) or (default_collate if batch_size is not None else default_convert)
@@ -486,7 +455,7 @@ class StreamLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         stream: HiddenStatesStream = self.dataset  # type: ignore[assignment]
-        stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
+        stream.schedule.begin_pass()
         iterator = super().__iter__()
         with naming_dead_workers(iterator, stream):
             for batch in iterator:
@@ -571,3 +540,16 @@ def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) 
         how = f"exited with status {exitcode} {doing} (its output says why)"
     return WorkerDiedError(store.path, f"DataLoader worker {worker} (pid {pid}) {how}; continue from the last "
                            "state_dict() in a new loader", worker, pid, sample)
+
+
+def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
+              hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
+    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
+    if isinstance(data, HiddenStatesStream):
+        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
+        return data
+    return HiddenStatesStream(data, flavor or "speculators-legacy", max_len, hidden_states_dtype=hidden_states_dtype,
+                              **stream_kwargs)

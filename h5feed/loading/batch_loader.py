@@ -12,9 +12,12 @@ trainer's process makes and, when CUDA is available, page-locks once.
   processes (each with slots of its own, each mapping the file itself: fork, spawn and
   forkserver alike), claim a free slot, decode a batch into it and pass on only the slot
   number and the batch's shapes.
-- The trainer's process wraps the slot as the batch's tensors.  The slot goes back to
-  the ring when nothing refers to them any more and, if CUDA is in use, once a CUDA
-  event recorded at that moment has completed (the copy to the GPU is done).
+- A delivery thread in the trainer's process (`h5feed.loading.delivery`) takes each filled
+  slot, one batch ahead of the trainer, wraps it as the batch's tensors and, with `device=`,
+  queues their copy to the GPU on a stream of its own: the trainer's `next()` only hands
+  over a ready batch.  The slot goes back to the ring when nothing refers to its tensors
+  any more and, if CUDA is in use, once a CUDA event recorded at that moment (behind the
+  copy to the GPU) has completed.
 - A trainer that keeps more batches than the ring holds gets the rest in fresh memory
   (with a warning), never a slot still in use.
 - The ring's memory goes back when the loader does (`close()`, the end of a `with` block, or
@@ -23,29 +26,29 @@ trainer's process makes and, when CUDA is available, page-locks once.
 
 from __future__ import annotations
 
-import math
-import mmap
 import multiprocessing
 import os
-import queue
 import threading
-import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import reduction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
-from h5feed.collate import Batch, TensorSpec, TrainerCollate, trainer_collate, zero_pads
-from h5feed.datasets import HiddenStatesStream, naming_dead_workers
+from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.errors import CorruptSampleError
+from h5feed.gpu_decode import why_unavailable
+from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
+from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
+from h5feed.loading.delivery import Delivery
+from h5feed.loading.placement import place_items
+from h5feed.loading.readahead import ReadAhead
+from h5feed.loading.schedule import current_worker
+from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
     BufferPool,
@@ -57,195 +60,11 @@ from h5feed.store import (
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
 
-FREE, FILLING, FILLED, DRAINING = 0, 1, 2, 3  # a slot's states; FREE->FILLED by its writer, then back by the trainer
-_ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
+Decode = Literal["cpu", "cuda", "auto"]
+_CPU_DECODE_ONLY = ("num_workers", "slots_per_worker", "multiprocessing_context", "worker_init_fn", "timeout")
+_GPU_DECODE_TAKES = ("batch_size", "drop_last", "threads", "prefetch", "device")  # CudaBatchLoader's own arguments
 READ_AHEAD_BATCHES = 3  # a worker's batches the disk is asked for ahead of the one it decodes (a cold cache
 # needs several requests in flight to reach the disk's rate: one sample ahead per worker left 2 workers at ~60% of it)
-_POLL_SECONDS = 0.0005  # how often a writer looks again for a slot whose copy to the GPU is finishing
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class SlotLayout:
-    """Where each key of a batch lives in a slot: byte offsets fixed by the largest batch the loader makes."""
-
-    def __init__(self, largest: dict[str, TensorSpec]) -> None:
-        self.offsets: dict[str, int] = {}
-        offset = 0
-        for key, (shape, dtype) in largest.items():
-            self.offsets[key] = offset
-            offset += _round_up(math.prod(shape) * dtype.itemsize, _ALIGN)
-        self.nbytes = max(offset, _ALIGN)
-
-    def views(self, memory: torch.Tensor, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
-        """The batch's tensors in `memory` (a slot's bytes), each contiguous at the start of its key's region."""
-        out = {}
-        for key, (shape, dtype) in specs.items():
-            start = self.offsets[key]
-            out[key] = memory[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        return out
-
-
-class SlotRing:
-    """`count` slots of `slot_bytes` in one memfd, after a table of each slot's state and dirty marks.
-
-    Picklable into DataLoader workers (the file descriptor travels, as torch's own shared
-    tensors do).  Every process maps what it uses itself: the trainer's process the whole
-    file (it wraps any slot and page-locks them all once), a worker the table and its own
-    slots, pre-faulted in one go, so a forked worker never relies on its parent's (possibly
-    page-locked) mapping.  The memory goes away with the last process that maps it: a crash
-    leaves nothing behind.
-    """
-
-    def __init__(self, count: int, slot_bytes: int, dirty_fields: int) -> None:
-        self.count, self.slot_bytes, self.dirty_fields = count, slot_bytes, dirty_fields
-        self.fd = os.memfd_create("h5feed-batch-slots")
-        os.ftruncate(self.fd, self._slot_offset(count))
-        self.page_locked_at: int | None = None  # the address cudaHostRegister was given, in this process only
-        self._pid: int | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"fd": reduction.DupFd(self.fd), "count": self.count, "slot_bytes": self.slot_bytes,
-                "dirty_fields": self.dirty_fields, "page_locked_at": None, "_pid": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        fd = state.pop("fd")
-        self.__dict__.update(state)
-        self.fd = fd if isinstance(fd, int) else fd.detach()
-
-    def _table_bytes(self) -> int:
-        return _round_up(self.count * (1 + self.dirty_fields) * 8, mmap.PAGESIZE)
-
-    def _slot_offset(self, slot: int) -> int:
-        return self._table_bytes() + slot * _round_up(self.slot_bytes, mmap.PAGESIZE)
-
-    def _attach(self) -> None:
-        """Map the table in this process (first use in each process: a forked child maps anew)."""
-        if self._pid == os.getpid():
-            return
-        table = mmap.mmap(self.fd, self._table_bytes())
-        fields = np.frombuffer(table, np.int64, self.count * (1 + self.dirty_fields)).reshape(self.count, -1)
-        self.states, self.dirty = fields[:, 0], fields[:, 1:]
-        self.lock = threading.Lock()  # a forked child's copy of the parent's may be held
-        self._whole: mmap.mmap | None = None
-        self._writable: dict[int, torch.Tensor] = {}
-        self._pid = os.getpid()
-
-    def whole(self) -> mmap.mmap:
-        """The whole file, mapped once in this process (the trainer's)."""
-        self._attach()
-        if self._whole is None:
-            self._whole = mmap.mmap(self.fd, self._slot_offset(self.count))
-        return self._whole
-
-    def memory(self, slot: int) -> torch.Tensor:
-        """A slot's bytes, for its writer: from the whole map where this process has it, else mapped alone."""
-        self._attach()
-        if slot not in self._writable:
-            if self._whole is not None:
-                self._writable[slot] = torch.frombuffer(self._whole, dtype=torch.uint8, count=self.slot_bytes,
-                                                        offset=self._slot_offset(slot))
-            else:
-                own = mmap.mmap(self.fd, _round_up(self.slot_bytes, mmap.PAGESIZE), offset=self._slot_offset(slot),
-                                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-                self._writable[slot] = torch.frombuffer(own, dtype=torch.uint8, count=self.slot_bytes)
-        return self._writable[slot]
-
-    def batch_memory(self, slot: int, on_release: Any) -> torch.Tensor:
-        """A slot's bytes as a tensor of their own: `on_release(slot)` runs when nothing refers to them any more
-        (every view of it keeps the numpy array below alive, and with it the finalizer unfired)."""
-        array = np.frombuffer(self.whole(), np.uint8, self.slot_bytes, self._slot_offset(slot))
-        weakref.finalize(array, on_release, slot).atexit = False
-        return torch.frombuffer(array, dtype=torch.uint8)
-
-    def claim(self, slots: range) -> int | None:
-        """A free slot of `slots`, now FILLING; waits while one is only finishing its copy to the GPU.
-        None when every slot is taken: the trainer holds more batches than the ring keeps."""
-        self._attach()
-        while True:
-            with self.lock:
-                for slot in slots:
-                    if self.states[slot] == FREE:
-                        self.states[slot] = FILLING
-                        return slot
-                draining = any(self.states[slot] == DRAINING for slot in slots)
-            if not draining:
-                return None
-            time.sleep(_POLL_SECONDS)
-
-    def page_lock(self) -> None:
-        """Page-lock the slots once (cudaHostRegister), so copies to the GPU from them are asynchronous DMA."""
-        start = np.frombuffer(self.whole(), np.uint8).ctypes.data
-        error = int(torch.cuda.cudart().cudaHostRegister(start, self._slot_offset(self.count), 1))  # 1: portable
-        if error:
-            warnings.warn(f"h5feed: cudaHostRegister failed (cudaError {error}); batches stay in pageable memory",
-                          stacklevel=3)
-            return
-        self.page_locked_at = start
-
-    def free(self) -> None:
-        """Give the memory back: unlock it, drop this process's maps of it and close its file (again: nothing).
-
-        Only once nothing reads a slot any more (no batch tensor, no copy to the GPU): the pages go with
-        the last map of the file in any process, and a worker's maps go with the worker."""
-        if self.page_locked_at is not None and self._pid == os.getpid():  # a forked child's copy is not locked
-            torch.cuda.cudart().cudaHostUnregister(self.page_locked_at)
-        self.page_locked_at = None
-        for mapped in ("states", "dirty", "_whole", "_writable"):
-            self.__dict__.pop(mapped, None)
-        self._pid = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class SlotReturns:
-    """Gives a ring's slots back once nothing reads them, and at the end the ring's memory.
-
-    Without CUDA a slot is free once its batch is dropped.  With CUDA, a copy to the GPU queued
-    on the current stream may still read it: the slot is DRAINING until an event recorded at the
-    drop has completed, which one thread waits for, in drop order; the ring itself is freed
-    behind the last of them.
-    """
-
-    def __init__(self, ring: SlotRing) -> None:
-        self.ring = ring
-        self._pending: queue.SimpleQueue[tuple[int, Any] | None] | None = None  # made with the first CUDA drop
-        self._lock = threading.Lock()
-
-    def give_back(self, slot: int) -> None:
-        if not torch.cuda.is_initialized():
-            self.ring.states[slot] = FREE
-            return
-        self.ring.states[slot] = DRAINING
-        event = torch.cuda.Event()
-        event.record()
-        self._queue().put((slot, event))
-
-    def free_ring(self) -> None:
-        """Free the ring now, or, where copies to the GPU are pending, once they have completed."""
-        with self._lock:
-            if self._pending is None:
-                self.ring.free()
-            else:
-                self._pending.put(None)
-
-    def _queue(self) -> queue.SimpleQueue[tuple[int, Any] | None]:
-        with self._lock:
-            if self._pending is None:
-                self._pending = queue.SimpleQueue()
-                threading.Thread(target=self._drain, args=(self._pending,), daemon=True,
-                                 name="h5feed-slot-release").start()
-            return self._pending
-
-    def _drain(self, pending: queue.SimpleQueue[tuple[int, Any] | None]) -> None:
-        while (returned := pending.get()) is not None:
-            slot, event = returned
-            event.synchronize()
-            self.ring.states[slot] = FREE
-        self.ring.free()
 
 
 @dataclass
@@ -288,7 +107,7 @@ class BatchWriter:
     def will_need(self, indices: Sequence[int]) -> None:
         """Start the disk on these samples' chunks now (returns at once)."""
         for i in indices:
-            self.stream.store.will_need(i, self.stream._tokens_to_read(i))
+            self.stream.store.will_need(i, self.stream.tokens_to_read(i))
 
     def write(self, indices: Sequence[int], slot: int | None) -> FilledBatch:
         """The batch of these samples, in `slot` (None: fresh memory).
@@ -323,23 +142,20 @@ class BatchWriter:
             batch: Batch = {key: shared_allocator(*spec) for key, spec in specs.items()}
         else:
             batch = self.layout.views(self.ring.memory(slot), specs)
-        written = {rk.key: [0] * plan.batch_rows for rk in collate.row_keys}
-        for i, t, place in zip(indices, tokens, plan.placements):
-            counters.begin_sample(i)
-            window = self.stream._tokens_to_read(i)
-            for rk in collate.row_keys:
-                rows = place.count if rk.array is None else max(0, min(place.count, window - rk.shift))
-                if rk.array is not None and rows:
-                    dest = batch[rk.key][place.row, place.offset : place.offset + rows]
-                    self._decode(i, rk.array, rk.shift, dest, counters)
-                written[rk.key][place.row] = place.offset + rows
+
+        def decode_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
+            counters.begin_sample(indices[n])
+            for rk, dest in rows.items():
+                if rk.array is not None:  # the rest derive_rows writes
+                    self._decode(indices[n], rk.array, rk.shift, dest, counters)
+
+        windows = [self.stream.tokens_to_read(i) for i in indices]
+        marks = place_items(collate.row_keys, plan, batch, decode_rows, windows=windows,
+                            dirty=None if slot is None else self.ring.dirty[slot])
+        if slot is not None:
+            self.ring.dirty[slot] = marks
         for i, place in zip(indices, plan.placements):  # counted once the batch is whole: a retry counts none twice
             counters.end_sample(i, place.count)
-        for n, rk in enumerate(collate.row_keys):
-            dirty = None if slot is None else int(self.ring.dirty[slot, n])
-            mark = zero_pads(batch[rk.key], written[rk.key], dirty)
-            if slot is not None:
-                self.ring.dirty[slot, n] = mark
         collate.derive_rows(batch, plan)
         collate.write_summary(batch, plan)
         if slot is None:
@@ -363,10 +179,25 @@ class BatchWriter:
         dest.copy_(scratch.view(logical).view(dest.shape))
 
 
-def _in_batches(sequence: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
-    """A worker's samples in its batches: only the rank's last batch can be short."""
-    batches = [sequence[j : j + batch_size] for j in range(0, len(sequence), batch_size)]
-    return batches[:-1] if drop_last and batches and len(batches[-1]) < batch_size else batches
+@dataclass
+class ReadyBatch:
+    """What the delivery thread hands the trainer's thread: a batch (None: only damaged samples were left), the
+    schedule's samples it moves the position past, and with `device=` the event its copy to the GPU completes."""
+
+    batch: Batch | None
+    passed: int
+    copied: torch.cuda.Event | None = None
+    in_fresh_memory: bool = False  # no slot was free: the trainer holds more batches than the ring keeps
+
+
+def _hand_over_on_device(batch: Batch, copied: torch.cuda.Event, device: torch.device | None) -> None:
+    """The trainer's stream waits for the batch's copy (no wait here); its memory, made on the delivery thread's
+    stream, is kept for the trainer's stream's work."""
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_event(copied)
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(consumer)
 
 
 def _as_is(message: Any) -> Any:
@@ -382,10 +213,9 @@ class _SlotFeed(IterableDataset[FilledBatch]):
         self.slots_per_worker = slots_per_worker
 
     def __iter__(self) -> Iterator[FilledBatch]:
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
+        worker, workers = current_worker()
         own = range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker)
-        batches = _in_batches(self.writer.stream._worker_sequence(), self.batch_size, self.drop_last)
+        batches = self.writer.stream.schedule.worker_batches(self.drop_last, worker, workers)
         self.writer.stream.counters.worker().start()
         for indices in batches[:READ_AHEAD_BATCHES]:
             self.writer.will_need(indices)
@@ -393,19 +223,6 @@ class _SlotFeed(IterableDataset[FilledBatch]):
             if j + READ_AHEAD_BATCHES < len(batches):  # the disk works on later batches while this one decodes
                 self.writer.will_need(batches[j + READ_AHEAD_BATCHES])
             yield self.writer.write(indices, self.writer.ring.claim(own))
-
-
-def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
-              hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
-    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
-    if isinstance(data, HiddenStatesStream):
-        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
-        extra = [name for name, value in given.items() if value is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
-        return data
-    return HiddenStatesStream(data, flavor or "speculators-legacy", max_len, hidden_states_dtype=hidden_states_dtype,
-                              **stream_kwargs)
 
 
 class BatchLoader:
@@ -418,6 +235,11 @@ class BatchLoader:
     Args:
         data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out
             the stream's own arguments).
+        decode: where the chunks are decoded: "cpu" (default: worker processes or threads, into
+            the ring), "cuda" (a `CudaBatchLoader`: threads read and check the compressed chunks,
+            the GPU decodes them; batches arrive on the GPU), or "auto": "cuda" when CUDA and nvCOMP
+            are here, the store is Blosc-zstd and no argument of CPU decode (num_workers, ...) is
+            given, else "cpu".
         flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`.
         batch_size: items per batch (speculators packs them into one max_len row).
         drop_last: leave out the last batch when it is short (SpecForge's loader does).
@@ -425,11 +247,14 @@ class BatchLoader:
         threads: reader threads with num_workers=0 (default: the cores this process may use, at most 4).
         prefetch: batches in flight per worker (the DataLoader's prefetch_factor), or in all
             with threads.
-        device: when given (e.g. "cuda"), batches arrive on it (copied without blocking from
-            the page-locked slot); otherwise they are CPU tensors in the slot, page-locked
-            when CUDA is available.
-        slots_per_worker: slots each worker (or the threads) may fill; the default,
-            prefetch + 2, covers a trainer that holds the batch it is given.
+        device: when given (e.g. "cuda"), batches arrive on it: the delivery thread queues the copy
+            from the page-locked slot on a stream of its own, and the trainer's stream waits for it
+            (an event; `next()` itself does not wait); otherwise they are CPU tensors in the slot,
+            page-locked when CUDA is available.
+        slots_per_worker: slots each worker (or the threads) may fill; the default, the batches in
+            flight + 2, covers a trainer that holds the batch it is given (in flight: with threads,
+            max(prefetch, threads), the delivery thread's ready batch among them; with workers,
+            prefetch + 1, the ready batch besides).
         multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
         **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, on_corrupt, ...).
 
@@ -438,10 +263,29 @@ class BatchLoader:
     `close()` (or the end of a `with` block) gives the ring's memory back; so does dropping the loader.
     """
 
+    def __new__(cls, data: HiddenStatesStream | Store | str | os.PathLike[str], *, decode: Decode = "cpu",
+                **kwargs: Any) -> Any:
+        """This CPU loader, or for decode on the GPU a `CudaBatchLoader` (then `__init__` does not run)."""
+        if decode not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"decode must be 'cpu', 'cuda' or 'auto', not {decode!r}")
+        cpu_only = [name for name in _CPU_DECODE_ONLY if kwargs.get(name)]
+        if decode == "cpu" or (decode == "auto" and (cpu_only or why_unavailable() is not None)):
+            return super().__new__(cls)
+        if cpu_only:
+            raise ValueError(f"{', '.join(cpu_only)} belong to decode='cpu'; decode='cuda' reads with threads in this "
+                             "process (threads=, prefetch=)")
+        taken = {name: kwargs.pop(name) for name in _GPU_DECODE_TAKES if kwargs.get(name) is not None}
+        stream = stream_of(data, kwargs.pop("flavor", None), kwargs.pop("max_len", None),
+                           kwargs.pop("hidden_states_dtype", None), kwargs)
+        if decode == "auto" and store_refusal(stream.store) is not None:
+            return super().__new__(cls)
+        return CudaBatchLoader(stream, **taken)
+
     def __init__(
         self,
         data: HiddenStatesStream | Store | str | os.PathLike[str],
         *,
+        decode: Decode = "cpu",
         flavor: str | None = None,
         max_len: int | None = None,
         hidden_states_dtype: torch.dtype | None = None,
@@ -466,7 +310,7 @@ class BatchLoader:
             raise ValueError("batch_size and prefetch must be >= 1 and num_workers >= 0")
         store = stream.store
         stream.batch_size = batch_size
-        stream._counted_by_loader = True
+        stream.schedule.counted_by_loader = True
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.drop_last, self.num_workers, self.prefetch = batch_size, drop_last, num_workers, prefetch
         self.threads = threads or min(4, len(os.sched_getaffinity(0)))
@@ -480,7 +324,8 @@ class BatchLoader:
         trailing = self.collate.trailing()
         longest = max((self.collate.item_rows(int(store.sample_lengths[i])) for i in stream.indices), default=1)
         layout = SlotLayout(self.collate.specs(self.collate.largest_plan(batch_size, max(longest, 1)), trailing))
-        in_flight = prefetch if num_workers else max(prefetch, self.threads)
+        # threads: the batch the delivery thread has ready counts among those in flight; workers: it is one more
+        in_flight = prefetch + 1 if num_workers else max(prefetch, self.threads)
         self.slots_per_worker = slots_per_worker or in_flight + 2
         ring = SlotRing(self.slots_per_worker * max(num_workers, 1), layout.nbytes, len(self.collate.row_keys))
         if torch.cuda.is_available():
@@ -494,6 +339,7 @@ class BatchLoader:
         self._closed = False
         self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # weak: a dropped pass ends at once
         self._warned = False
+        self._copy_stream: torch.cuda.Stream | None = None  # the delivery thread's, for copies to `device`
 
     # --- what DataLoader users call ----------------------------------------------------------
     def __len__(self) -> int:
@@ -555,17 +401,45 @@ class BatchLoader:
 
     # --- one pass ----------------------------------------------------------------------------
     def _batches(self) -> Generator[Batch, None, None]:
+        """The pass on the trainer's thread: each batch, made ready by the delivery thread, is only handed over."""
         stream = self.dataset
-        stream._consumed = 0  # every pass starts at the stream's start: a second one replays the epoch
+        stream.schedule.begin_pass()  # every pass starts at the stream's start: a second one replays the epoch
+        delivery = Delivery(self._ready_batches, name="h5feed-batch-delivery")
+        try:
+            for ready in delivery:
+                stream.note_consumed(ready.passed)
+                if ready.batch is not None:  # None: only damaged samples were left, the position moved past them
+                    yield self._hand_over(ready)  # the generator keeps no reference to the batch while it waits
+        finally:
+            delivery.close()
+
+    def _hand_over(self, ready: ReadyBatch) -> Batch:
+        """The ready batch, taken out of `ready`, in the trainer's structure; with `device`, the trainer's stream
+        waits for its copy."""
+        batch, ready.batch = ready.batch, None
+        assert batch is not None
+        if ready.in_fresh_memory and not self._warned:
+            self._warned = True
+            warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots per worker "
+                          "keep; the rest are built in fresh memory (slower); pass a larger slots_per_worker if that "
+                          "is intended", stacklevel=3)
+        if ready.copied is not None:
+            _hand_over_on_device(batch, ready.copied, self.device)
+        return self.collate.finish(batch)
+
+    def _ready_batches(self) -> Generator[ReadyBatch, None, None]:
+        """The delivery thread's work: each filled slot wrapped as the trainer's batch (and queued to the GPU)."""
         feed = self._from_workers() if self.num_workers else self._from_threads()
+        skipped = 0  # samples of batches that were all damaged, since the last batch
         try:
             for filled in feed:
-                if filled.empty:  # every sample of it was damaged and skipped: the position still moves past it
-                    stream.note_consumed(filled.samples)
+                if filled.empty:
+                    skipped += filled.samples
                     continue
-                batch = self._deliver(filled)
-                stream.note_consumed(filled.samples)
-                yield batch
+                yield self._deliver(filled, skipped + filled.samples)
+                skipped = 0
+            if skipped:
+                yield ReadyBatch(None, skipped)
         finally:
             feed.close()
 
@@ -587,41 +461,20 @@ class BatchLoader:
         writer, ring = self._writer, self._writer.ring
         counters = self.dataset.counters.worker()
         counters.start()
-        upcoming = iter(_in_batches(self.dataset._worker_sequence(), self.batch_size, self.drop_last))
-        in_flight: deque[Future[FilledBatch]] = deque()
+        batches = self.dataset.schedule.worker_batches(self.drop_last)
 
         def write(indices: list[int]) -> FilledBatch:
             return writer.write(indices, ring.claim(range(ring.count)))
 
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="h5feed-batch") as pool:
+        # held: the batch the delivery thread has ready keeps its slot until the trainer takes it
+        with ReadAhead(batches, write, threads=self.threads, depth=max(self.prefetch, self.threads),
+                       announce=writer.will_need, counters=counters, held=True, name="h5feed-batch") as writes:
+            yield from writes
 
-            def submit_next() -> None:
-                indices = next(upcoming, None)
-                if indices is not None:
-                    writer.will_need(indices)
-                    in_flight.append(pool.submit(write, indices))
-
-            try:
-                for _ in range(max(self.prefetch, self.threads)):
-                    submit_next()
-                while in_flight:
-                    t0 = time.perf_counter()
-                    filled = in_flight.popleft().result()
-                    counters.add_wait(time.perf_counter() - t0)
-                    submit_next()
-                    yield filled
-            finally:
-                for future in in_flight:
-                    future.cancel()
-
-    def _deliver(self, filled: FilledBatch) -> Batch:
-        """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory)."""
+    def _deliver(self, filled: FilledBatch, passed: int) -> ReadyBatch:
+        """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory), with
+        `device`, its copy queued on the delivery thread's own stream."""
         if filled.slot is None:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots per "
-                              "worker keep; the rest are built in fresh memory (slower); pass a larger "
-                              "slots_per_worker if that is intended", stacklevel=3)
             batch = filled.batch
             assert batch is not None
         else:
@@ -630,10 +483,17 @@ class BatchLoader:
             memory = self._writer.ring.batch_memory(filled.slot, self._release)
             batch = {**self._writer.layout.views(memory, filled.specs), **filled.extras}
             del memory
-        if self.device is not None:
-            batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in batch.items()}
-        return self.collate.finish(batch)
+        if self.device is None:
+            return ReadyBatch(batch, passed, in_fresh_memory=filled.slot is None)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            on_device = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}
+            copied = torch.cuda.Event()
+            copied.record()
+            del batch  # the slot's last views: its release is recorded on this stream, behind the copy
+        return ReadyBatch(on_device, passed, copied, in_fresh_memory=filled.slot is None)
 
     def _release(self, slot: int) -> None:
         """Nothing refers to the slot's batch any more: it goes back to the ring (`SlotReturns`), and after the

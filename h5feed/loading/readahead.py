@@ -1,0 +1,99 @@
+"""The one ordered read-ahead loop: work read by a thread pool a bounded distance ahead, handed back in order.
+
+Reads release the GIL (file I/O, mmap, Blosc, crc32c), so threads in one process read
+and decode in parallel.  Each piece of work is announced first (`announce`: the disk
+starts on its chunks at once) and then read by a thread; the results come back in
+the order of the work, whatever order the threads finish in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+from h5feed.metrics import WorkerCounters
+
+Work = TypeVar("Work")
+Result = TypeVar("Result")
+
+
+class ReadAhead(Generic[Work, Result]):
+    """`read(work)` for each piece of `work`, by `threads` threads, at most `depth` pieces ahead, in order.
+
+    Taking a result submits the next piece of work, so the work iterable is drawn from only as the
+    consumer moves on (it may compute what a piece needs at that moment).  With `held=True` the result
+    taken last keeps its place among the `depth` until the next take: for results that live in memory
+    the reads share (a slot of a ring), which the consumer holds until it takes the next.  The time
+    the consumer waits for a result, and how many are ready, go to `counters` when given.  `close()`
+    (or the end of a `with` block) drops what was not started and waits for what was.
+    """
+
+    def __init__(self, work: Iterable[Work], read: Callable[[Work], Result], *, threads: int, depth: int,
+                 announce: Callable[[Work], None] | None = None, counters: WorkerCounters | None = None,
+                 held: bool = False, name: str = "h5feed-read") -> None:
+        self._upcoming = iter(work)
+        self._read, self._announce, self._counters = read, announce, counters
+        self._held, self._holding = held, False
+        self._in_flight: deque[Future[Result]] = deque()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=name)
+        for _ in range(max(depth, 1)):
+            self._submit_next()
+
+    def _submit_next(self) -> None:
+        for work in self._upcoming:
+            if self._announce is not None:
+                self._announce(work)
+            self._in_flight.append(self._pool.submit(self._read, work))
+            return
+
+    def _give_up_held(self) -> None:
+        """The result taken last is given up: its place goes to the next piece of work."""
+        if self._holding:
+            self._holding = False
+            self._submit_next()
+
+    def __bool__(self) -> bool:
+        """Whether results are in flight (with held=True, the one held back may not be started yet: iterate)."""
+        return bool(self._in_flight)
+
+    def ready(self) -> Result | None:
+        """The next result if it is ready now (it stays the next); None while it is not (or none remains)."""
+        if self._in_flight and self._in_flight[0].done():
+            return self._in_flight[0].result()
+        return None
+
+    def take(self) -> Result:
+        """The next result, waited for; the next piece of work starts."""
+        self._give_up_held()
+        t0 = time.perf_counter()
+        result = self._in_flight.popleft().result()
+        waited = time.perf_counter() - t0
+        self._holding = self._held
+        if not self._held:
+            self._submit_next()
+        if self._counters is not None:
+            self._counters.add_wait(waited)
+            self._counters.set_queue_depth(sum(future.done() for future in self._in_flight))
+        return result
+
+    def __iter__(self) -> Iterator[Result]:
+        while True:
+            self._give_up_held()
+            if not self._in_flight:
+                return
+            yield self.take()
+
+    def close(self) -> None:
+        for future in self._in_flight:
+            future.cancel()
+        self._in_flight.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ReadAhead[Work, Result]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,185 @@
+"""The read engine (h5feed.loading): one public schedule, one read-ahead loop and one placement behind every loader."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import h5feed
+from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu_decode, trainer_collate
+from h5feed.loading.readahead import ReadAhead
+from h5feed.loading.schedule import SampleSchedule
+
+H = 32
+LENGTHS = [1, 5, 16, 17, 33, 64, 100, 3, 48, 31, 2, 90, 16, 7]
+TORCH_PRIVATE = {"_shutdown_workers"}  # the DataLoader iterator's only way to stop its workers at once
+
+
+@pytest.fixture(scope="module")
+def legacy_store(synthetic_store):
+    return synthetic_store("en_legacy", "speculators-legacy-pt", len(LENGTHS), H, LENGTHS, chunk_tokens=16, seed=11)
+
+
+def test_the_loaders_use_no_private_member_of_another_object():
+    package = Path(h5feed.__file__).parent
+    files = sorted((package / "loading").glob("*.py"))
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("h5feed"):
+                found += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_")]
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and node.attr not in TORCH_PRIVATE):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert found == []
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_schedule_worker_shares_in_turn_are_the_rank_sequence(workers):
+    schedule = SampleSchedule(list(range(23)), shuffle=True, seed=3, batch_size=4, rank=1, world_size=2)
+    shares = [schedule.worker_batches(False, w, workers) for w in range(workers)]
+    in_turn = [b for j in range(max(map(len, shares))) for share in shares if j < len(share) for b in [share[j]]]
+    assert [s for batch in in_turn for s in batch] == schedule.rank_sequence()
+
+
+def test_schedule_counts_skipped_samples_as_passed_and_resumes_there():
+    schedule = SampleSchedule(list(range(10)), shuffle=False, batch_size=3, rank=0, world_size=2)
+    schedule.note_consumed(3)  # a batch of 3, one of them damaged and skipped: still 3 passed
+    assert schedule.state_dict() == {"epoch": 0, "seed": 0, "position": 6}
+    resumed = SampleSchedule(list(range(10)), shuffle=False, batch_size=3, rank=0, world_size=2)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.rank_sequence() == [6, 8]
+    resumed.set_epoch(1)
+    assert resumed.state_dict() == {"epoch": 1, "seed": 0, "position": 0}
+
+
+def test_stream_and_batch_loader_share_one_schedule(legacy_store):
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, seed=5)
+    loader = BatchLoader(stream, batch_size=2, threads=2)
+    assert loader.dataset.schedule is stream.schedule
+    assert stream.schedule.counted_by_loader and stream.schedule.batch_size == 2
+    batches = iter(loader)
+    next(batches)
+    next(batches)
+    assert stream.state_dict()["position"] == 4 == stream.schedule.state_dict()["position"]
+    loader.close()
+
+
+def test_read_ahead_hands_back_in_order_and_draws_work_only_depth_ahead():
+    drawn = []
+
+    def work():
+        for i in range(8):
+            drawn.append(i)
+            yield i
+
+    def read(i):
+        time.sleep(0.02 * (i % 3 == 0))  # every third one finishes last
+        return i * 10
+
+    with ReadAhead(work(), read, threads=3, depth=3) as reads:
+        assert drawn == [0, 1, 2]
+        assert reads.take() == 0
+        assert drawn == [0, 1, 2, 3]
+        assert list(reads) == [10, 20, 30, 40, 50, 60, 70]
+
+
+def functions_called_in(call):
+    """The names of the Python functions `call()` runs on this thread (other threads are not profiled)."""
+    names = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = call()
+    finally:
+        sys.setprofile(None)
+    return result, names
+
+
+@pytest.mark.parametrize("kind", ["threads", "workers"])
+def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_store, assert_same_batch, kind):
+    """Taking the filled slot from the workers, wrapping it and the slot ring's bookkeeping all run on the
+    delivery thread: the trainer's next() calls none of them."""
+    workers = {"num_workers": 1, "multiprocessing_context": "fork"} if kind == "workers" else {"threads": 1}
+    with BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, batch_size=1, shuffle=False,
+                     **workers) as loader:
+        batches = iter(loader)
+        next(batches)  # the first batch, dropped at once
+        got = []
+        for _ in range(3):
+            time.sleep(0.3)  # the step: the next batch is made ready meanwhile
+            batch, called = functions_called_in(lambda: next(batches))
+            got.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+            assert not called & {"_next_data", "_get_data", "batch_memory", "views", "write", "take", "_deliver"}
+        del batch
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, shuffle=False)
+    want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
+    for g, w in zip(got, want[1:4]):
+        assert_same_batch(g, w)
+
+
+def test_decode_auto_without_the_gpu_is_the_cpu_loader_and_its_batches(legacy_store, assert_same_batch):
+    if gpu_decode.available():
+        pytest.skip("CUDA and nvCOMP are here: auto decodes on the GPU")
+    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators-legacy", max_len=64, threads=2,
+                     shuffle=False) as loader:
+        assert type(loader) is BatchLoader
+        got = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, shuffle=False)
+    want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
+    assert len(got) == len(want) == len(LENGTHS)
+    for g, w in zip(got, want):
+        assert_same_batch(g, w)
+
+
+def test_decode_cuda_says_what_it_needs(legacy_store):
+    with pytest.raises(ValueError, match="decode must be 'cpu', 'cuda' or 'auto', not 'gpu'"):
+        BatchLoader(legacy_store.path, decode="gpu", max_len=64)
+    with pytest.raises(ValueError, match=r"num_workers belong to decode='cpu'; decode='cuda' reads with threads"):
+        BatchLoader(legacy_store.path, decode="cuda", max_len=64, num_workers=2)
+    if gpu_decode.available():
+        from h5feed.loading.cuda_loader import CudaBatchLoader
+
+        assert type(BatchLoader(legacy_store.path, decode="cuda", max_len=64)) is CudaBatchLoader
+    else:
+        with pytest.raises(RuntimeError, match=r"decode on the GPU is not available \(.+\); use h5feed.BatchLoader"):
+            BatchLoader(legacy_store.path, decode="cuda", max_len=64)
+
+
+def test_read_ahead_held_keeps_the_taken_result_in_its_place_until_the_next_take():
+    drawn = []
+
+    def work():
+        for i in range(4):
+            drawn.append(i)
+            yield i
+
+    with ReadAhead(work(), lambda i: i, threads=1, depth=2, held=True) as reads:
+        assert reads.take() == 0
+        assert drawn == [0, 1]  # the slot of 0 is still the consumer's: nothing new started
+        assert reads.take() == 1
+        assert drawn == [0, 1, 2]
+        assert list(reads) == [2, 3]
+
+
+def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_slots_back(legacy_store):
+    loader = BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, threads=2)
+    batches = iter(loader)
+    next(batches)
+    assert any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
+    del batches
+    assert not any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
+    loader.close()
+    assert loader._writer.ring.fd == -1  # the ring's memory went with the loader's close
