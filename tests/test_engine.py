@@ -182,4 +182,7 @@ def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_slots_ba
     del batches
     assert not any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
     loader.close()
+    deadline = time.monotonic() + 10  # with CUDA the last slot goes back once its copy's event has completed
+    while loader._writer.ring.fd != -1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert loader._writer.ring.fd == -1  # the ring's memory went with the loader's close
