@@ -507,3 +507,34 @@ def test_inspect_and_verify_refuse_what_is_not_a_finished_store(tmp_path, cli, i
         assert f"h5feed {command}: error: {dst}: conversion has not finished" in r.output
     r = cli("inspect", src)
     assert r.status == 1 and f"{src}: not an h5feed store (no zarr.json)" in r.output
+
+
+def test_h5feed_alone_prints_its_help_and_every_command(capsys):
+    from h5feed.cli import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: h5feed")
+    assert all(f"    {command}" in out for command in ("convert", "verify", "inspect", "bench", "watch"))
+
+
+def test_version(capsys):
+    from h5feed import __version__
+    from h5feed.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"h5feed {__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["convert", "verify", "inspect", "bench", "watch"])
+def test_every_command_help_says_what_it_does_and_shows_examples(capsys, command):
+    from h5feed.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # after the usage lines
+    assert len(description.split()) > 10 and not description.lstrip().startswith(("positional", "options"))
+    examples = out[out.index("examples:\n"):].splitlines()[1:]
+    assert examples and all(line.startswith((f"  h5feed {command} ", "  (")) for line in examples)

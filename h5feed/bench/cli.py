@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
         help="the trainer's path: h5feed's loaders against the speculators 0.4 .pt loader, on the same samples",
-        description="Time, cold and warm, the batches a trainer takes (batch_size 1, the trainer's collate, "
+        description=textwrap.fill("Time, cold and warm, the batches a trainer takes (batch_size 1, the trainer's collate, "
         "pin_memory=True) from speculators 0.4's .pt loader in a DataLoader and from h5feed's loaders, on the "
         "same samples, and check that every loader delivers the same batches. With no STORE, a Kimi-shaped "
-        "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.",
-        epilog="loaders: " + "; ".join(f"{name} = {label}" for name, label in LOADER_LABELS.items()),
+        "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.", 100),
+        epilog="loaders:\n" + "\n".join(f"  {name} = {label}" for name, label in LOADER_LABELS.items())
+        + "\n\nexamples:\n  h5feed bench --workers 4                  # the embedded synthetic set, built once"
+        "\n  h5feed bench /data/hs.zarr --workers 8    # your store (its source .pt files are the baseline)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("store", nargs="?", help="an h5feed store (its source files are the baseline's input); "
                    "default: the embedded synthetic set")

@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from h5feed.cli.options import add_location_options, add_storage_option, location_options, storage_options
 from h5feed.errors import H5feedError
@@ -89,12 +91,43 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h5feed", description="Feed large per-sample hidden states to a GPU trainer.")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    sub = parser.add_subparsers(dest="command", required=True)
+EXAMPLES = {
+    "convert": """examples:
+  h5feed convert /data/hidden_states /data/hs.zarr                   # detect the format, all cores
+  h5feed convert dumps/ hs.zarr --last-state-norm post --workers 8   # Model-Optimizer HF dumps
+  h5feed convert s3://runs/hs s3://stores/hs.zarr --storage-option endpoint_url=http://minio:9000
+  (run the same command again to resume after a kill, or to append files added to SRC)""",
+    "verify": """examples:
+  h5feed verify /data/hs.zarr                                # every checksum
+  h5feed verify /data/hs.zarr --against /data/hidden_states  # every tensor against its source file""",
+    "inspect": """examples:
+  h5feed inspect /data/hs.zarr
+  h5feed inspect s3://stores/hs.zarr --cache-dir /nvme/h5feed-cache --json""",
+}
 
-    p = sub.add_parser("convert", help="convert per-sample .pt/.ckpt/.safetensors files (or a NeMo cache) into one Zarr store")
+
+def _subcommand(sub: Any, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does and shows examples (kept as written: hence the raw formatter,
+    and the description filled here)."""
+    return sub.add_parser(name, help=help, description=textwrap.fill(description, 100), epilog=EXAMPLES.get(name),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from h5feed import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="h5feed", description="Feed large per-sample hidden states (EAGLE-3 drafter training) to a GPU trainer: "
+        "convert trainers' files into one checked, compressed Zarr store, verify and inspect it, bench the loaders "
+        "on this machine, watch a training run's data wait.",
+        epilog="`h5feed COMMAND --help` shows a command's options and examples.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--version", action="version", version=f"h5feed {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = _subcommand(sub, "convert", "convert per-sample .pt/.ckpt/.safetensors files (or a NeMo cache) into one Zarr store",
+                    "Convert every sample file under SRC (any supported trainer's format, detected) into one chunked, "
+                    "compressed Zarr v3 store, bit for bit, in parallel, crash-safe and resumable.")
     p.add_argument("src", help="folder of sample files (searched recursively), or a URL (s3://bucket/prefix, ...)")
     p.add_argument("dst", help="the store to write (a folder, or a URL: converted in --staging-dir, then uploaded); "
                    "an unfinished one is resumed, and new files in SRC are appended to a complete one")
@@ -129,13 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "~/.cache/h5feed/staging/<digest of DST>), and where workers fetch a bucket SRC's files")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("verify", help="check a store's checksums, or compare it bit for bit with its sources")
+    p = _subcommand(sub, "verify", "check a store's checksums, or compare it bit for bit with its sources",
+                    "Read every sample of STORE and check it against the checksums written at conversion; with "
+                    "--against, also compare every tensor with the source file it came from.")
     p.add_argument("store", help="a local path or a URL (s3://, gs://, az://, https://, ...)")
     p.add_argument("--against", metavar="SRC", help="the source folder to compare every tensor with")
     add_location_options(p)
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("inspect", help="what a store holds: samples, tokens, shapes, codec, compression; cache state")
+    p = _subcommand(sub, "inspect", "what a store holds: samples, tokens, shapes, codec, compression; cache state",
+                    "Describe STORE: samples, tokens, shapes, dtype, last-state norm, codec and compression, "
+                    "skipped files, companions; for a URL with --cache-dir, the node cache's state.")
     p.add_argument("store", help="a local path or a URL (s3://, gs://, az://, https://, ...)")
     add_location_options(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -150,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # `h5feed` alone: what it can do
+        parser.print_help()
+        return 0
     if args.command == "convert" and args.scheduler and args.workers is not None:
         parser.error(f"--workers sets the size of the local pool or of --dask; the cluster at {args.scheduler} "
                      "has the workers it has")

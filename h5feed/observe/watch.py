@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -191,7 +192,14 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def add_watch_parser(subparsers: Any) -> None:
     """`h5feed watch RUN_DIR_OR_JSONL`."""
     p = subparsers.add_parser("watch", help="live view of a monitored training run: step rate, data wait, GPU idle, "
-                                            "per-worker rows (from h5feed.monitor's JSON-lines file)")
+                                            "per-worker rows (from h5feed.monitor's JSON-lines file)",
+                              description=textwrap.fill(
+                                  "Show, refreshed every --interval seconds, what h5feed.monitor(loader, log_dir=...) "
+                                  "writes while a run trains: step rate, data wait, GPU idle, per-worker rows and "
+                                  "stalls, per rank.", 100),
+                              epilog="examples:\n  h5feed watch runs/drafter            # in a second terminal\n"
+                              "  h5feed watch runs/drafter --once     # one frame, e.g. from a script",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="the monitor's log_dir (its h5feed-monitor*.jsonl files, one per rank in a "
                                 "multi-rank run) or one .jsonl file")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
