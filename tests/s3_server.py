@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import signal
 import socket
 import subprocess
@@ -450,8 +451,9 @@ def boto3_client(endpoint: str) -> Any:
                         aws_secret_access_key=CREDENTIALS["secret"], region_name=REGION)
 
 
-@pytest.fixture(scope="session", name="s3")
-def s3_fixture() -> Iterator[S3]:
+@contextlib.contextmanager
+def running_s3() -> Iterator[S3]:
+    """A moto server behind a fault proxy, both stopped on exit."""
     server = MotoServer()
     proxy = FaultProxy(server.port).start()
     try:
@@ -459,6 +461,12 @@ def s3_fixture() -> Iterator[S3]:
     finally:
         proxy.stop()
         server.stop()
+
+
+@pytest.fixture(scope="session", name="s3")
+def s3_fixture() -> Iterator[S3]:
+    with running_s3() as s3:
+        yield s3
 
 
 @pytest.fixture(name="bucket")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from s3_server import REGION, S3, FaultProxy, MotoServer, boto3_client, bucket_fixture, s3_fixture  # noqa: F401
+from s3_server import REGION, S3, bucket_fixture, running_s3, s3_fixture  # noqa: F401
 from torch.utils.data import DataLoader
 
 from h5feed import BatchLoader, HiddenStatesDataset, Store
@@ -25,13 +25,8 @@ N = len(LENGTHS)
 @pytest.fixture(scope="module")
 def other_s3() -> Iterator[S3]:
     """A second S3 server, with a proxy in front that logs every request reaching it."""
-    server = MotoServer()
-    proxy = FaultProxy(server.port).start()
-    try:
-        yield S3(server, proxy, boto3_client(server.url))
-    finally:
-        proxy.stop()
-        server.stop()
+    with running_s3() as s3:
+        yield s3
 
 
 def upload(store_path, s3: S3, bucket: str) -> None:
