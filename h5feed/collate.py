@@ -299,7 +299,27 @@ class SpeculatorsCollate(TrainerCollate):
         return int(item["lengths"][0])
 
 
-class SpecForgeCollate(TrainerCollate):
+class PaddedRowsCollate(TrainerCollate):
+    """What SpecForge's and AngelSlim's `DataCollatorWithPadding` share: each [1, T] item in its own row from
+    position 0, zero-padded to the longest, with an attention mask of ones over the items' positions."""
+
+    def plan(self, rows: Sequence[int]) -> BatchPlan:
+        return padded_plan(rows)
+
+    def largest_plan(self, batch_size: int, longest: int) -> BatchPlan:
+        return BatchPlan(batch_size, longest, [])
+
+    def derive_rows(self, batch: Batch, plan: BatchPlan) -> None:
+        ones_where_items(batch["attention_mask"], plan)
+
+    def item_length(self, item: Batch) -> int:
+        return int(item["input_ids"].shape[1])
+
+    def item_rows_of(self, item: Batch, key: str) -> torch.Tensor:
+        return item[key][0]  # items carry a leading batch dim of 1
+
+
+class SpecForgeCollate(PaddedRowsCollate):
     """SpecForge `DataCollatorWithPadding` (sp_degree 1): each item in its own row, zero-padded to the longest."""
 
     keys = ("input_ids", "attention_mask", "loss_mask", "hidden_state", "target")
@@ -316,23 +336,11 @@ class SpecForgeCollate(TrainerCollate):
             RowKey("target", "last_hidden_states", shift=shift),
         )
 
-    def plan(self, rows: Sequence[int]) -> BatchPlan:
-        return padded_plan(rows)
-
-    def largest_plan(self, batch_size: int, longest: int) -> BatchPlan:
-        return BatchPlan(batch_size, longest, [])
-
     def derive_rows(self, batch: Batch, plan: BatchPlan) -> None:
-        ones_where_items(batch["attention_mask"], plan)
+        super().derive_rows(batch, plan)
         for place in plan.placements:
             if place.count:
                 batch["loss_mask"][place.row, place.count - 1] = 0  # process_data masks the window's last position
-
-    def item_length(self, item: Batch) -> int:
-        return int(item["input_ids"].shape[1])
-
-    def item_rows_of(self, item: Batch, key: str) -> torch.Tensor:
-        return item[key][0]  # items carry a leading batch dim of 1
 
 
 class ModelOptCollate(TrainerCollate):
@@ -415,7 +423,7 @@ class ModelOptCollate(TrainerCollate):
         return TrainerCollate.__call__(bound, items, allocate)
 
 
-class AngelSlimCollate(TrainerCollate):
+class AngelSlimCollate(PaddedRowsCollate):
     """AngelSlim `DataCollatorWithPadding` (its LLM offline path): each [1, T] item in its own row, zero-padded
     to the longest; `hidden_states` / `target_hiddens` are None unless every item has them; `inputs_embeds` and
     `position_ids` are not batched."""
@@ -441,23 +449,8 @@ class AngelSlimCollate(TrainerCollate):
         keys, none = layout.get("keys", self.order), set(layout.get("none", ()))
         self._batch_hidden(tuple(k for k in keys if k not in none))
 
-    def plan(self, rows: Sequence[int]) -> BatchPlan:
-        return padded_plan(rows)
-
-    def largest_plan(self, batch_size: int, longest: int) -> BatchPlan:
-        return BatchPlan(batch_size, longest, [])
-
-    def derive_rows(self, batch: Batch, plan: BatchPlan) -> None:
-        ones_where_items(batch["attention_mask"], plan)
-
     def finish(self, batch: Batch) -> Batch:
         return {key: batch.get(key) for key in self.order}
-
-    def item_length(self, item: Batch) -> int:
-        return int(item["input_ids"].shape[1])
-
-    def item_rows_of(self, item: Batch, key: str) -> torch.Tensor:
-        return item[key][0]  # items carry a leading batch dim of 1
 
     def __call__(self, items: Sequence[Batch], allocate: Allocator = shared_allocator) -> Batch:
         present = tuple(rk.key for rk in self.hidden if all(item.get(rk.key) is not None for item in items))
