@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_formats import RunsEval, RunsShell  # payloads that run code when unpickled
 
 from h5feed.conversion.converter import PLAN_FILE, convert
 from h5feed.errors import SourceError
@@ -119,19 +120,6 @@ def test_a_sigkill_while_workers_start_leaves_no_process_and_no_semaphore(tmp_pa
 
 
 # --------------------------------------------------------------------------- code-carrying pickles, every protocol
-
-
-class RunsShell:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-class RunsEval(RunsShell):
-    def __reduce__(self):
-        return (eval, (f"open({str(self.marker)!r}, 'w').close()",))
 
 
 PAYLOADS = {"os.system": (RunsShell, "posix.system"), "builtins.eval": (RunsEval, "eval")}  # and the name torch gives

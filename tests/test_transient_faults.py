@@ -126,6 +126,17 @@ def test_the_cache_keeps_only_sound_downloads(local, remote, s3, bucket, tmp_pat
     assert gets(s3, key) == [] and again.io_stats.retries == 0
 
 
+def poison_cached_shard(local_store: Path, cache: Path, i: int) -> tuple[Path, bytes]:
+    """Flip a byte inside sample i's first aux chunk in its cached copy: (the cached file, the sound bytes)."""
+    shard, offset, _ = inner_chunk_span(local_store, i, "aux_hidden_states", 0)
+    sound = shard.read_bytes()
+    poisoned = next(path for path in (cache / "objects").iterdir() if path.read_bytes() == sound)
+    data = bytearray(sound)
+    data[offset + 50] ^= 0xFF
+    poisoned.write_bytes(bytes(data))
+    return poisoned, sound
+
+
 def test_a_poisoned_cache_entry_is_replaced_once_and_later_epochs_read_it(local, remote, s3, bucket, tmp_path):
     """A cached copy that fails its check (written by an older h5feed, or rotted on disk) is replaced by a fresh,
     checked download; the epochs after it read the new copy without a request."""
@@ -136,12 +147,7 @@ def test_a_poisoned_cache_entry_is_replaced_once_and_later_epochs_read_it(local,
         store.read_sample(j)
     i = max(range(N), key=lambda j: int(store.sample_lengths[j]))
     key = shard_key(store, i)
-    shard, offset, _ = inner_chunk_span(local.path, i, "aux_hidden_states", 0)
-    sound = shard.read_bytes()
-    poisoned = next(path for path in (cache / "objects").iterdir() if path.read_bytes() == sound)
-    data = bytearray(sound)
-    data[offset + 50] ^= 0xFF
-    poisoned.write_bytes(bytes(data))
+    poisoned, sound = poison_cached_shard(local.path, cache, i)
 
     for epoch in range(2):
         store = opened(remote, s3, cache)
@@ -169,12 +175,7 @@ def test_processes_racing_on_a_poisoned_cache_entry_all_read_it_exact(local, rem
     store = opened(remote, s3, cache)
     i = max(range(N), key=lambda j: int(store.sample_lengths[j]))
     store.read_sample(i)
-    shard, offset, _ = inner_chunk_span(local.path, i, "aux_hidden_states", 0)
-    sound = shard.read_bytes()
-    poisoned = next(path for path in (cache / "objects").iterdir() if path.read_bytes() == sound)
-    data = bytearray(sound)
-    data[offset + 50] ^= 0xFF
-    poisoned.write_bytes(bytes(data))
+    poisoned, sound = poison_cached_shard(local.path, cache, i)
     s3.proxy.reset()
     ctx = mp.get_context("fork")
     start, queue = ctx.Barrier(3), ctx.Queue()
