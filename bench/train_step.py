@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -190,9 +191,9 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=1e-4, fused=self.cuda)
         self.params = params
 
-    def step(self, batch: Batch) -> torch.Tensor:
+    def step(self, batch: dict[str, Any]) -> torch.Tensor:
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in drafter_inputs(batch).items()}
         batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
             loss = self.model(batch)
@@ -201,6 +202,18 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+def drafter_inputs(batch: dict[str, Any]) -> Batch:
+    """The drafter's inputs from a trainer's batch: speculators' as they are; Model-Optimizer's
+    (`EagleOfflineDataCollator`: the hidden states under `base_model_outputs`) mapped onto them, the positions
+    0..T-1 of each row as its model computes them."""
+    if "base_model_outputs" not in batch:
+        return batch
+    outputs, input_ids = batch["base_model_outputs"], batch["input_ids"]
+    return {"input_ids": input_ids, "loss_mask": batch["loss_mask"], "hidden_states": outputs["aux_hidden_states"],
+            "verifier_last_hidden_states": outputs["base_model_hidden_states"],
+            "position_ids": torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)}
 
 
 def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) -> tuple[Trainer, Shape, float]:
@@ -242,12 +255,69 @@ def cpu_seconds() -> float:
 # --- data -----------------------------------------------------------------------------------------
 
 
-def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, convert_workers: int) -> Store:
-    """A synthetic Kimi-shaped `.pt` set and its store (`h5feed bench`'s builder: reused when complete)."""
+def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, convert_workers: int,
+              flavor: str) -> Store:
+    """A synthetic Kimi-shaped `.pt` set of the flavor's pipeline and its store (speculators': `h5feed bench`'s
+    builder; Model-Optimizer's HF dumps, post-norm last state, written and converted here; both reused when
+    complete)."""
     from h5feed.bench import SyntheticSpec, ensure_default_set
+    from h5feed.synthetic import write_synthetic
 
-    spec = SyntheticSpec(num_samples=n, hidden_size=hidden, tokens=tokens)
-    return Store(ensure_default_set(data_dir, spec, convert_workers=convert_workers, progress=False, log=log.info))
+    if flavor == "speculators-legacy":
+        spec = SyntheticSpec(num_samples=n, hidden_size=hidden, tokens=tokens)
+        return Store(ensure_default_set(data_dir, spec, convert_workers=convert_workers, progress=False, log=log.info))
+    folder = data_dir / f"modelopt-pt-H{hidden}-K3-T{tokens[0]}-{tokens[1]}-n{n}-s0"
+    try:
+        store = Store(folder / "store")
+        if len(store) == n:
+            log.info("reusing the store %s", store.path)
+            return store
+    except h5feed.H5feedError:
+        pass
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("writing %d synthetic Model-Optimizer samples (H=%d) to %s", n, hidden, folder / "src")
+    write_synthetic(folder / "src", "modelopt-pt", n, hidden, 3, tokens, 0, variant="hf")
+    log.info("converting with %d worker(s)", convert_workers)
+    h5feed.convert(folder / "src", folder / "store", workers=convert_workers, progress=False, last_state_norm="post")
+    return Store(folder / "store")
+
+
+class ModelOptFiles(torch.utils.data.Dataset):
+    """Model-Optimizer 0.46's `OfflineSupervisedDataset` (modelopt/torch/speculative/eagle/utils.py), re-stated:
+    one `torch.load` per item, labels the ids one on, attention and loss masks of ones."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        data = torch.load(self.files[index], weights_only=True)
+        labels = torch.full_like(data["input_ids"], -100)
+        labels[..., :-1] = data["input_ids"][..., 1:]
+        return {"input_ids": data["input_ids"], "base_model_hidden_states": data["hidden_states"],
+                "aux_hidden_states": data["aux_hidden_states"], "attention_mask": torch.ones_like(data["input_ids"]),
+                "loss_mask": torch.ones_like(data["input_ids"]), "labels": labels,
+                "base_hidden_prenorm": bool(data.get("hidden_states_prenorm", False))}
+
+
+def modelopt_collate(train_len: int) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """Model-Optimizer 0.46's `EagleOfflineDataCollator(train_len)`, re-stated: each key padded or cut, stacked."""
+
+    def pad_or_truncate(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros([train_len, *x.shape[1:]])
+        out[: min(train_len, x.size(0))] = x[:train_len]
+        return out
+
+    def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = {k: torch.stack([pad_or_truncate(f[k]) for f in features])
+                 for k in ("input_ids", "attention_mask", "loss_mask", "labels")}
+        outputs = {k: torch.stack([pad_or_truncate(f[k]) for f in features])
+                   for k in ("base_model_hidden_states", "aux_hidden_states")}
+        return {**batch, "base_model_outputs": {**outputs, "base_hidden_prenorm": features[0]["base_hidden_prenorm"]}}
+
+    return collate
 
 
 def evict(store: Store) -> str:
@@ -280,8 +350,9 @@ LOADERS = ("baseline", "h5feed-stream", "h5feed-batch", "h5feed-batch-threads", 
 
 def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> dict[str, Callable[[], Any]]:
     """Builders of every loader, over the same samples in the same order, delivering the same batches."""
-    collate = create_collate_fn(args.max_len)  # speculators 0.4's, as released
-    stream_args: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": args.max_len,
+    modelopt = args.flavor == "modelopt"
+    collate = modelopt_collate(args.max_len) if modelopt else create_collate_fn(args.max_len)  # the trainers' own
+    stream_args: dict[str, Any] = {"flavor": args.flavor, "max_len": args.max_len,
                                    "hidden_states_dtype": torch.bfloat16, "seed": args.seed}
     order = HiddenStatesStream(store, **stream_args).epoch_order()
     common: dict[str, Any] = {"batch_size": 1, "num_workers": workers, "collate_fn": collate, "pin_memory": pin}
@@ -290,6 +361,8 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
         from h5feed.baseline import Eagle3SampleFileDataset  # speculators 0.4's loader, re-stated
 
         root = Path(store.info.source_root)
+        if modelopt:
+            return DataLoader(ModelOptFiles([root / p for p in store.source_paths]), sampler=order, **common)
         dataset = Eagle3SampleFileDataset(max_len=args.max_len, file_list=[root / p for p in store.source_paths],
                                           hidden_states_dtype=torch.bfloat16)
         return DataLoader(dataset, sampler=order, **common)
@@ -374,6 +447,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", default="1500:1900", help="--make-data tokens per sample, LO:HI (default %(default)s)")
     p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--flavor", choices=("speculators-legacy", "modelopt"), default="speculators-legacy",
+                   help="the trainer whose files, dataset and collate are measured (default %(default)s)")
     p.add_argument("--workers", default="4",
                    help="comma-separated worker (or thread) counts, each loader at each (default %(default)s)")
     p.add_argument("--step-ms", type=float, help="pick the draft vocabulary whose step is closest to this (GPU)")
@@ -397,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_data:
         lo, hi = (int(x) for x in args.tokens.split(":"))
         hidden = args.hidden_size or (7168 if device.type == "cuda" else 64)
-        store = make_data(args.make_data, hidden, (lo, hi), args.data_dir, args.convert_workers)
+        store = make_data(args.make_data, hidden, (lo, hi), args.data_dir, args.convert_workers, args.flavor)
     else:
         store = Store(args.data)
         if args.hidden_size not in (None, store.hidden_size):

@@ -652,6 +652,37 @@ def _triton_unshuffle() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, i
     return unshuffle_rows
 
 
+class _CachedDeviceBuffer:
+    """Device memory nvCOMP asks for, taken from torch's caching allocator on nvCOMP's stream.
+
+    Why: nvCOMP's own allocator calls cudaMalloc and cudaFree for its temporary
+    buffers, and cudaFree waits for the whole device, the trainer's kernels
+    included: every decode would then stall the training step.  Blocks from
+    torch's cache come and go without a device synchronization, and are reused
+    only in the order of the stream they were taken on.
+    """
+
+    def __init__(self, nbytes: int, stream: object) -> None:
+        self.ptr = torch.cuda.caching_allocator_alloc(max(nbytes, 1), device=stream.device,  # type: ignore[attr-defined]
+                                                      stream=stream.ptr)  # type: ignore[attr-defined]
+
+    def __del__(self) -> None:
+        torch.cuda.caching_allocator_delete(self.ptr)
+
+
+_allocator_lock = threading.Lock()
+_allocator_set = False
+
+
+def _use_torch_allocator(nvcomp: object) -> None:
+    """Route nvCOMP's device allocations through torch's caching allocator (once per process)."""
+    global _allocator_set
+    with _allocator_lock:
+        if not _allocator_set:
+            nvcomp.set_device_allocator(_CachedDeviceBuffer)  # type: ignore[attr-defined]
+            _allocator_set = True
+
+
 class CudaBloscDecoder:
     """Decodes batches of frames on one CUDA stream, keeping its nvCOMP codec and buffers between calls.
 
@@ -683,6 +714,7 @@ class CudaBloscDecoder:
         from nvidia import nvcomp
 
         self._nvcomp = nvcomp
+        _use_torch_allocator(nvcomp)
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self.stream = stream if stream is not None else torch.cuda.current_stream(self.device)

@@ -2,14 +2,17 @@
 
 Reader threads, one batch each, copy its samples' still-compressed chunk frames,
 every one checked against its crc32c (`Store.copy_frames_into`), into the batch's
-region of one page-locked staging memory; the trainer's thread sends the frames of
-up to `decode_group` consecutive staged batches to the GPU in one copy, decodes them
-there in one nvCOMP batch (`h5feed.gpu_decode`: the GPU decodes several times faster
-per byte in large batches) on a stream of its own, and places the rows where the
-trainer's collate puts them (device-to-device copies, pads zeroed).  The batches
-equal, tensor for tensor, what `DataLoader(HiddenStatesStream(...),
-collate_fn=trainer_collate(flavor, max_len), pin_memory=True)` yields, already on
-the GPU.  A region is reused once the event recorded after its copy to the GPU has completed.  Without CUDA or nvCOMP, use `BatchLoader` (a clear error says so).
+region of one page-locked staging memory.  A delivery thread (`h5feed.loading.delivery`)
+sends the frames of up to `decode_group` consecutive staged batches to the GPU in one
+copy and decodes them in one nvCOMP batch on a stream of its own (`h5feed.gpu_decode`:
+the GPU decodes several times faster per byte in large batches), each chunk's rows
+written straight into their place in the trainer's batch (no temporary, no placement
+copy, pads zeroed), one group ahead of the trainer.  The trainer's thread only makes
+its stream wait for the batch's event.  The batches equal, tensor for tensor, what
+`DataLoader(HiddenStatesStream(...), collate_fn=trainer_collate(flavor, max_len),
+pin_memory=True)` yields, already on the GPU.  A staging region is reused once the
+event recorded after its copy to the GPU has completed.  Without CUDA or nvCOMP, use
+`BatchLoader` (a clear error says so).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from h5feed.collate import Batch, RowKey, TensorSpec, trainer_collate
+from h5feed.collate import Batch, BatchPlan, RowKey, TensorSpec, trainer_collate
 from h5feed.errors import CorruptSampleError
-from h5feed.gpu_decode import CudaBloscDecoder, why_unavailable
+from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
+from h5feed.loading.delivery import Delivery
 from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.store import Store
@@ -47,6 +51,15 @@ class _Staged:
     region: int  # which region of the staging memory
     spans: list[tuple[int, int]]  # (offset in the staging memory, length) of each frame
     targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
+
+
+@dataclass
+class _Decoded:
+    """One batch as the delivery thread hands it on: placed on the decode stream once `ready` completes."""
+
+    scheduled: int  # the schedule's samples of the batch, damaged ones skipped included
+    batch: Batch | None  # None: every sample of the batch was damaged (on_corrupt="skip")
+    ready: torch.cuda.Event
 
 
 def store_refusal(store: Store) -> str | None:
@@ -72,6 +85,7 @@ class CudaBatchLoader:
         threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
         prefetch: batches staged ahead (read by the threads in parallel).
         decode_group: consecutive staged batches decoded in one GPU call.
+        decode_ahead: batches decoded ahead of the trainer on the GPU (each holds its batch's GPU memory).
         device: the CUDA device the batches arrive on.
         **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
 
@@ -91,6 +105,7 @@ class CudaBatchLoader:
         threads: int = 2,
         prefetch: int = 8,
         decode_group: int = 4,
+        decode_ahead: int = 8,
         device: torch.device | str = "cuda",
         **stream_kwargs: Any,
     ) -> None:
@@ -106,6 +121,7 @@ class CudaBatchLoader:
         stream.batch_size, stream.schedule.counted_by_loader = batch_size, True
         self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
         self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
+        self.decode_ahead = max(decode_ahead, 1)
         self.device = torch.device(device)
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
@@ -161,8 +177,35 @@ class CudaBatchLoader:
         return batches
 
     def _batches(self) -> Generator[Batch, None, None]:
+        """The pass on the trainer's thread: each batch, decoded and placed by the delivery thread, only handed over."""
         stream = self.dataset
         stream.schedule.begin_pass()
+        delivery = Delivery(self._decoded_batches, name="h5feed-gpu-decode")
+        try:
+            for decoded in delivery:
+                if decoded.batch is not None:  # None: all the batch's samples were damaged and skipped
+                    batch, decoded.batch = decoded.batch, None
+                    consumer = torch.cuda.current_stream(self.device)
+                    consumer.wait_event(decoded.ready)  # the trainer's kernels start once the batch is placed
+                    for value in batch.values():
+                        if isinstance(value, torch.Tensor) and value.is_cuda:
+                            value.record_stream(consumer)  # made on the decode stream, used on the trainer's
+                    stream.note_consumed(decoded.scheduled)
+                    yield self.collate.finish(batch)
+                else:
+                    stream.note_consumed(decoded.scheduled)
+        finally:
+            delivery.close()
+            self._collect_timings(wait=True)
+
+    # --- the delivery thread: staged batches decoded on the GPU, a group at a time ----------------
+    def _decoded_batches(self) -> Generator[_Decoded, None, None]:
+        """Each staged batch, decoded straight into the trainer's batch on the decode stream, in order.
+
+        Each time the trainer takes a batch, every batch staged by then is queued for decoding, up to
+        `decode_ahead` batches ahead: the GPU decodes them while the trainer's step runs, so a step's
+        batch is decoded before the step needs it even when the disk only just keeps up."""
+        stream = self.dataset
         stream.counters.worker().start()
         # drawn as each batch is submitted, `prefetch` batches ahead of the one taken: the batch that used its
         # region before was decoded by then, and its copy to the GPU is queued or done (the event)
@@ -173,40 +216,24 @@ class CudaBatchLoader:
             for i in batch[0]:
                 stream.store.will_need(i, stream.tokens_to_read(i))
 
-        # each staged batch with its batch and the event that says it is placed; None: all its samples skipped
-        decoded: deque[tuple[_Staged, tuple[Batch, torch.cuda.Event] | None]] = deque()
-        with ReadAhead(work, lambda batch: self._stage(*batch), threads=self.threads, depth=self.prefetch,
-                       announce=announce, name="h5feed-gpu-read") as staging:
+        decoded: deque[_Decoded] = deque()
+        with torch.cuda.device(self.device), ReadAhead(
+                work, lambda batch: self._stage(*batch), threads=self.threads, depth=self.prefetch,
+                announce=announce, name="h5feed-gpu-read") as staging:
 
             def decode_next_group() -> None:  # the staged batches at the head, up to decode_group of them
                 group = [staging.take()]
                 while (len(group) < self.decode_group and (ahead := staging.ready()) is not None
                        and ahead.region == group[-1].region + 1):  # one contiguous copy
                     group.append(staging.take())
-                sound = [staged for staged in group if staged.indices]
-                ready = iter(self._decode(sound) if sound else [])
-                decoded.extend((staged, next(ready) if staged.indices else None) for staged in group)
+                decoded.extend(self._decode(group))
 
-            try:
-                while staging or decoded:
-                    if not decoded:
-                        decode_next_group()
-                    staged, placed = decoded.popleft()
-                    if not decoded and staging.ready() is not None:
-                        decode_next_group()  # queued now, it runs on the GPU while the trainer's step does
-                    if placed is None:
-                        stream.note_consumed(staged.scheduled)
-                        continue
-                    batch, ready = placed
-                    consumer = torch.cuda.current_stream(self.device)
-                    consumer.wait_event(ready)  # the trainer's kernels start once this batch is decoded and placed
-                    for value in batch.values():
-                        if isinstance(value, torch.Tensor) and value.is_cuda:
-                            value.record_stream(consumer)  # made on the side stream, used on the trainer's
-                    stream.note_consumed(staged.scheduled)
-                    yield self.collate.finish(batch)
-            finally:
-                self._collect_timings(wait=True)
+            while staging or decoded:
+                if not decoded:
+                    decode_next_group()  # waits for the next batch to be staged
+                while len(decoded) < self.decode_ahead and staging.ready() is not None:
+                    decode_next_group()
+                yield decoded.popleft()
 
     # --- reader threads: compressed, checked frames into pinned memory ----------------------------
     def _stage(self, indices: list[int], region: int, copied: torch.cuda.Event | None) -> _Staged:
@@ -240,47 +267,69 @@ class CudaBatchLoader:
             counters.end_sample(i, window)
         return staged
 
-    # --- the trainer's thread: one GPU decode per group, then the collate's placement -------------
-    def _decode(self, group: list[_Staged]) -> list[tuple[Batch, torch.cuda.Event]]:
-        """Queue the group's decode and placement on the side stream: each batch with the event that says it is ready."""
-        info = self.dataset.store.info
-        c, side = info.chunk_tokens, self._decoder.stream
+    def _decode(self, group: list[_Staged]) -> list[_Decoded]:
+        """Queue the group's decode on the decode stream, each frame's rows straight into their place in its batch."""
+        side = self._decoder.stream
+        placements: list[Placement] = []
+        casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (batch rows, decoded rows) of another dtype
+        results: list[_Decoded] = []
         with torch.cuda.stream(side):
-            decoded = [{(n, array): torch.empty((-(-w // c) * c, info.width(array)) if info.is_matrix(array)
-                                                else (-(-w // c) * c,), dtype=info.storage_dtype(array),
-                                                device=self.device)
-                        for n, w in enumerate(staged.windows) for array in self._arrays} for staged in group]
-            spans = [span for staged in group for span in staged.spans]
-            outs = [decoded[g][(n, array)][chunk * c : (chunk + 1) * c]
-                    for g, staged in enumerate(group) for n, array, chunk in staged.targets]
-            timing = self._decoder.decode_from_pinned(self._staging, spans, outs)
+            batches, first_frame = [], 0  # frames are numbered across the group, as the spans are
             for staged in group:
-                self._copied[staged.region] = timing.copy_done
-            self._pending_timings.append(timing)
-            batches = []
-            for staged, rows in zip(group, decoded):
-                batches.append((self._place(staged.indices, staged.windows, rows), torch.cuda.Event()))
-                batches[-1][1].record(side)
+                batches.append(self._placed(staged, first_frame, placements, casts) if staged.indices else None)
+                first_frame += len(staged.spans)
+            sound = [staged for staged in group if staged.indices]
+            if sound:
+                spans = [span for staged in sound for span in staged.spans]
+                timing = self._decoder.decode_placed(self._staging, spans, placements)
+                self._pending_timings.append(timing)
+                for staged in sound:
+                    self._copied[staged.region] = timing.copy_done
+            for dest, rows in casts:
+                dest.copy_(rows)
+            for staged, placed in zip(group, batches):
+                ready = torch.cuda.Event()
+                if placed is not None:
+                    batch, plan = placed
+                    self.collate.derive_rows(batch, plan)
+                    self.collate.write_summary(batch, plan)
+                    ready.record(side)
+                    results.append(_Decoded(staged.scheduled, batch, ready))
+                else:
+                    results.append(_Decoded(staged.scheduled, None, ready))
         self._collect_timings(wait=False)
-        return batches
+        return results
 
-    def _place(self, indices: list[int], windows: list[int], decoded: dict[tuple[int, str], torch.Tensor]) -> Batch:
-        """One batch of the trainer's collate, from its samples' decoded rows (on the current stream)."""
-        store, collate = self.dataset.store, self.collate
-        plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in indices])
+    def _placed(self, staged: _Staged, first_frame: int, placements: list[Placement],
+                casts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Batch, BatchPlan]:
+        """The staged batch's tensors, pads zeroed, with a placement for every decoded chunk's rows.
+
+        The batch's frames are frames `first_frame`, ... of the group's decode.  Rows whose batch dtype is
+        not the stored one are decoded into a temporary and cast afterwards (`casts`)."""
+        store, collate, info = self.dataset.store, self.collate, self.dataset.store.info
+        c = info.chunk_tokens
+        frame_of = {target: first_frame + f for f, target in enumerate(staged.targets)}
+        plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in staged.indices])
         batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
                  for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
 
-        def copy_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
+        def place_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
             for rk, dest in rows.items():
-                if rk.array is not None:  # the rest derive_rows writes
-                    source = decoded[(n, rk.array)][rk.shift : rk.shift + dest.shape[0]]
-                    dest.copy_(source.view(store.info.logical_dtype(rk.array)).view(dest.shape))
+                if rk.array is None:
+                    continue  # derive_rows writes these
+                stored = info.logical_dtype(rk.array)
+                into = dest if dest.dtype == stored else torch.empty(dest.shape, dtype=stored, device=self.device)
+                if into is not dest:
+                    casts.append((dest, into))
+                row_bytes = info.row_nbytes(rk.array)
+                lo, hi = rk.shift, rk.shift + dest.shape[0]  # the stored rows that land here
+                for chunk in range(lo // c, -(-hi // c)):
+                    first, last = max(lo, chunk * c), min(hi, (chunk + 1) * c)
+                    placements.append(Placement(frame_of[(n, rk.array, chunk)], (first - chunk * c) * row_bytes,
+                                                into[first - lo : last - lo]))
 
-        place_items(collate.row_keys, plan, batch, copy_rows, windows=windows)
-        collate.derive_rows(batch, plan)
-        collate.write_summary(batch, plan)
-        return batch
+        place_items(collate.row_keys, plan, batch, place_rows, windows=staged.windows)
+        return batch, plan
 
     def _collect_timings(self, wait: bool) -> None:
         """Add up the GPU time of decodes that have finished (or of all, waiting for them)."""
