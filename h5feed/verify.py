@@ -22,7 +22,8 @@ from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import cache_state
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store, StoreInfo, checksums
-from h5feed.store.layout import INDEX_COLUMNS, crc32c
+from h5feed.store.fp8 import quantize, token_scales
+from h5feed.store.layout import HIDDEN_SCALES, INDEX_COLUMNS, crc32c
 
 
 @dataclass
@@ -72,7 +73,7 @@ def verify_store(
             report.mismatches.append(Mismatch(i, relpath, str(exc)))
             continue
         stored = _stored_bits(store.info, sample.aux_hidden_states, sample.last_hidden_state, sample.input_ids,
-                              sample.loss_mask, sample.extras)
+                              sample.loss_mask, sample.extras, sample.hidden_scales)
         for name, want, got in zip(store.info.array_names, store.checksums[i], checksums(list(stored.values()))):
             if int(want) != got:
                 report.mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
@@ -82,8 +83,12 @@ def verify_store(
             except H5feedError as exc:
                 report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
                 continue
-            expected = _stored_bits(store.info, original.aux_hidden_states, original.last_hidden_state,
-                                    original.input_ids, original.stored_loss_mask(), original.extras)
+            aux, last, scales = original.aux_hidden_states, original.last_hidden_state, None
+            if store.info.lossy:  # the store must hold exactly what the conversion's quantization gives
+                scales = token_scales([aux, *([last] if last is not None else [])])
+                aux, last = quantize(aux, scales), None if last is None else quantize(last, scales)
+            expected = _stored_bits(store.info, aux, last, original.input_ids, original.stored_loss_mask(),
+                                    original.extras, scales)
             for name in store.info.array_names:
                 if name not in expected or expected[name].shape != stored[name].shape or not torch.equal(
                         expected[name], stored[name]):
@@ -145,11 +150,12 @@ def _stored_bits(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     extras: dict[str, torch.Tensor],
+    hidden_scales: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """The store's arrays as their on-disk bits, in `info.array_names` order, so that comparisons are
     bit-exact (NaN == NaN, -0 != +0); an array the sample lacks is left out (and reported as differing)."""
     tensors = {"aux_hidden_states": aux, "last_hidden_states": last, "input_ids": input_ids, "loss_mask": loss_mask,
-               **extras}
+               HIDDEN_SCALES: hidden_scales, **extras}
     return {name: tensors[name].view(info.storage_dtype(name)) for name in info.array_names
             if tensors.get(name) is not None}
 
@@ -166,6 +172,11 @@ def describe_store(
     raw = tokens * store.token_nbytes
     stored = store.stored_nbytes()
     cache = {} if cache_dir is None or not store.remote else {"cache": cache_state(cache_dir).summary()}
+    precision = {} if not info.fp8 else {  # an exact store's, the source's bits, go without saying
+        "precision": "fp8 (float8_e4m3fn, one float32 scale per token), read as bfloat16",
+        "lossy": f"yes: quantized from {info.quantized_from} by `h5feed convert --precision fp8`" if info.lossy
+        else "no: the source files' FP8 bytes and scales, kept as they were",
+    }
     summary = {
         "store": str(store.path),
         "samples": len(store),
@@ -178,6 +189,7 @@ def describe_store(
         "hidden_size": info.hidden_size,
         "num_aux_layers": info.num_aux_layers,
         "dtype": info.dtype,
+        **precision,
         "last_state_norm": info.last_state_norm,
         "source_format": info.source_format,
         "source_root": info.source_root,

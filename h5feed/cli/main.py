@@ -43,6 +43,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         last_state_norm=args.last_state_norm,
         storage_options=storage_options(args),
         staging_dir=args.staging_dir,
+        precision=args.precision,
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -57,6 +58,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                  done.bytes_in / busy / 1e6, done.bytes_out / busy / 1e6)
     for skipped in report.skipped:
         log.warning("skipped %s: %s", skipped["path"], skipped["problem"])
+    if args.precision == "fp8":
+        log.warning("%s: the hidden states were quantized to FP8 (lossy: float8_e4m3fn with one scale per token, "
+                    "as hs-connectors' fp8 backend stores them); reads give them back in bfloat16, approximately",
+                    report.store)
     return 0
 
 
@@ -96,6 +101,7 @@ EXAMPLES = {
   h5feed convert /data/hidden_states /data/hs.zarr                   # detect the format, all cores
   h5feed convert dumps/ hs.zarr --last-state-norm post --workers 8   # Model-Optimizer HF dumps
   h5feed convert s3://runs/hs s3://stores/hs.zarr --storage-option endpoint_url=http://minio:9000
+  h5feed convert /data/hidden_states /data/hs-fp8.zarr --precision fp8  # lossy, about half the size
   (run the same command again to resume after a kill, or to append files added to SRC)""",
     "verify": """examples:
   h5feed verify /data/hs.zarr                                # every checksum
@@ -152,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-tokens", type=int, default=None,
                    help="tokens per shard, the unit of storage, a multiple of --chunk-tokens (default: the longest "
                    "sample rounded up, at most 8192: one object per sample and array)")
+    p.add_argument("--precision", choices=["exact", "fp8"], default="exact",
+                   help="exact: the hidden states bit for bit (default); fp8: LOSSY, quantized to float8_e4m3fn with "
+                   "one float32 scale per token, exactly as hs-connectors' fp8 backend does (speculators' "
+                   "--hidden-states-backend fp8), about half the size; reads give them in bfloat16 as its "
+                   "FP8Transfer does")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip the fsyncs that make journaled samples survive a power loss (faster on some disks)")
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable files and record them in the store")

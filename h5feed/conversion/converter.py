@@ -66,22 +66,24 @@ from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, fsync_dir, write_atomically
 from h5feed.io.paths import contained_path
 from h5feed.store import Store, read_ahead
+from h5feed.store.fp8 import DEQUANTIZED_DTYPE, quantize, token_scales
 from h5feed.store.layout import (
     COMPANIONS_DIR,
     DEFAULT_CHUNK_TOKENS,
+    HIDDEN_SCALES,
     MAX_DEFAULT_SHARD_TOKENS,
-    OPTIONAL_ARRAYS_FORMAT_VERSION,
     IndexDigest,
     LastStateNorm,
+    Precision,
     StoreInfo,
     chunk_codec,
     chunk_encoder,
     crc32c,
     create_arrays,
+    dtype_name,
     encode_shard,
     object_key,
     read_info,
-    storage_dtype,
     write_info,
 )
 
@@ -144,12 +146,15 @@ class _Options:
     chunk_tokens: int
     shard_tokens: int | None  # None: the default, from the longest sample
     last_state_norm: LastStateNorm | None = None  # recorded only where the user stated it
+    precision: Precision = "exact"  # recorded only when FP8 (plans written before it have none)
 
     def to_json(self) -> dict[str, Any]:
         options: dict[str, Any] = {"format": self.format, "codec": self.codec, "chunk_tokens": self.chunk_tokens,
                                    "shard_tokens": self.shard_tokens}
         if self.last_state_norm is not None:
             options["last_state_norm"] = self.last_state_norm
+        if self.precision != "exact":
+            options["precision"] = self.precision
         return options
 
 
@@ -216,6 +221,7 @@ def convert(
     last_state_norm: LastStateNorm | None = None,
     storage_options: Mapping[str, Any] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
+    precision: Precision = "exact",
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
 
@@ -238,6 +244,9 @@ def convert(
         storage_options: fsspec options of a bucket SRC and DST (credentials, endpoint_url, ...).
         staging_dir: local folder of a bucket DST's conversion (default: one per DST under
             ~/.cache/h5feed/staging; keep it to resume), and of the sample files workers fetch from a bucket SRC.
+        precision: "exact" keeps the source's hidden states bit for bit; "fp8" quantizes them (lossy) as
+            hs-connectors' fp8 backend does (float8_e4m3fn, one float32 scale per token; `h5feed.store.fp8`),
+            about half the size, read back in bfloat16 as its FP8Transfer returns them.
     """
     if scheduler is not None and scheduler != "local" and workers is not None:
         raise ValueError(f"workers sets the size of the local pool or of scheduler='local'; the cluster at "
@@ -256,8 +265,10 @@ def convert(
     chunk_codec(codec)  # validates the name before anything is written
     if last_state_norm not in (None, "pre", "post"):
         raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
+    if precision not in ("exact", "fp8"):
+        raise ValueError(f"precision must be 'exact' or 'fp8', not {precision!r}")
     settings = _Settings(format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite, progress,
-                         durable, last_state_norm)
+                         durable, last_state_norm, precision)
     try:
         return _convert_anywhere(src, dst, settings, dict(storage_options or {}), staging_dir)
     except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
@@ -279,6 +290,7 @@ class _Settings:
     progress: bool
     durable: bool
     last_state_norm: LastStateNorm | None
+    precision: Precision
 
 
 @dataclass(frozen=True)
@@ -339,7 +351,7 @@ def _convert_locally(
     found = fmt.scan(src_path, s.skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
-    options = _Options(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm)
+    options = _Options(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm, s.precision)
     if dst_path.exists() and not s.overwrite and not (dst_path / "zarr.json").exists():
         if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
             raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
@@ -615,11 +627,13 @@ def _make_plan(
     chunk_tokens = options.chunk_tokens
     shard_tokens = options.shard_tokens or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
     planned, row = _lay_out(probed, 0, shard_tokens)
+    source_dtype = dtype_name(reference.dtype)
+    fp8 = options.precision == "fp8"
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
         num_aux_layers=reference.num_aux_layers,
-        dtype=str(reference.dtype).removeprefix("torch."),
+        dtype=dtype_name(DEQUANTIZED_DTYPE) if fp8 else source_dtype,
         last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.last_state_norm),
         codec=chunk_codec(options.codec),
         chunk_tokens=chunk_tokens,
@@ -629,10 +643,11 @@ def _make_plan(
         ids_shifted=fmt.ids_shifted,
         extra_arrays={extra.name: extra.record() for extra in reference.extras},
         source_info={**fmt.source_info(src_root), **({"layout": reference.layout} if reference.layout else {})},
+        precision=options.precision,
+        quantized_from=source_dtype if fp8 else "",
     )
     info = dataclasses.replace(info, companions=_keep_companions(fmt, src_root, dst, durable))
-    if info.needs_format_3:
-        info = dataclasses.replace(info, format_version=OPTIONAL_ARRAYS_FORMAT_VERSION)
+    info = dataclasses.replace(info, format_version=info.format_version_needed)
     create_arrays(dst, info, total_rows=row)
     if durable:
         _fsync_tree(dst)
@@ -763,6 +778,8 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> No
             "shard_tokens": info.shard_tokens}
     if options.last_state_norm is not None:
         have["last_state_norm"] = info.last_state_norm
+    if info.fp8:
+        have["precision"] = info.precision
     asked = {**options.to_json(), "codec": chunk_codec(options.codec),
              "shard_tokens": options.shard_tokens or info.shard_tokens}
     if have != asked:
@@ -873,7 +890,7 @@ def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
 
 def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: StoreInfo) -> _Plan:
     """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
-    reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.torch_dtype)
+    reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
     probed, skipped = _probe(job, pool, append.new, reference)
     planned, row = _lay_out(probed, plan.total_rows, info.shard_tokens)
     plan = dataclasses.replace(plan, samples=plan.samples + tuple(planned),
@@ -962,7 +979,7 @@ def _convert_pending(
                 if i is None:
                     return
                 s = samples[i]
-                expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.torch_dtype)
+                expected = SampleShape(s.num_tokens, info.hidden_size, info.num_aux_layers, info.source_dtype)
                 if pool.shares_page_cache and fetcher is None:
                     read_ahead(by_relpath[s.relpath].path)  # the disk reads queued files while workers encode
                 in_flight[pool.submit(_convert_task, job.fmt.name, str(dst), by_relpath[s.relpath], s.start, expected,
@@ -1045,21 +1062,32 @@ def _convert_one(
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")
     loss_mask = sample.stored_loss_mask()
-    bits = storage_dtype(sample.aux_parts[0].dtype)
     c = info.chunk_tokens
     rows = range(0, num_tokens, c)
 
     def chunks(tensor: torch.Tensor, name: str) -> Iterable[torch.Tensor]:  # one chunk's rows at a time
         return (tensor[r : r + c].view(info.storage_dtype(name)) for r in rows)
 
-    blocks: dict[str, Iterable[torch.Tensor]] = {  # no copy of a whole sample
-        "aux_hidden_states": (sample.aux_rows(r, r + c).view(bits) for r in rows),
+    last = sample.last_hidden_state
+    scales: torch.Tensor | None = None
+    blocks: dict[str, Iterable[torch.Tensor]] = {}
+    if info.lossy:  # quantized here, as hs-connectors' fp8 backend does (the aux states one chunk at a time)
+        scales = token_scales([*sample.aux_parts, *([last] if last is not None else [])])
+        last = None if last is None else quantize(last, scales)
+        blocks[HIDDEN_SCALES] = chunks(scales, HIDDEN_SCALES)
+
+    def aux_rows(r: int) -> torch.Tensor:
+        aux = sample.aux_rows(r, r + c)
+        return aux if scales is None else quantize(aux, scales[r : r + c])
+
+    blocks.update({  # no copy of a whole sample
+        "aux_hidden_states": (aux_rows(r).view(info.storage_dtype("aux_hidden_states")) for r in rows),
         "input_ids": chunks(sample.input_ids, "input_ids"),
         "loss_mask": chunks(loss_mask, "loss_mask"),
         **{name: chunks(extra, name) for name, extra in sample.extras.items()},
-    }
-    if sample.last_hidden_state is not None:
-        blocks["last_hidden_states"] = chunks(sample.last_hidden_state, "last_hidden_states")
+    })
+    if last is not None:
+        blocks["last_hidden_states"] = chunks(last, "last_hidden_states")
     written = {name: _write_shards(Path(dst), info, name, blocks[name], start, durable) for name in info.array_names}
     return {
         "checksum": [crc for _, crc in written.values()],

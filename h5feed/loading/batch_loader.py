@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
-from h5feed.errors import CorruptSampleError
+from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
@@ -51,11 +51,14 @@ from h5feed.loading.schedule import current_worker
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
+    HIDDEN_ARRAYS,
     BufferPool,
     ReadStats,
     Store,
     shared_allocator,
 )
+from h5feed.store.fp8 import dequantize_into
+from h5feed.store.layout import HIDDEN_SCALES
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
@@ -166,10 +169,17 @@ class BatchWriter:
 
     def _decode(self, i: int, array: str, start: int, dest: torch.Tensor, stats: ReadStats) -> None:
         """Stored rows [start, start + len(dest)) into `dest`: in place when it has the stored dtype
-        (bf16 viewed as its uint16 bits), else through a reused buffer and one cast."""
+        (bf16 viewed as its uint16 bits), else through a reused buffer and one cast; an FP8 store's hidden
+        states through a reused buffer, dequantized with their tokens' scales."""
         info = self.stream.store.info
         logical, stored = info.logical_dtype(array), info.storage_dtype(array)
         shape = (dest.shape[0], info.width(array)) if info.is_matrix(array) else (dest.shape[0],)
+        if info.fp8 and array in HIDDEN_ARRAYS:
+            fp8, scales = self._pool(shape, stored), self._pool((dest.shape[0],), info.storage_dtype(HIDDEN_SCALES))
+            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], fp8, stats)
+            self.stream.store.read_rows_into(i, HIDDEN_SCALES, start, start + dest.shape[0], scales, stats)
+            dequantize_into(fp8.view(logical), scales.view(torch.float32), dest.view(shape))
+            return
         if dest.dtype == logical:
             self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(stored).view(shape),
                                              stats)
@@ -238,8 +248,9 @@ class BatchLoader:
         decode: where the chunks are decoded: "cpu" (default: worker processes or threads, into
             the ring), "cuda" (a `CudaBatchLoader`: threads read and check the compressed chunks,
             the GPU decodes them; batches arrive on the GPU), or "auto": "cuda" when CUDA and nvCOMP
-            are here, the store is Blosc-zstd and no argument of CPU decode (num_workers, ...) is
-            given, else "cpu".
+            are here, the store is Blosc-zstd and exact (not FP8) and no argument of CPU decode
+            (num_workers, ...) is given, else "cpu".  An FP8 store's batches hold its hidden states
+            dequantized as hs-connectors' FP8Transfer returns them (bf16).
         flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`.
         batch_size: items per batch (speculators packs them into one max_len row).
         drop_last: leave out the last batch when it is short (SpecForge's loader does).
@@ -277,6 +288,11 @@ class BatchLoader:
         taken = {name: kwargs.pop(name) for name in _GPU_DECODE_TAKES if kwargs.get(name) is not None}
         stream = stream_of(data, kwargs.pop("flavor", None), kwargs.pop("max_len", None),
                            kwargs.pop("hidden_states_dtype", None), kwargs)
+        if stream.store.info.fp8:  # dequantization on the GPU is not there yet
+            if decode == "cuda":
+                raise StoreError(stream.store.path, "holds FP8 hidden states, which decode='cuda' cannot dequantize "
+                                 "yet: use decode='cpu' (or 'auto'), whose batches hold them dequantized")
+            return super().__new__(cls)
         if decode == "auto" and store_refusal(stream.store) is not None:
             return super().__new__(cls)
         return CudaBatchLoader(stream, **taken)

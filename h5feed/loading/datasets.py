@@ -1,7 +1,8 @@
 """What the trainer imports: a drop-in map-style Dataset and a prefetching, sharded IterableDataset.
 
 Both read through `Store.read_sample` (only the rows the flavor can use, decoded
-straight into shared memory inside DataLoader workers) and build the trainer's
+straight into shared memory inside DataLoader workers; an FP8 store's dequantized as
+hs-connectors' FP8Transfer does) and build the trainer's
 own items with `h5feed.flavors`.  Both own a `LoaderCounters` table that the
 main process can read while training runs (`dataset.counters.snapshot()`).
 """
@@ -29,6 +30,7 @@ from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
+from h5feed.store.fp8 import dequantized
 
 SampleSelector = Sequence[int | str | os.PathLike[str]]
 OnCorrupt = Literal["raise", "skip"]
@@ -199,7 +201,8 @@ class _FlavoredReader:
         except CorruptSampleError as error:
             self.skip_damaged(error, counters)
             return None
-        item = self.flavor.build(raw, self.store.info, self.hidden_states_dtype, self.transform, allocate)
+        item = self.flavor.build(dequantized(raw, allocate), self.store.info, self.hidden_states_dtype, self.transform,
+                                 allocate)
         counters.end_sample(store_index, tokens)
         return item
 

@@ -27,6 +27,13 @@ sharded, chunked and checksummed exactly like them; no `last_hidden_states`
 `index/checksum` then has one column per stored array, in `StoreInfo.array_names`
 order.
 
+Format 4 is format 3 with FP8 hidden states (`precision` "fp8", written only by FP8 stores, so that older
+readers refuse them by their version instead of handing out their bytes as bf16): `aux_hidden_states` and
+`last_hidden_states` hold float8_e4m3fn bits (uint8), and `hidden_states_scales` [rows] the float32 scale of each
+token over all its hidden states (`h5feed.store.fp8`), sharded, chunked and checksummed like the others (its
+checksum column follows the four core arrays').  `dtype` is then the dtype reads deliver (bfloat16), and
+`quantized_from` the source dtype the conversion quantized (empty when the source files held FP8 already).
+
 Any format's index group may carry in its attributes (`IndexDigest`) the crc32c of its rows, written by
 the conversion after the rows: readers check it at open, and a store without it opens unchecked.
 
@@ -54,9 +61,11 @@ if TYPE_CHECKING:
 
 STORE_FORMAT_VERSION = 2
 OPTIONAL_ARRAYS_FORMAT_VERSION = 3  # format 2 + optional parts (see the module docstring)
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+FP8_FORMAT_VERSION = 4  # format 3 + FP8 hidden states and their per-token scales
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 ATTRS_KEY = "h5feed"
 HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
+HIDDEN_SCALES = "hidden_states_scales"  # an FP8 store's per-token scales (hs-connectors' key)
 TOKEN_ARRAYS = ("input_ids", "loss_mask")
 CHECKSUMMED = HIDDEN_ARRAYS + TOKEN_ARRAYS
 INDEX_COLUMNS = ("sample_start", "sample_length", "source_path", "source_index", "checksum", "has_loss_mask")
@@ -68,10 +77,12 @@ BLOSC_MAX_OVERHEAD = 16  # c-blosc's header; a chunk that does not compress is s
 
 COMPANIONS_DIR = "companions"  # files the trainer needs beside the samples, kept byte for byte
 LastStateNorm = Literal["pre", "post"]
+Precision = Literal["exact", "fp8"]  # exact: the source's bits; fp8: float8_e4m3fn and a scale per token
 
 # Bits of a float dtype stored as an unsigned integer of the same width:
 # zarr-python 3 has no bfloat16, and uint keeps every bit pattern exact.
 _STORAGE_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.float8_e4m3fn: torch.uint8,  # an FP8 store's hidden states
     torch.bfloat16: torch.uint16,
     torch.float16: torch.uint16,
     torch.float32: torch.uint32,
@@ -86,7 +97,7 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     try:
         return _STORAGE_DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"h5feed stores bfloat16, float16 or float32 hidden states, not {dtype}") from None
+        raise ValueError(f"h5feed stores bfloat16, float16, float32 or float8_e4m3fn hidden states, not {dtype}") from None
 
 
 def array_storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,10 +142,31 @@ class StoreInfo:
     extra_arrays: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dtype", "width"}
     source_info: dict[str, Any] = field(default_factory=dict)  # what the source format says beyond the arrays
     companions: dict[str, dict[str, Any]] = field(default_factory=dict)  # files kept beside the samples
+    # Format 4 (see the module docstring); the defaults are an exact store's, and are left out of its attributes.
+    precision: Precision = "exact"
+    quantized_from: str = ""  # fp8 quantized at conversion: the source's dtype name; "": the source held FP8
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype reads deliver the hidden states in (an FP8 store's: bfloat16, as hs-connectors reads them)."""
         return dtype_from_name(self.dtype)
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the conversion rounded the source's hidden states (to FP8): reads give the source's values
+        only approximately."""
+        return bool(self.quantized_from)
+
+    @property
+    def source_dtype(self) -> torch.dtype:
+        """The dtype of the source files' hidden states (what each file converted into this store must have)."""
+        if not self.fp8:
+            return self.torch_dtype
+        return dtype_from_name(self.quantized_from) if self.quantized_from else torch.float8_e4m3fn
 
     @property
     def sharded(self) -> bool:
@@ -153,12 +185,19 @@ class StoreInfo:
     def array_names(self) -> tuple[str, ...]:
         """Every per-token array the store holds, in the order of `index/checksum`'s columns."""
         core = tuple(n for n in CHECKSUMMED if self.has_last_state or n != "last_hidden_states")
-        return core + tuple(self.extra_arrays)
+        return core + ((HIDDEN_SCALES,) if self.fp8 else ()) + tuple(self.extra_arrays)
 
     @property
     def needs_format_3(self) -> bool:
         """Whether the store needs format 3 (some attribute differs from a format-2 store's)."""
         return any(getattr(self, name) != default for name, default in _FORMAT_3_DEFAULTS.items())
+
+    @property
+    def format_version_needed(self) -> int:
+        """The oldest format that holds this store: the one its conversion writes."""
+        if self.fp8:
+            return FP8_FORMAT_VERSION
+        return OPTIONAL_ARRAYS_FORMAT_VERSION if self.needs_format_3 else STORE_FORMAT_VERSION
 
     def width(self, name: str) -> int:
         """Values per row of array `name` (1 for the per-token arrays)."""
@@ -173,14 +212,19 @@ class StoreInfo:
         return name in HIDDEN_ARRAYS or self.width(name) > 1
 
     def logical_dtype(self, name: str) -> torch.dtype:
+        """The dtype array `name` holds as stored (an FP8 store's hidden arrays: float8_e4m3fn)."""
         if name in self.extra_arrays:
             return dtype_from_name(self.extra_arrays[name]["dtype"])
-        return self.torch_dtype if name in HIDDEN_ARRAYS else torch.int64
+        if name == HIDDEN_SCALES:
+            return torch.float32
+        if name in HIDDEN_ARRAYS:
+            return torch.float8_e4m3fn if self.fp8 else self.torch_dtype
+        return torch.int64
 
     def storage_dtype(self, name: str) -> torch.dtype:
-        if name in self.extra_arrays:
+        if name in self.extra_arrays or name in HIDDEN_ARRAYS or name == HIDDEN_SCALES:
             return array_storage_dtype(self.logical_dtype(name))
-        return storage_dtype(self.torch_dtype) if name in HIDDEN_ARRAYS else torch.int64
+        return torch.int64
 
     def row_nbytes(self, name: str) -> int:
         return self.width(name) * self.storage_dtype(name).itemsize
@@ -208,6 +252,17 @@ class StoreInfo:
                 self.storage_dtype(name)
         except (ValueError, TypeError, KeyError) as exc:
             return f"the dtype of {name} is not one h5feed stores ({exc})"
+        if self.precision not in ("exact", "fp8"):
+            return f"precision is {self.precision!r}, not 'exact' or 'fp8'"
+        try:
+            fits = (self.format_version == FP8_FORMAT_VERSION and self.dtype == "bfloat16"
+                    and (not self.quantized_from or self.source_dtype.itemsize > 1)) if self.fp8 else (
+                self.format_version < FP8_FORMAT_VERSION and self.torch_dtype.itemsize > 1 and not self.quantized_from)
+        except ValueError:
+            fits = False
+        if not fits:
+            return (f"precision {self.precision!r}, format {self.format_version}, dtype {self.dtype} and "
+                    f"quantized_from {self.quantized_from!r} do not go together")
         return None
 
     def max_chunk_nbytes(self, name: str) -> int:
@@ -222,8 +277,8 @@ class StoreInfo:
         return self.chunks_per_shard * self.max_chunk_nbytes(name) + shard_index_nbytes(self.chunks_per_shard)
 
     def to_json(self) -> dict[str, Any]:
-        """The attributes; a format-2 store's are exactly what format 2 wrote (no format-3 keys)."""
-        return {k: v for k, v in self.__dict__.items() if k not in _FORMAT_3_DEFAULTS or v != _FORMAT_3_DEFAULTS[k]}
+        """The attributes; a format-2 store's are exactly what format 2 wrote (no format-3 or format-4 keys)."""
+        return {k: v for k, v in self.__dict__.items() if k not in _LATER_DEFAULTS or v != _LATER_DEFAULTS[k]}
 
     @classmethod
     def from_json(cls, attrs: dict[str, Any]) -> StoreInfo:
@@ -232,6 +287,7 @@ class StoreInfo:
 
 _FORMAT_3_DEFAULTS: dict[str, Any] = {"has_last_state": True, "ids_shifted": False, "extra_arrays": {},
                                       "source_info": {}, "companions": {}}
+_LATER_DEFAULTS: dict[str, Any] = {**_FORMAT_3_DEFAULTS, "precision": "exact", "quantized_from": ""}
 
 
 def _is_int(value: Any) -> bool:

@@ -36,6 +36,7 @@ from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
     EMPTY,
+    HIDDEN_SCALES,
     INDEX_COLUMNS,
     TOKEN_ARRAYS,
     IndexDigest,
@@ -67,7 +68,8 @@ READ_DEADLINE = 300.0  # seconds a sample's read from a bucket may take, retries
 
 @dataclass
 class RawSample:
-    """One sample's tensors as stored: hidden states in their logical dtype, views of one buffer each."""
+    """One sample's tensors as stored: hidden states in their logical dtype (an FP8 store's: float8_e4m3fn, with
+    their scales; `h5feed.store.fp8.dequantized` gives them as read), views of one buffer each."""
 
     input_ids: torch.Tensor  # int64 [t]
     loss_mask: torch.Tensor  # int64 [t]
@@ -76,6 +78,7 @@ class RawSample:
     num_tokens: int  # tokens of the whole sample (t may be fewer when truncated)
     has_loss_mask: bool
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the optional arrays read, [t, width] or [t]
+    hidden_scales: torch.Tensor | None = None  # an FP8 store's: float32 [t], each token's (`h5feed.store.fp8`)
 
 
 @dataclass
@@ -439,6 +442,7 @@ class Store:
             if t == int(self.sample_lengths[i]):
                 self._check_length(i, name, arrays[name])
         last = arrays.pop("last_hidden_states", None)
+        scales = arrays.pop(HIDDEN_SCALES, None)
         return RawSample(
             input_ids=arrays.pop("input_ids"),
             loss_mask=arrays.pop("loss_mask"),
@@ -447,6 +451,7 @@ class Store:
             num_tokens=int(self.sample_lengths[i]),
             has_loss_mask=bool(self.has_loss_mask[i]),
             extras=arrays,
+            hidden_scales=scales,
         )
 
     def read_rows_into(
