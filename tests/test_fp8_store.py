@@ -1,0 +1,331 @@
+"""FP8 stores: hidden states kept as hs-connectors' fp8 backend keeps them, read back as its FP8Transfer returns them.
+
+The expected values come from the released hs-connectors (its `quantize_tensor_to_fp8`, its safetensors files
+written as `FP8HiddenStatesConnector` writes them, read back by `FP8Transfer`), never from h5feed's own copy of
+the arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+from hs_connectors.transfer import FP8Transfer
+from safetensors.torch import save_file
+
+import h5feed
+from h5feed import BatchLoader, HiddenStatesDataset, StoreError
+from h5feed.errors import CorruptSampleError
+from h5feed.flavors import FLAVORS, get_flavor
+from h5feed.loading.datasets import HiddenStatesStream
+from h5feed.store import Store, plain_allocator
+from h5feed.store import layout as store_layout
+from h5feed.store.fp8 import quantize, token_scales
+from h5feed.synthetic import write_synthetic
+from h5feed.verify import describe_store, verify_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+H = 32
+K = 3
+LENGTHS = [1, 5, 16, 17, 40, 3, 33]  # one token, whole chunks, cut chunks, several chunks
+N = len(LENGTHS)
+# each flavor, from a source format whose store it serves (the norm of its last state, a NeMo cache's layout)
+FLAVOR_SOURCES = {
+    "speculators-legacy": "speculators-safetensors", "speculators": "speculators-safetensors",
+    "modelopt": "speculators-safetensors", "modelopt-answer-only": "speculators-safetensors",
+    "specforge": "specforge-ckpt", "specforge-shifted": "specforge-ckpt", "modelopt-0.45": "specforge-ckpt",
+    "angelslim": "angelslim-ckpt", "nemo-eagle3": "nemo-eagle3-cache",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One source folder converted twice: exactly, and to FP8; and hs-connectors' FP8 files of its samples."""
+
+    src: Path
+    exact: Path
+    fp8: Path
+    fp8_files: Path  # hs_{i}.safetensors for store index i, as FP8HiddenStatesConnector writes them
+
+
+def _write_fp8_files(exact: Store, folder: Path) -> None:
+    """Each sample's layers [T, K(+1), H], quantized by hs-connectors and saved as its fp8 connector saves them."""
+    folder.mkdir()
+    for i in range(len(exact)):
+        raw = exact.read_sample(i)
+        t = raw.num_tokens
+        layers = raw.aux_hidden_states.view(t, -1, exact.info.hidden_size)
+        if raw.last_hidden_state is not None:
+            layers = torch.cat([layers, raw.last_hidden_state[:, None]], dim=1)
+        fp8, scales = quantize_tensor_to_fp8(layers)
+        save_file({"hidden_states": fp8, SCALES_KEY: scales, "token_ids": raw.input_ids},
+                  str(folder / f"hs_{i}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    made: dict[str, Pair] = {}
+
+    def make(fmt: str) -> Pair:
+        if fmt not in made:
+            root = tmp_path_factory.mktemp(fmt)
+            write_synthetic(root / "src", fmt, N, H, K, lengths=LENGTHS, seed=11)
+            for name, precision in (("exact", "exact"), ("fp8", "fp8")):
+                h5feed.convert(root / "src", root / name, workers=0, chunk_tokens=16, progress=False,
+                               precision=precision)
+            _write_fp8_files(Store(root / "exact"), root / "fp8_files")
+            made[fmt] = Pair(root / "src", root / "exact", root / "fp8", root / "fp8_files")
+        return made[fmt]
+
+    return make
+
+
+def fp8transfer_item(pair: Pair, i: int, flavor: str, max_len: int | None = None) -> dict:
+    """The flavor's item for store index i, its hidden states what FP8Transfer returns for the sample's FP8 file
+    (everything else from the exact store, which the other tests check against each trainer's own reading)."""
+    exact = Store(pair.exact)
+    spec = get_flavor(flavor)
+    t = spec.tokens_to_read(int(exact.sample_lengths[i]), max_len)
+    raw = exact.read_sample(i, t, extras=spec.extras(exact.info))
+    restored = FP8Transfer(pair.fp8_files).get_cached(i)["hidden_states"][:t]
+    assert restored.dtype == torch.bfloat16
+    aux = restored[:, :K].reshape(t, K * H)
+    last = restored[:, K] if raw.last_hidden_state is not None else None
+    raw = dataclasses.replace(raw, aux_hidden_states=aux, last_hidden_state=last)
+    return spec.build(raw, exact.info, spec.default_hidden_states_dtype, None, plain_allocator)
+
+
+def flat(batch: dict) -> dict:
+    """A batch with its nested dicts (Model-Optimizer's base_model_outputs) spread into dotted keys, copied out of
+    its slot."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in flat(value).items()})
+        else:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+# =========================================================================== quantization
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_equals_hs_connectors_bit_for_bit(dtype):
+    """Per token over aux layers and last state together: the same fp8 bits and the same float32 scales."""
+    g = torch.Generator().manual_seed(0)
+    layers = (torch.randn(64, K + 1, H, generator=g) * torch.logspace(-6, 4, 64)[:, None, None]).to(dtype)
+    layers[3] = 0  # an all-zero token: the scale's floor
+    layers[4, 1, 7] = -0.0
+    layers[5, 2, 0] = torch.finfo(dtype).max  # the largest value the dtype holds
+    layers[6, 0, 0] = torch.finfo(dtype).tiny
+    want_fp8, want_scales = quantize_tensor_to_fp8(layers)
+
+    aux, last = layers[:, :K].reshape(64, K * H), layers[:, K]
+    scales = token_scales([aux, last])
+    assert scales.dtype == torch.float32 and torch.equal(scales, want_scales.reshape(64))
+    assert float(scales[3]) == np.float32(1e-12)
+    got = torch.cat([quantize(aux, scales).view(64, K, H), quantize(last, scales)[:, None]], dim=1)
+    assert got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), want_fp8.view(torch.uint8))
+    # quantizing part of a sample's rows (a chunk) with their scales gives those rows' bits
+    assert torch.equal(quantize(aux[10:26], scales[10:26]).view(torch.uint8),
+                       want_fp8[10:26, :K].reshape(16, K * H).view(torch.uint8))
+
+
+# =========================================================================== the store
+
+
+def test_fp8_store_holds_hs_connectors_bytes_and_scales(pairs, source_sample):
+    """From bf16 files, --precision fp8 stores exactly quantize_tensor_to_fp8's bytes and scales, as uint8 and
+    float32 arrays any Zarr reader sees (never expanded), in a format older readers refuse."""
+    import zarr
+
+    pair = pairs("speculators-safetensors")
+    store = Store(pair.fp8)
+    info = store.info
+    assert (info.precision, info.quantized_from, info.dtype, info.format_version) == ("fp8", "bfloat16", "bfloat16", 4)
+    group = zarr.open_group(pair.fp8, mode="r")
+    assert {name: str(group[name].dtype) for name in info.array_names} == {
+        "aux_hidden_states": "uint8", "last_hidden_states": "uint8", "input_ids": "int64", "loss_mask": "int64",
+        "hidden_states_scales": "uint32"}
+    for i in range(N):
+        source = source_sample("speculators-safetensors", pair.src, store.source_paths[i], int(store.source_indices[i]))
+        want_fp8, want_scales = quantize_tensor_to_fp8(torch.cat([source["aux"].view(-1, K, H),
+                                                                  source["last"][:, None]], dim=1))
+        t = len(source["input_ids"])
+        rows = slice(int(store.sample_starts[i]), int(store.sample_starts[i]) + t)
+        assert torch.equal(torch.from_numpy(group["aux_hidden_states"][rows]),
+                           want_fp8[:, :K].reshape(t, K * H).view(torch.uint8))
+        assert torch.equal(torch.from_numpy(group["last_hidden_states"][rows]), want_fp8[:, K].view(torch.uint8))
+        assert torch.equal(torch.from_numpy(group["hidden_states_scales"][rows].view(np.float32)),
+                           want_scales.reshape(t))
+        raw = store.read_sample(i)
+        assert raw.aux_hidden_states.dtype == torch.float8_e4m3fn and raw.hidden_scales.dtype == torch.float32
+        assert torch.equal(raw.input_ids, source["input_ids"])
+    report = verify_store(pair.fp8, pair.src, progress=False)
+    assert report.ok and report.samples_checked == N, report.mismatches
+
+
+def test_fp8_store_is_smaller_than_the_exact_one(pairs):
+    """One byte a value instead of two, plus 4 bytes a token of scales.  (How much smaller it is stored, with the
+    codec, depends on the values and on H: at these tiny shapes the chunks' own overheads weigh, and synthetic values
+    are not real activations; the README's figures are measured at real shapes.)"""
+    pair = pairs("speculators-safetensors")
+    exact, fp8 = Store(pair.exact), Store(pair.fp8)
+    assert fp8.token_nbytes == exact.token_nbytes - (K + 1) * H + 4
+    assert fp8.stored_nbytes() < exact.stored_nbytes()
+
+
+def test_an_older_reader_refuses_an_fp8_store_by_its_version(pairs, monkeypatch):
+    """A reader of formats 1-3 (as h5feed before FP8 stores) says what to do, instead of reading uint8 as bf16."""
+    monkeypatch.setattr(store_layout, "READABLE_FORMAT_VERSIONS", (1, 2, 3))
+    with pytest.raises(StoreError) as refused:
+        Store(pairs("speculators-safetensors").fp8)
+    assert refused.value.problem == ("store format version 4 is not one this h5feed reads (1, 2, 3); upgrade h5feed "
+                                     "or reconvert the store")
+
+
+def test_fp8_attributes_that_do_not_go_together_are_refused(pairs, tmp_path):
+    import shutil
+
+    path = tmp_path / "edited"
+    shutil.copytree(pairs("speculators-safetensors").fp8, path)
+    meta = json.loads((path / "zarr.json").read_text())
+    meta["attributes"]["h5feed"]["dtype"] = "float32"  # would size reads as float32
+    (path / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError) as refused:
+        Store(path)
+    assert "precision 'fp8', format 4, dtype float32 and quantized_from 'bfloat16' do not go together" in str(
+        refused.value)
+
+
+# =========================================================================== reading
+
+
+@pytest.mark.parametrize("flavor", list(FLAVOR_SOURCES))
+def test_every_flavors_items_equal_fp8transfers(pairs, assert_same_batch, flavor):
+    """HiddenStatesDataset (in this process and in DataLoader workers) and HiddenStatesStream: each item's hidden
+    states are FP8Transfer's dequantization (bf16, then the trainer's own cast), everything else as exact."""
+    assert set(FLAVOR_SOURCES) == set(FLAVORS)
+    pair = pairs(FLAVOR_SOURCES[flavor])
+    want = [fp8transfer_item(pair, i, flavor) for i in range(N)]
+    dataset = HiddenStatesDataset(pair.fp8, flavor)
+    for i in range(N):
+        assert_same_batch(dataset[i], want[i])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    for got, expected in zip(loader, want, strict=True):
+        assert_same_batch(got, expected)
+    for got, expected in zip(HiddenStatesStream(pair.fp8, flavor, shuffle=False, threads=2), want, strict=True):
+        assert_same_batch(got, expected)
+
+
+def test_a_window_of_max_len_dequantizes_only_its_rows(pairs, assert_same_batch):
+    pair = pairs("speculators-safetensors")
+    dataset = HiddenStatesDataset(pair.fp8, "speculators", max_len=10)
+    for i in range(N):
+        assert_same_batch(dataset[i], fp8transfer_item(pair, i, "speculators", max_len=10))
+
+
+@pytest.mark.parametrize(("flavor", "num_workers", "max_len"), [
+    ("speculators", 0, 24), ("speculators-legacy", 2, 24), ("specforge", 0, 20), ("specforge-shifted", 2, 64),
+    ("modelopt", 0, 32), ("modelopt-answer-only", 2, 32), ("angelslim", 2, None), ("nemo-eagle3", 0, None),
+])
+def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, flavor, num_workers, max_len):
+    """Threads and worker processes decode FP8 rows and their scales straight into the batch: the trainer's collate
+    of FP8Transfer's items, bit for bit."""
+    pair = pairs(FLAVOR_SOURCES[flavor])
+    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, num_workers=num_workers, threads=2,
+                         shuffle=False)
+    got = [flat(batch) for batch in loader]
+    collate = h5feed.trainer_collate(flavor, max_len,
+                                     hidden_states_dtype=get_flavor(flavor).default_hidden_states_dtype)
+    items = [fp8transfer_item(pair, i, flavor, max_len) for i in range(N)]
+    want = [flat(collate(items[j : j + 2])) for j in range(0, N, 2)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert_same_batch(g, w)
+
+
+def test_decode_on_the_gpu_refuses_an_fp8_store(pairs):
+    path = pairs("speculators-safetensors").fp8
+    with pytest.raises(StoreError) as refused:
+        BatchLoader(path, decode="cuda", flavor="speculators", max_len=64)
+    assert refused.value.problem == ("holds FP8 hidden states, which decode='cuda' cannot dequantize yet: use "
+                                     "decode='cpu' (or 'auto'), whose batches hold them dequantized")
+    with BatchLoader(path, decode="auto", flavor="speculators", max_len=64) as loader:
+        assert type(loader) is BatchLoader
+
+
+# =========================================================================== damage
+
+
+def test_a_damaged_scale_is_never_delivered(pairs, tmp_path, flip_byte, assert_same_batch):
+    """A flipped byte in a token's scale fails its chunk's checksum: an error naming the sample, or with
+    on_corrupt="skip" a counted skip, the other batches exact."""
+    import shutil
+
+    pair = pairs("speculators-safetensors")
+    path = tmp_path / "damaged"
+    shutil.copytree(pair.fp8, path)
+    flip_byte(path, 4, "hidden_states_scales", chunk=1, at=20)  # sample 4: 40 tokens, its second chunk
+    with pytest.raises(CorruptSampleError) as damaged:
+        HiddenStatesDataset(path, "speculators")[4]
+    assert damaged.value.sample == 4 and "hidden_states_scales" in damaged.value.path
+    for num_workers in (0, 2):
+        loader = BatchLoader(path, flavor="speculators", max_len=64, batch_size=2, num_workers=num_workers,
+                             shuffle=False, on_corrupt="skip")
+        got = [flat(b) for b in loader]
+        collate = h5feed.trainer_collate("speculators", 64)
+        items = [fp8transfer_item(pair, i, "speculators", 64) for i in range(N)]
+        want = [collate(items[0:2]), collate(items[2:4]), collate(items[5:6]), collate(items[6:7])]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_batch(g, w)
+        assert loader.dataset.counters.snapshot().total("corrupt") == 1
+
+
+# =========================================================================== convert and inspect
+
+
+def test_the_cli_says_fp8_is_lossy_and_inspect_names_it(tmp_path, cli, capsys):
+    from h5feed.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    assert "fp8: LOSSY, quantized to float8_e4m3fn" in " ".join(capsys.readouterr().out.split())
+    write_synthetic(tmp_path / "src", "speculators-safetensors", 3, H, K, lengths=(4, 20), seed=2)
+    converted = cli("convert", tmp_path / "src", tmp_path / "fp8", "--precision", "fp8", "--workers", "0")
+    assert converted.status == 0
+    assert (f"{tmp_path / 'fp8'}: the hidden states were quantized to FP8 (lossy: float8_e4m3fn with one scale per "
+            "token, as hs-connectors' fp8 backend stores them); reads give them back in bfloat16, approximately"
+            ) in converted.output
+    summary = json.loads(cli("inspect", tmp_path / "fp8", "--json").stdout)
+    assert summary["precision"] == "fp8 (float8_e4m3fn, one float32 scale per token), read as bfloat16"
+    assert summary["lossy"] == "yes: quantized from bfloat16 by `h5feed convert --precision fp8`"
+    assert summary == describe_store(tmp_path / "fp8") and summary["format_version"] == 4
+    assert "precision" not in describe_store(h5feed.convert(tmp_path / "src", tmp_path / "exact", workers=0,
+                                                            progress=False).store)
+
+
+def test_a_rerun_must_ask_for_the_same_precision_and_an_append_is_quantized_too(tmp_path):
+    src = tmp_path / "src"
+    write_synthetic(src, "speculators-legacy-pt", 6, H, K, lengths=(4, 20), seed=3)
+    (tmp_path / "later").mkdir()
+    for i in (4, 5):  # files SRC gets after the first conversion
+        (src / f"data_{i}.pt").rename(tmp_path / "later" / f"data_{i}.pt")
+    h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    with pytest.raises(StoreError) as refused:
+        h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False)
+    assert "'precision': 'fp8'" in refused.value.problem and "pass --overwrite" in refused.value.problem
+    for i in (4, 5):
+        (tmp_path / "later" / f"data_{i}.pt").rename(src / f"data_{i}.pt")
+    report = h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    assert (report.num_samples, report.converted_now) == (6, 2)
+    assert verify_store(tmp_path / "fp8", src, progress=False).ok
