@@ -97,7 +97,7 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     try:
         return _STORAGE_DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"h5feed stores bfloat16, float16, float32 or float8_e4m3fn hidden states, not {dtype}") from None
+        raise ValueError(f"h5feed stores bfloat16, float16 or float32 hidden states, not {dtype}") from None
 
 
 def array_storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -222,7 +222,9 @@ class StoreInfo:
         return torch.int64
 
     def storage_dtype(self, name: str) -> torch.dtype:
-        if name in self.extra_arrays or name in HIDDEN_ARRAYS or name == HIDDEN_SCALES:
+        if name in HIDDEN_ARRAYS:
+            return storage_dtype(self.logical_dtype(name))  # floats only
+        if name in self.extra_arrays or name == HIDDEN_SCALES:
             return array_storage_dtype(self.logical_dtype(name))
         return torch.int64
 
