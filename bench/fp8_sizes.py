@@ -1,0 +1,86 @@
+"""What an FP8 store saves: the same source set converted exactly and with --precision fp8, sizes and errors.
+
+Writes a synthetic source set (by default the shape of `h5feed bench`'s Kimi set, fewer samples: its values
+are synthetic, not real activations, so the ratios say how the codec does on them, not on a model's), converts
+it twice, and prints the stored bytes against raw bf16, and the FP8 error per token (the RMS error over all of
+a token's hidden states, and relative to their RMS), beside speculators 0.4's training noise (uniform,
+std 0.05).
+
+    python bench/fp8_sizes.py --work /tmp/fp8-sizes [--samples 4] [--hidden-size 7168] [--src FOLDER]
+
+`--src` measures an existing source folder (real activations) instead of writing a synthetic one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import h5feed
+from h5feed.bench.synthetic_set import DEFAULT_SPEC
+from h5feed.store import Store, plain_allocator
+from h5feed.store.fp8 import dequantized
+from h5feed.synthetic import write_synthetic
+
+NOISE_STD = 0.05  # speculators 0.4's AddUniformNoise (examples/speculators_04.py): uniform in [-std, std]
+
+
+def _figures(values: torch.Tensor) -> dict[str, float]:
+    return {"median": round(float(values.median()), 5), "p99": round(float(values.quantile(0.99)), 5),
+            "max": round(float(values.max()), 5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--src", type=Path, help="a source folder to measure (default: write a synthetic one)")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=DEFAULT_SPEC.hidden_size)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args()
+    src = args.src or args.work / "src"
+    if args.src is None and not src.exists():
+        write_synthetic(src, DEFAULT_SPEC.format, args.samples, args.hidden_size, DEFAULT_SPEC.num_aux_layers,
+                        DEFAULT_SPEC.tokens, DEFAULT_SPEC.seed)
+    stores = {}
+    for precision in ("exact", "fp8"):
+        report = h5feed.convert(src, args.work / precision, workers=args.workers, progress=False, precision=precision)
+        stores[precision] = Store(report.store)
+    exact, fp8 = stores["exact"], stores["fp8"]
+    tokens = int(exact.sample_lengths.sum())
+    values = (exact.info.num_aux_layers + 1) * exact.info.hidden_size
+    raw_bf16 = tokens * values * 2
+    abs_rms, rel_rms = [], []  # per token, over all its hidden states
+    for i in range(len(exact)):
+        want, got = exact.read_sample(i), dequantized(fp8.read_sample(i), plain_allocator)
+        w = torch.cat([want.aux_hidden_states, want.last_hidden_state], dim=1).float()
+        g = torch.cat([got.aux_hidden_states, got.last_hidden_state], dim=1).float()
+        squared = ((g - w) ** 2).mean(dim=1)
+        abs_rms.append(squared.sqrt())
+        rel_rms.append((squared / (w**2).mean(dim=1)).sqrt())
+    absolute, relative = torch.cat(abs_rms), torch.cat(rel_rms)
+    hidden = ("aux_hidden_states", "last_hidden_states")
+
+    def stored(store: Store, names: tuple[str, ...]) -> int:
+        return sum(f.stat().st_size for n in names for f in (Path(store.path) / n).rglob("*") if f.is_file())
+
+    print(json.dumps({
+        "samples": len(exact), "tokens": tokens, "hidden_size": exact.info.hidden_size,
+        "num_aux_layers": exact.info.num_aux_layers, "source": str(src), "synthetic": args.src is None,
+        "raw_bf16_hidden_bytes": raw_bf16,
+        "exact_hidden_bytes": stored(exact, hidden),
+        "fp8_hidden_and_scale_bytes": stored(fp8, (*hidden, "hidden_states_scales")),
+        "exact_store_bytes": exact.stored_nbytes(), "fp8_store_bytes": fp8.stored_nbytes(),
+        "raw_bf16_over_exact_hidden": round(raw_bf16 / stored(exact, hidden), 3),
+        "raw_bf16_over_fp8_hidden": round(raw_bf16 / stored(fp8, (*hidden, "hidden_states_scales")), 3),
+        "fp8_over_exact_store": round(fp8.stored_nbytes() / exact.stored_nbytes(), 3),
+        "rms_error_per_token": _figures(absolute), "relative_rms_error_per_token": _figures(relative),
+        "speculators_04_noise_rms": round(NOISE_STD / 3**0.5, 4),  # uniform in [-0.05, 0.05]
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
