@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor, quantize_tensor_to_fp8
 from hs_connectors.transfer import FP8Transfer
 from safetensors.torch import save_file
 
@@ -25,7 +25,7 @@ from h5feed.flavors import FLAVORS, get_flavor
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store, plain_allocator
 from h5feed.store import layout as store_layout
-from h5feed.store.fp8 import quantize, token_scales
+from h5feed.store.fp8 import dequantize_into, quantize, token_scales
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -137,6 +137,18 @@ def test_quantize_equals_hs_connectors_bit_for_bit(dtype):
     # quantizing part of a sample's rows (a chunk) with their scales gives those rows' bits
     assert torch.equal(quantize(aux[10:26], scales[10:26]).view(torch.uint8),
                        want_fp8[10:26, :K].reshape(16, K * H).view(torch.uint8))
+
+
+def test_dequantize_equals_hs_connectors_for_every_fp8_value():
+    """All 256 float8_e4m3fn codes (NaN, +-0, subnormals, +-448) times scales from the floor to large ones: the
+    bits of hs-connectors' dequantize_fp8_tensor, into bfloat16 and, cast from it, into float32."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(6, 1).view(torch.float8_e4m3fn)
+    scales = torch.tensor([1e-12, 3e-7, 1 / 448, 0.0123, 1.0, 771.5], dtype=torch.float32)
+    want = dequantize_fp8_tensor(codes, scales[:, None])
+    got = dequantize_into(codes, scales, torch.empty(6, 256, dtype=torch.bfloat16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    wide = dequantize_into(codes, scales, torch.empty(6, 256, dtype=torch.float32))
+    assert torch.equal(wide.view(torch.int32), want.float().view(torch.int32))
 
 
 # =========================================================================== the store

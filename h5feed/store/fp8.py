@@ -42,8 +42,18 @@ def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     float dtype gets that bfloat16 product cast (exact into float32, as a trainer's own cast of it would be)."""
     scales = scales.to(DEQUANTIZED_DTYPE)[:, None]
     if out.dtype == DEQUANTIZED_DTYPE:
-        return torch.mul(fp8.to(DEQUANTIZED_DTYPE), scales, out=out)
-    return out.copy_(fp8.to(DEQUANTIZED_DTYPE) * scales)
+        return torch.mul(as_bfloat16(fp8), scales, out=out)
+    return out.copy_(as_bfloat16(fp8) * scales)
+
+
+# The bfloat16 bits of each of the 256 float8_e4m3fn values, from torch's own cast (every one is a bfloat16 value).
+_BFLOAT16_BITS = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(DEQUANTIZED_DTYPE).view(torch.int16).numpy()
+
+
+def as_bfloat16(fp8: torch.Tensor) -> torch.Tensor:
+    """`fp8.to(torch.bfloat16)` of a CPU tensor, looked up in a table of its 256 values: the same bits, 3x faster
+    than torch's cast on the CPU (which converts one value at a time: most of a read's time, else)."""
+    return torch.from_numpy(_BFLOAT16_BITS[fp8.view(torch.uint8).numpy()]).view(DEQUANTIZED_DTYPE)
 
 
 def dequantized(raw: RawSample, allocate: Allocator) -> RawSample:
