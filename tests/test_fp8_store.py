@@ -273,6 +273,10 @@ def test_decode_on_the_gpu_refuses_an_fp8_store(pairs):
                                      "decode='cpu' (or 'auto'), whose batches hold them dequantized")
     with BatchLoader(path, decode="auto", flavor="speculators", max_len=64) as loader:
         assert type(loader) is BatchLoader
+    with pytest.raises(StoreError) as refused:  # what the GPU backend reads: no FP8 frame leaves without its scales
+        Store(path).copy_frames_into(4, "aux_hidden_states", 40, np.empty(1 << 20, dtype=np.uint8))
+    assert refused.value.problem == ("holds FP8 hidden states, which decode on the GPU cannot dequantize yet: read it "
+                                     "with BatchLoader(decode='cpu')")
 
 
 # =========================================================================== damage
