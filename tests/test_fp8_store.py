@@ -345,3 +345,15 @@ def test_a_rerun_must_ask_for_the_same_precision_and_an_append_is_quantized_too(
     report = h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")
     assert (report.num_samples, report.converted_now) == (6, 2)
     assert verify_store(tmp_path / "fp8", src, progress=False).ok
+
+
+def test_an_interrupted_fp8_conversion_resumes_to_the_same_bytes(tmp_path, interrupted_convert, assert_same_tree):
+    src = tmp_path / "src"
+    write_synthetic(src, "speculators-safetensors", 5, H, K, lengths=(4, 40), seed=4)
+    h5feed.convert(src, tmp_path / "ref", workers=0, progress=False, precision="fp8")
+    assert sorted(interrupted_convert(src, tmp_path / "store", after=2, precision="fp8")) == [0, 1]
+    with pytest.raises(StoreError) as refused:  # resuming asks for the same precision
+        h5feed.convert(src, tmp_path / "store", workers=0, progress=False)
+    assert "'shard_tokens': None, 'precision': 'fp8'}, not" in refused.value.problem
+    h5feed.convert(src, tmp_path / "store", workers=0, progress=False, precision="fp8")
+    assert_same_tree(tmp_path / "ref", tmp_path / "store")
