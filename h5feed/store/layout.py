@@ -256,12 +256,11 @@ class StoreInfo:
             return f"the dtype of {name} is not one h5feed stores ({exc})"
         if self.precision not in ("exact", "fp8"):
             return f"precision is {self.precision!r}, not 'exact' or 'fp8'"
-        try:
+        if self.fp8:  # read as bfloat16, from FP8 sources or quantized from full-precision ones
             fits = (self.format_version == FP8_FORMAT_VERSION and self.dtype == "bfloat16"
-                    and (not self.quantized_from or self.source_dtype.itemsize > 1)) if self.fp8 else (
-                self.format_version < FP8_FORMAT_VERSION and self.torch_dtype.itemsize > 1 and not self.quantized_from)
-        except ValueError:
-            fits = False
+                    and self.quantized_from in ("", "bfloat16", "float16", "float32"))
+        else:
+            fits = self.format_version < FP8_FORMAT_VERSION and self.dtype != "float8_e4m3fn" and not self.quantized_from
         if not fits:
             return (f"precision {self.precision!r}, format {self.format_version}, dtype {self.dtype} and "
                     f"quantized_from {self.quantized_from!r} do not go together")
