@@ -16,6 +16,7 @@ import pytest
 import torch
 from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor, quantize_tensor_to_fp8
 from hs_connectors.transfer import FP8Transfer
+from s3_server import bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from safetensors.torch import save_file
 
 import h5feed
@@ -357,3 +358,20 @@ def test_an_interrupted_fp8_conversion_resumes_to_the_same_bytes(tmp_path, inter
     assert "'shard_tokens': None, 'precision': 'fp8'}, not" in refused.value.problem
     h5feed.convert(src, tmp_path / "store", workers=0, progress=False, precision="fp8")
     assert_same_tree(tmp_path / "ref", tmp_path / "store")
+
+
+def test_an_fp8_store_in_a_bucket_reads_as_the_local_one(pairs, s3, bucket, tmp_path, assert_same_batch):
+    """Converted into a bucket (published object by object) and read back through its clients, in worker processes
+    and through the node cache: the batches of the local FP8 store, which equal FP8Transfer's."""
+    pair = pairs("speculators-safetensors")
+    url = f"s3://{bucket}/fp8.zarr"
+    h5feed.convert(pair.src, url, workers=0, chunk_tokens=16, progress=False, precision="fp8",
+                   storage_options=s3.storage_options, staging_dir=tmp_path / "staging")
+    want = [flat(b) for b in BatchLoader(pair.fp8, flavor="speculators", max_len=64, batch_size=2, shuffle=False)]
+    for cache in (None, tmp_path / "cache"):
+        loader = BatchLoader(url, flavor="speculators", max_len=64, batch_size=2, num_workers=2, shuffle=False,
+                             storage_options=s3.storage_options, cache_dir=cache)
+        got = [flat(b) for b in loader]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_batch(g, w)

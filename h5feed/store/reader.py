@@ -283,7 +283,7 @@ class Store:
         if isinstance(self._objects, CachedStore):
             self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
             return CachedSource(self._objects, per_shard, max_nbytes)
-        return RemoteSource(self._objects, per_shard, small_arrays=TOKEN_ARRAYS, max_nbytes=max_nbytes)
+        return RemoteSource(self._objects, per_shard, small_arrays=(*TOKEN_ARRAYS, HIDDEN_SCALES), max_nbytes=max_nbytes)
 
     def _check_index(self) -> None:
         """Refuse an index that could hand out another sample's rows: starts aligned and increasing,
