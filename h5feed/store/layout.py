@@ -260,7 +260,8 @@ class StoreInfo:
             fits = (self.format_version == FP8_FORMAT_VERSION and self.dtype == "bfloat16"
                     and self.quantized_from in ("", "bfloat16", "float16", "float32"))
         else:
-            fits = self.format_version < FP8_FORMAT_VERSION and self.dtype != "float8_e4m3fn" and not self.quantized_from
+            fits = (self.format_version < FP8_FORMAT_VERSION and self.dtype != "float8_e4m3fn"
+                    and not self.quantized_from)
         if not fits:
             return (f"precision {self.precision!r}, format {self.format_version}, dtype {self.dtype} and "
                     f"quantized_from {self.quantized_from!r} do not go together")

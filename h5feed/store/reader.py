@@ -283,7 +283,8 @@ class Store:
         if isinstance(self._objects, CachedStore):
             self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
             return CachedSource(self._objects, per_shard, max_nbytes)
-        return RemoteSource(self._objects, per_shard, small_arrays=(*TOKEN_ARRAYS, HIDDEN_SCALES), max_nbytes=max_nbytes)
+        small = (*TOKEN_ARRAYS, HIDDEN_SCALES)  # fetched whole
+        return RemoteSource(self._objects, per_shard, small_arrays=small, max_nbytes=max_nbytes)
 
     def _check_index(self) -> None:
         """Refuse an index that could hand out another sample's rows: starts aligned and increasing,
