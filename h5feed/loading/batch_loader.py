@@ -52,13 +52,13 @@ from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns,
 from h5feed.metrics import WorkerCounters
 from h5feed.store import (
     HIDDEN_ARRAYS,
+    HIDDEN_SCALES,
     BufferPool,
     ReadStats,
     Store,
     shared_allocator,
 )
 from h5feed.store.fp8 import dequantize_into
-from h5feed.store.layout import HIDDEN_SCALES
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
     from typing_extensions import Self
