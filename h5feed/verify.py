@@ -83,7 +83,7 @@ def verify_store(
             except H5feedError as exc:
                 report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
                 continue
-            aux, last, scales = original.aux_hidden_states, original.last_hidden_state, None
+            aux, last, scales = original.aux_hidden_states, original.last_hidden_state, original.hidden_scales
             if store.info.lossy:  # the store must hold exactly what the conversion's quantization gives
                 scales = token_scales([aux, *([last] if last is not None else [])])
                 aux, last = quantize(aux, scales), None if last is None else quantize(last, scales)

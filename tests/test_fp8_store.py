@@ -375,3 +375,71 @@ def test_an_fp8_store_in_a_bucket_reads_as_the_local_one(pairs, s3, bucket, tmp_
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert_same_batch(g, w)
+# =========================================================================== speculators' FP8 files
+
+
+@pytest.fixture(scope="module")
+def fp8_files(tmp_path_factory):
+    """speculators' layout written by hs-connectors' fp8 backend (hs_{i}.safetensors: fp8 hidden_states,
+    hidden_states_scales, token_ids, as FP8HiddenStatesConnector saves them, beside the Arrow dataset), from the
+    bf16 files of the same samples; both converted."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    root = tmp_path_factory.mktemp("fp8_files")
+    write_synthetic(root / "bf16", "speculators-safetensors", N, H, K, lengths=LENGTHS, seed=12)
+    shutil.copytree(root / "bf16", root / "fp8")
+    for path in sorted((root / "fp8" / "hidden_states").glob("hs_*.safetensors")):
+        tensors = load_file(str(path))
+        fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+        save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(path))
+    h5feed.convert(root / "bf16", root / "from_bf16", workers=0, chunk_tokens=16, progress=False, precision="fp8")
+    h5feed.convert(root / "fp8", root / "from_fp8", workers=0, chunk_tokens=16, progress=False)
+    return root
+
+
+def test_fp8_files_convert_to_the_store_a_bf16_conversion_to_fp8_makes(fp8_files, assert_same_tree):
+    """FP8 sources stay FP8: their bytes and scales kept as they are (not lossy again), byte for byte the arrays
+    and index of the store converted from the bf16 files of the same samples with --precision fp8."""
+    store = Store(fp8_files / "from_fp8")
+    assert (store.info.precision, store.info.quantized_from, store.info.format_version) == ("fp8", "", 4)
+    assert not store.info.lossy
+    assert describe_store(store.path)["lossy"] == "no: the source files' FP8 bytes and scales, kept as they were"
+    for name in (*store.info.array_names, "index"):
+        assert_same_tree(fp8_files / "from_bf16" / name, fp8_files / "from_fp8" / name)
+    report = verify_store(store.path, fp8_files / "fp8", progress=False)
+    assert report.ok and report.samples_checked == N, report.mismatches
+
+
+@pytest.mark.parametrize("flavor", ["speculators", "speculators-legacy", "modelopt"])
+def test_items_from_fp8_files_equal_fp8transfers(fp8_files, assert_same_batch, flavor):
+    """What speculators' fp8 backend would hand its ArrowDataset, for every sample: FP8Transfer on the files."""
+    store = Store(fp8_files / "from_fp8")
+    transfer = FP8Transfer(fp8_files / "fp8" / "hidden_states")
+    dataset = HiddenStatesDataset(store, flavor)
+    spec = get_flavor(flavor)
+    for i in range(N):
+        restored = transfer.get_cached(int(store.source_indices[i]))["hidden_states"]
+        raw = dataclasses.replace(store.read_sample(i), aux_hidden_states=restored[:, :K].reshape(-1, K * H),
+                                  last_hidden_state=restored[:, K], hidden_scales=None)
+        assert_same_batch(dataset[i], spec.build(raw, store.info, spec.default_hidden_states_dtype, None,
+                                                 plain_allocator))
+
+
+def test_an_fp8_file_without_its_scales_is_refused(fp8_files, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(fp8_files / "fp8", tmp_path / "src")
+    path = tmp_path / "src" / "hidden_states" / "hs_2.safetensors"
+    tensors = load_file(str(path))
+    del tensors[SCALES_KEY]
+    save_file(tensors, str(path))
+    with pytest.raises(h5feed.SourceError) as refused:
+        h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False)
+    assert refused.value.path == str(path)
+    assert refused.value.problem == ("'hidden_states' is float8_e4m3fn without its 'hidden_states_scales': "
+                                     "hs-connectors' fp8 backend writes both; the file is incomplete or was written "
+                                     "otherwise")

@@ -66,7 +66,7 @@ from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, fsync_dir, write_atomically
 from h5feed.io.paths import contained_path
 from h5feed.store import Store, read_ahead
-from h5feed.store.fp8 import DEQUANTIZED_DTYPE, quantize, token_scales
+from h5feed.store.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, quantize, token_scales
 from h5feed.store.layout import (
     COMPANIONS_DIR,
     DEFAULT_CHUNK_TOKENS,
@@ -628,7 +628,8 @@ def _make_plan(
     shard_tokens = options.shard_tokens or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
     planned, row = _lay_out(probed, 0, shard_tokens)
     source_dtype = dtype_name(reference.dtype)
-    fp8 = options.precision == "fp8"
+    fp8_source = reference.dtype == FP8_DTYPE  # kept as it is, whatever precision was asked
+    fp8 = options.precision == "fp8" or fp8_source
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
@@ -643,8 +644,8 @@ def _make_plan(
         ids_shifted=fmt.ids_shifted,
         extra_arrays={extra.name: extra.record() for extra in reference.extras},
         source_info={**fmt.source_info(src_root), **({"layout": reference.layout} if reference.layout else {})},
-        precision=options.precision,
-        quantized_from=source_dtype if fp8 else "",
+        precision="fp8" if fp8 else "exact",
+        quantized_from=source_dtype if fp8 and not fp8_source else "",
     )
     info = dataclasses.replace(info, companions=_keep_companions(fmt, src_root, dst, durable))
     info = dataclasses.replace(info, format_version=info.format_version_needed)
@@ -778,8 +779,8 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> No
             "shard_tokens": info.shard_tokens}
     if options.last_state_norm is not None:
         have["last_state_norm"] = info.last_state_norm
-    if info.fp8:
-        have["precision"] = info.precision
+    if info.lossy or (info.fp8 and options.precision == "fp8"):  # an FP8 source's store is FP8 whatever was asked
+        have["precision"] = "fp8"
     asked = {**options.to_json(), "codec": chunk_codec(options.codec),
              "shard_tokens": options.shard_tokens or info.shard_tokens}
     if have != asked:
@@ -1068,17 +1069,18 @@ def _convert_one(
     def chunks(tensor: torch.Tensor, name: str) -> Iterable[torch.Tensor]:  # one chunk's rows at a time
         return (tensor[r : r + c].view(info.storage_dtype(name)) for r in rows)
 
-    last = sample.last_hidden_state
-    scales: torch.Tensor | None = None
-    blocks: dict[str, Iterable[torch.Tensor]] = {}
-    if info.lossy:  # quantized here, as hs-connectors' fp8 backend does (the aux states one chunk at a time)
+    last, scales = sample.last_hidden_state, sample.hidden_scales  # an FP8 source's scales, kept as they are
+    quantizing = info.lossy  # quantized here, as hs-connectors' fp8 backend does (the aux states one chunk at a time)
+    if quantizing:
         scales = token_scales([*sample.aux_parts, *([last] if last is not None else [])])
         last = None if last is None else quantize(last, scales)
+    blocks: dict[str, Iterable[torch.Tensor]] = {}
+    if scales is not None:
         blocks[HIDDEN_SCALES] = chunks(scales, HIDDEN_SCALES)
 
     def aux_rows(r: int) -> torch.Tensor:
         aux = sample.aux_rows(r, r + c)
-        return aux if scales is None else quantize(aux, scales[r : r + c])
+        return quantize(aux, scales[r : r + c]) if quantizing else aux
 
     blocks.update({  # no copy of a whole sample
         "aux_hidden_states": (aux_rows(r).view(info.storage_dtype("aux_hidden_states")) for r in rows),

@@ -71,6 +71,7 @@ class SourceSample:
     hidden_size: int = 0  # H, when there is no last state to tell it
     layout: str = ""
     last_state_norm: LastStateNorm | None = None
+    hidden_scales: torch.Tensor | None = None  # float32 [T]: the per-token scales of FP8 hidden states
 
     def stored_loss_mask(self) -> torch.Tensor:
         """The loss mask as a store keeps it: ones where the file had none (the index records which)."""
