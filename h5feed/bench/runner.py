@@ -287,6 +287,9 @@ def run_bench(
         if info.source_format != BASELINE_FORMAT:
             notes.append(f"no baseline: the speculators 0.4 .pt loader reads {BASELINE_FORMAT} files only, and this "
                          f"store was converted from {info.source_format}; h5feed benched alone")
+        elif info.lossy:
+            notes.append("no baseline: this store's hidden states were quantized to FP8 (lossy), so its batches are "
+                         "not the source files'; h5feed benched alone")
         elif flavor != "speculators-legacy":
             notes.append(f"no baseline: it yields speculators-legacy items, not {flavor}; h5feed benched alone")
         elif missing_loss_mask != "error":
