@@ -430,6 +430,10 @@ def test_fp8_files_convert_to_the_store_a_bf16_conversion_to_fp8_makes(fp8_files
         assert_same_tree(fp8_files / "from_bf16" / name, fp8_files / "from_fp8" / name)
     report = verify_store(store.path, fp8_files / "fp8", progress=False)
     assert report.ok and report.samples_checked == N, report.mismatches
+    for precision in ("exact", "fp8"):  # an FP8 source's store is FP8 whichever was asked: a rerun has nothing to do
+        rerun = h5feed.convert(fp8_files / "fp8", store.path, workers=0, chunk_tokens=16, progress=False,
+                               precision=precision)
+        assert (rerun.num_samples, rerun.converted_now) == (N, 0)
 
 
 @pytest.mark.parametrize("flavor", ["speculators", "speculators-legacy", "modelopt"])
