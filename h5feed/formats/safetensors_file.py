@@ -1,4 +1,5 @@
-"""Opening a safetensors file: its tensors' shapes and dtypes from the header alone, and errors that name it."""
+"""Opening a safetensors file: its tensors' shapes and dtypes from the header alone, and errors that name it; the
+per-token scales of FP8 hidden states, as hs-connectors' fp8 backend writes them beside `hidden_states`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from typing import Any
 import torch
 
 from h5feed.errors import SourceError
+from h5feed.formats.base import SampleShape
+from h5feed.formats.checks import fmt_shape
+from h5feed.store.layout import HIDDEN_SCALES
 
-__all__ = ["open_safetensors", "tensor_meta"]
+__all__ = ["check_fp8_scales", "fp8_scales", "open_safetensors", "tensor_meta"]
 
 
 @contextmanager
@@ -38,3 +42,28 @@ def tensor_meta(f: Any, key: str) -> torch.Tensor:
     shape = sl.get_shape()
     dtype = (sl[:0] if shape else f.get_tensor(key)).dtype  # an empty slice, or the one value of a 0-D tensor
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def check_fp8_scales(path: Path, f: Any, hidden: torch.Tensor) -> None:
+    """FP8 hidden states (`hidden`, a meta tensor [T, ...]) come as hs-connectors' fp8 backend writes them:
+    float8_e4m3fn, with their float32 scales [T, 1, 1] (`hidden_states_scales`); no other file has scales."""
+    fp8, has_scales = hidden.dtype == torch.float8_e4m3fn, HIDDEN_SCALES in f.keys()  # noqa: SIM118 (no dict)
+    if hidden.dtype.itemsize == 1 and not fp8:
+        raise SourceError(path, f"'hidden_states' has dtype {hidden.dtype}; FP8 files are read as hs-connectors' "
+                          "fp8 backend writes them, in float8_e4m3fn")
+    if fp8 and not has_scales:
+        raise SourceError(path, f"'hidden_states' is float8_e4m3fn without its {HIDDEN_SCALES!r}: hs-connectors' "
+                          "fp8 backend writes both; the file is incomplete or was written otherwise")
+    if has_scales and not fp8:
+        raise SourceError(path, f"{HIDDEN_SCALES!r} beside 'hidden_states' of dtype {hidden.dtype}: scales belong "
+                          "to float8_e4m3fn hidden states, as hs-connectors' fp8 backend writes them")
+    if has_scales:
+        scales = tensor_meta(f, HIDDEN_SCALES)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (hidden.shape[0], 1, 1):
+            raise SourceError(path, f"{HIDDEN_SCALES!r} is {scales.dtype} {fmt_shape(scales)}; expected float32 "
+                              f"[{hidden.shape[0]}, 1, 1], one scale per token")
+
+
+def fp8_scales(f: Any, shape: SampleShape) -> torch.Tensor | None:
+    """float32 [T]: the scales of a file's FP8 hidden states (checked by `check_fp8_scales`); None for others."""
+    return f.get_tensor(HIDDEN_SCALES).view(shape.num_tokens) if shape.dtype == torch.float8_e4m3fn else None

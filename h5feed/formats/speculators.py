@@ -26,9 +26,9 @@ from h5feed.formats.checks import (
     token_vector,
 )
 from h5feed.formats.discovery import Discovery, SourceFile, find_samples
-from h5feed.formats.safetensors_file import open_safetensors, tensor_meta
+from h5feed.formats.safetensors_file import check_fp8_scales, fp8_scales, open_safetensors, tensor_meta
 from h5feed.formats.torch_dict import TorchDictFormat
-from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
+from h5feed.store.layout import LastStateNorm
 
 __all__ = ["SpeculatorsLegacyPt", "SpeculatorsSafetensors", "SpeculatorsV0Pt"]
 
@@ -264,28 +264,8 @@ class SpeculatorsSafetensors(SourceFormat):
             )
         if hs.shape[2] == 0:
             raise SourceError(path, f"'hidden_states' has hidden size 0 (shape {fmt_shape(hs)})")
-        self._check_scales(path, f, hs)
+        check_fp8_scales(path, f, hs)
         return SampleShape(t, hs.shape[2], hs.shape[1] - 1, hs.dtype)
-
-    @staticmethod
-    def _check_scales(path: Path, f: Any, hs: torch.Tensor) -> None:
-        """FP8 hidden states come as hs-connectors' fp8 backend writes them: float8_e4m3fn, with their float32
-        scales [T, 1, 1]; no other file has scales."""
-        fp8, has_scales = hs.dtype == torch.float8_e4m3fn, HIDDEN_SCALES in f.keys()  # noqa: SIM118 (no dict)
-        if hs.dtype.itemsize == 1 and not fp8:
-            raise SourceError(path, f"'hidden_states' has dtype {hs.dtype}; FP8 files are read as hs-connectors' fp8 "
-                              "backend writes them, in float8_e4m3fn")
-        if fp8 and not has_scales:
-            raise SourceError(path, f"'hidden_states' is float8_e4m3fn without its {HIDDEN_SCALES!r}: hs-connectors' "
-                              "fp8 backend writes both; the file is incomplete or was written otherwise")
-        if has_scales and not fp8:
-            raise SourceError(path, f"{HIDDEN_SCALES!r} beside 'hidden_states' of dtype {hs.dtype}: scales belong "
-                              "to float8_e4m3fn hidden states, as hs-connectors' fp8 backend writes them")
-        if has_scales:
-            scales = tensor_meta(f, HIDDEN_SCALES)
-            if scales.dtype != torch.float32 or tuple(scales.shape) != (hs.shape[0], 1, 1):
-                raise SourceError(path, f"{HIDDEN_SCALES!r} is {scales.dtype} {fmt_shape(scales)}; expected float32 "
-                                  f"[{hs.shape[0]}, 1, 1], one scale per token")
 
     def probe(self, source: SourceFile) -> SampleShape:
         with open_safetensors(source.path) as f:
@@ -300,7 +280,7 @@ class SpeculatorsSafetensors(SourceFormat):
             t, k, h = shape.num_tokens, shape.num_aux_layers, shape.hidden_size
             hs = f.get_slice("hidden_states")
             aux, last, ids = hs[:, :k], hs[:, k:], f.get_tensor("token_ids")
-            scales = f.get_tensor(HIDDEN_SCALES).view(t) if shape.dtype == torch.float8_e4m3fn else None
+            scales = fp8_scales(f, shape)
         mask, arrow_ids = self._rows(self._data_root(source)).lookup(source.sample_index, path, t, full=True)
         # The slices are views of the library's private (copy-on-write) file mapping, or in
         # older safetensors just these parts read: each part is copied once, straight into
