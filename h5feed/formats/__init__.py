@@ -4,7 +4,8 @@ Each trainer wrote its hidden states its own way: a list of
 per-layer tensors in a ``.pt`` (speculators legacy), pre-concatenated tensors
 (speculators v0), tensors with a leading batch dim in a possibly gzipped
 ``.ckpt`` (SpecForge), ``[T, K+1, H]`` safetensors beside an Arrow dataset
-(speculators 0.5+; in FP8 with per-token scales from hs-connectors' fp8 backend), ``<conversation_id>.pt`` dumps (NVIDIA Model-Optimizer),
+(speculators 0.5+; in FP8 with per-token scales from hs-connectors' fp8 backend),
+``<conversation_id>.pt`` dumps (NVIDIA Model-Optimizer),
 ``rank_*/rows_*/data_{i}.ckpt`` with optional per-token extras (Tencent
 AngelSlim), or fixed-length safetensors shards of padded, pre-shifted samples
 with the draft-vocab target distribution and no last state (NVIDIA NeMo
