@@ -8,7 +8,6 @@ h5feed's backend is registered first, then speculators' `train` runs as it does,
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import h5feed.integrations.speculators  # noqa: F401  (registers the backend before speculators' parser exists)
