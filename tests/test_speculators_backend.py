@@ -211,3 +211,17 @@ def test_train_runs_a_few_steps_on_the_store(run, verifier):
     assert r.returncode == 0, r.stderr
     assert "h5feed" in (run / "ckpt" / "run.yaml").read_text()
     assert any((run / "ckpt").rglob("*.safetensors")), sorted(p.name for p in (run / "ckpt").rglob("*"))
+
+
+def test_registering_after_speculators_parser_was_set_up_warns():
+    code = ("import warnings, speculators.train.config.resolution\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import h5feed.integrations.speculators\n"
+            "print([str(w.message) for w in caught])")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    assert ("speculators' train parser was set up before h5feed's backend was registered, so it lacks "
+            "--h5feed-store: import h5feed.integrations.speculators before speculators.train, or run "
+            "`python -m h5feed.speculators_train`") in r.stdout

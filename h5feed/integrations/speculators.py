@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,11 @@ from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 from h5feed.errors import H5feedError, StoreError
 from h5feed.formats import SpeculatorsSafetensors
 from h5feed.store import Store
+
+if "speculators.train.config.resolution" in sys.modules:  # it reads the registry's flags once, when imported
+    warnings.warn("speculators' train parser was set up before h5feed's backend was registered, so it lacks "
+                  "--h5feed-store: import h5feed.integrations.speculators before speculators.train, or run "
+                  "`python -m h5feed.speculators_train`", stacklevel=2)
 
 BACKEND_NAME = "h5feed"
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # as the files hold them, with no extra arrays
