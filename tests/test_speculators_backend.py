@@ -121,13 +121,14 @@ def test_train_loaders_yield_the_file_backends_batches(run, verifier, assert_sam
 # --------------------------------------------------------------------------- refusals
 
 
-def test_a_file_index_the_store_lacks_is_refused(run, tmp_path):
+def test_a_file_index_the_store_lacks_is_refused(run, tmp_path, assert_same_batch):
     data = tmp_path / "data"
     shutil.copytree(run / "data", data)
     (data / "hidden_states" / "hs_8.safetensors").unlink()
     h5feed.convert(data, tmp_path / "hs.zarr", workers=0, chunk_tokens=16, progress=False)
     transfer = h5feed_transfer(tmp_path / "hs.zarr")
-    assert transfer.get_cached(9)["hidden_states"].shape[1:] == (K + 1, H)  # the sample after the gap is hs_9's
+    assert transfer.store.source_paths[8] == "hidden_states/hs_9.safetensors"
+    assert_same_batch(transfer.get_cached(9), FileTransfer(data / "hidden_states").get_cached(9))
     with pytest.raises(StoreError) as err:
         ArrowDataset(SEQ_LEN, data, transfer=transfer, on_missing="raise")[8]
     assert str(err.value) == (
@@ -162,6 +163,29 @@ def test_a_damaged_sample_is_an_error_never_a_sample(run, tmp_path, flip_byte):
     assert (err.value.sample, err.value.source_path, Path(err.value.path)) == (
         4, "hidden_states/hs_4.safetensors", shard)
     assert torch.equal(dataset[5]["input_ids"], FileTransfer(run / "data" / "hidden_states").get_cached(5)["token_ids"])
+
+
+def test_a_damaged_sample_skipped_is_counted_in_speculators_batch(run, tmp_path, flip_byte, caplog,
+                                                                  assert_same_batch):
+    """--h5feed-on-corrupt skip: speculators' collate leaves the sample out and counts it; its batch keeps the others."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from speculators.train.recovery import SampleUnavailable
+
+    shutil.copytree(run / "hs.zarr", tmp_path / "hs.zarr")
+    flip_byte(tmp_path / "hs.zarr", sample=4)
+    args = argparse.Namespace(h5feed_store=str(tmp_path / "hs.zarr"), h5feed_cache_dir=None, h5feed_on_corrupt="skip")
+    skipping = ArrowDataset(SEQ_LEN, run / "data", transfer=H5feedBackend.from_train_args(args, "unused"),
+                            on_missing="raise")
+    on_files = ArrowDataset(SEQ_LEN, run / "data", on_missing="raise")
+    collate = CollateFn(SEQ_LEN, H, num_target_layers=K, preprocess=shift_batch)
+    with caplog.at_level("ERROR", logger="h5feed.integrations.speculators"):
+        item = skipping[4]
+    assert isinstance(item, SampleUnavailable) and "sample 4 (converted from hidden_states/hs_4.safetensors)" in item.reason
+    assert caplog.messages == [f"skipping a damaged sample (on_corrupt='skip'): {item.reason}"]
+    got, want = collate([skipping[3], item, skipping[5]]), collate([on_files[3], on_files[5]])
+    assert (got.pop("error_records"), want.pop("error_records")) == (1, 0)
+    assert_same_batch(got, want)
 
 
 def test_a_pickled_transfer_is_its_store(run, assert_same_batch):

@@ -5,32 +5,40 @@ registry (`HiddenStatesBackend.registry`), whose `get_cached(i)` returns what
 ``hidden_states/hs_{i}.safetensors`` holds: ``{"hidden_states": [T, K+1, H], "token_ids": [T]}``.
 Importing this module registers the backend ``h5feed``, which returns exactly that (same keys, dtypes,
 shapes and bits) from the store converted from those files, each read checked: damaged bytes are a
-`CorruptSampleError`, never a sample.  speculators' parser takes the backends' flags from the registry
-when it is built, so the backend must be registered before: ``python -m h5feed.speculators_train``
-does that, then runs speculators' `train` with the user's arguments, speculators' code unchanged.
+`CorruptSampleError`, never a sample (or, with ``--h5feed-on-corrupt skip``, a skip in speculators' own terms:
+the batch keeps its other samples and its `error_records` counts the skipped one).  speculators' parser takes
+the backends' flags from the registry when it is built, so the backend must be registered before:
+``python -m h5feed.speculators_train`` does that, then runs speculators' `train` with the user's arguments,
+speculators' code unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import numpy as np
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from h5feed.errors import H5feedError, StoreError
+from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.formats import SpeculatorsSafetensors
+from h5feed.loading.datasets import OnCorrupt
 from h5feed.store import Store
+
+if TYPE_CHECKING:
+    from speculators.train.recovery import SampleUnavailable
 
 if "speculators.train.config.resolution" in sys.modules:  # it reads the registry's flags once, when imported
     warnings.warn("speculators' train parser was set up before h5feed's backend was registered, so it lacks "
                   "--h5feed-store: import h5feed.integrations.speculators before speculators.train, or run "
                   "`python -m h5feed.speculators_train`", stacklevel=2)
 
+log = logging.getLogger(__name__)
 BACKEND_NAME = "h5feed"
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # as the files hold them, with no extra arrays
 
@@ -41,20 +49,25 @@ class StoreTransfer(HiddenStatesTransfer):
     The store's index records, for each sample, the file it was converted from (`source_path`) and the i
     of its name (`source_index`, parsed once by the converter's format and covered by the index checksum):
     `get_cached(i)` serves the sample whose file was ``hs_{i}.safetensors``, and refuses an i the store
-    lacks, naming it.  Pickled as its store (location and options; each DataLoader worker, spawned by
-    speculators, opens its own files or clients and rebuilds the file-index map).
+    lacks, naming it.  A damaged sample raises its `CorruptSampleError`, or with ``on_corrupt="skip"`` is logged
+    and returned as speculators' `SampleUnavailable`, which its collate leaves out and counts (`error_records`).
+    Pickled as its store (location and options; each DataLoader worker, spawned by speculators, opens its own
+    files or clients and rebuilds the file-index map).
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_corrupt: OnCorrupt = "raise") -> None:
+        if on_corrupt not in get_args(OnCorrupt):
+            raise ValueError(f"on_corrupt must be 'raise' or 'skip', not {on_corrupt!r}")
         check_serves_speculators(store)
-        self.store = store
+        self.store, self.on_corrupt = store, on_corrupt
         self._sample_of_file = samples_by_file_index(store)
 
-    def __reduce__(self) -> tuple[type[StoreTransfer], tuple[Store]]:
-        return type(self), (self.store,)
+    def __reduce__(self) -> tuple[type[StoreTransfer], tuple[Store, OnCorrupt]]:
+        return type(self), (self.store, self.on_corrupt)
 
-    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
-        """What speculators' `file` backend returns for ``hs_{file_idx}.safetensors``, read from the store."""
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | SampleUnavailable:
+        """What speculators' `file` backend returns for ``hs_{file_idx}.safetensors``, read from the store
+        (a `SampleUnavailable` for a damaged sample skipped)."""
         i = self._sample_of_file.get(int(file_idx))
         if i is None:
             raise StoreError(
@@ -64,7 +77,15 @@ class StoreTransfer(HiddenStatesTransfer):
                 "(`h5feed convert` on the same folder appends what is missing), or train on an Arrow dataset "
                 "whose rows the store holds",
             )
-        raw = self.store.read_sample(i, extras=())
+        try:
+            raw = self.store.read_sample(i, extras=())
+        except CorruptSampleError as error:
+            if self.on_corrupt == "raise":
+                raise
+            from speculators.train.recovery import SampleUnavailable  # speculators' skip: dropped and counted
+
+            log.error("skipping a damaged sample (on_corrupt='skip'): %s", error)
+            return SampleUnavailable(reason=str(error))
         t, k, h = raw.num_tokens, self.store.num_aux_layers, self.store.hidden_size
         hidden_states = torch.cat((raw.aux_hidden_states.view(t, k, h), raw.last_hidden_state.view(t, 1, h)), dim=1)
         return {"token_ids": raw.input_ids, "hidden_states": hidden_states}  # load_file's order: int64 first
@@ -113,6 +134,10 @@ class H5feedBackend(HiddenStatesBackend):
         parser.add_argument("--h5feed-store", type=str, default=None,
                             help="The h5feed store converted from DATA_PATH/hidden_states (a path or a URL such as "
                                  "s3://bucket/hs.zarr). Used with --hidden-states-backend h5feed.")
+        parser.add_argument("--h5feed-on-corrupt", type=str, choices=get_args(OnCorrupt), default="raise",
+                            help="A sample whose stored bytes fail their checks: 'raise' its error (default), or "
+                                 "'skip' it, logged and counted in the batch's error_records. Used with "
+                                 "--hidden-states-backend h5feed.")
         parser.add_argument("--h5feed-cache-dir", type=str, default=None,
                             help="A node-local folder caching a remote store's objects (default: none: every "
                                  "epoch reads the bucket). Used with --hidden-states-backend h5feed.")
@@ -130,7 +155,8 @@ class H5feedBackend(HiddenStatesBackend):
                 f"{os.path.join(data_path, 'hidden_states')} (`h5feed convert {data_path} STORE`); run "
                 "speculators through `python -m h5feed.speculators_train`, which adds the flag",
             )
-        return StoreTransfer(Store(location, cache_dir=getattr(args, "h5feed_cache_dir", None)))
+        store = Store(location, cache_dir=getattr(args, "h5feed_cache_dir", None))
+        return StoreTransfer(store, getattr(args, "h5feed_on_corrupt", "raise"))
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
