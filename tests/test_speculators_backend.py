@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from hs_connectors import FileTransfer, HiddenStatesBackend
+from s3_server import CREDENTIALS, REGION, S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from speculators.train.data import ArrowDataset
 
 import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.speculators import H5feedBackend, StoreTransfer
+from h5feed.io import cache_state, open_url
+from h5feed.store import CHECKSUMMED
 from h5feed.synthetic import VOCAB_SIZE, write_synthetic
 
 H, K = 32, 3
@@ -55,7 +58,7 @@ def verifier(run):
 
 def h5feed_transfer(store: Path) -> StoreTransfer:
     """The transfer speculators' `train` builds for `--hidden-states-backend h5feed --h5feed-store STORE`."""
-    args = argparse.Namespace(h5feed_store=str(store), h5feed_cache_dir=None)
+    args = argparse.Namespace(h5feed_store=str(store), h5feed_cache_dir=None, h5feed_on_corrupt="raise")
     return HiddenStatesBackend.registry["h5feed"].from_train_args(args, "unused")
 
 
@@ -116,6 +119,30 @@ def test_train_loaders_yield_the_file_backends_batches(run, verifier, assert_sam
         for got, want in zip(got_split, want_split):
             assert want["error_records"] == 0
             assert_same_batch(got, want)
+
+
+def test_a_store_in_a_bucket_through_the_node_cache(run, s3: S3, bucket, tmp_path, monkeypatch, assert_same_batch):
+    """--h5feed-store s3://... --h5feed-cache-dir DIR, the endpoint and credentials from the environment: the file
+    backend's samples; a second run (a new transfer, as a new `train` builds) reads the cache and asks the bucket
+    for no array's chunk (only the small index, read at every open)."""
+    url = f"s3://{bucket}/hs.zarr"
+    objects = open_url(url, s3.storage_options)
+    for path in sorted((run / "hs.zarr").rglob("*")):
+        if path.is_file():
+            objects.put_atomic(path.relative_to(run / "hs.zarr").as_posix(), path.read_bytes())
+    for name, value in {"AWS_ENDPOINT_URL_S3": s3.proxy.url, "AWS_ACCESS_KEY_ID": CREDENTIALS["key"],
+                        "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret"], "AWS_REGION": REGION}.items():
+        monkeypatch.setenv(name, value)
+    args = argparse.Namespace(h5feed_store=url, h5feed_cache_dir=str(tmp_path / "cache"), h5feed_on_corrupt="raise")
+    files = FileTransfer(run / "data" / "hidden_states")
+    for run_number in (1, 2):
+        s3.proxy.reset()
+        transfer = H5feedBackend.from_train_args(args, "unused")
+        for i in range(NUM_SAMPLES):
+            assert_same_batch(transfer.get_cached(i), files.get_cached(i))
+        chunk_gets = [r for r in s3.proxy.requests("GET") if any(f"/{a}/c/" in r.path for a in CHECKSUMMED)]
+        assert (len(chunk_gets) > 0) == (run_number == 1), run_number
+    assert cache_state(tmp_path / "cache").objects > 0
 
 
 # --------------------------------------------------------------------------- refusals
