@@ -25,7 +25,7 @@ import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.speculators import H5feedBackend, StoreTransfer
 from h5feed.io import cache_state, open_url
-from h5feed.store import CHECKSUMMED
+from h5feed.store import CHECKSUMMED, Store
 from h5feed.synthetic import VOCAB_SIZE, write_synthetic
 
 H, K = 32, 3
@@ -59,7 +59,7 @@ def verifier(run):
 def h5feed_transfer(store: Path) -> StoreTransfer:
     """The transfer speculators' `train` builds for `--hidden-states-backend h5feed --h5feed-store STORE`."""
     args = argparse.Namespace(h5feed_store=str(store), h5feed_cache_dir=None, h5feed_on_corrupt="raise")
-    return HiddenStatesBackend.registry["h5feed"].from_train_args(args, "unused")
+    return HiddenStatesBackend.registry["h5feed"].from_train_args(args, Store(store).info.source_root)
 
 
 # --------------------------------------------------------------------------- the backend returns the file's sample
@@ -137,7 +137,7 @@ def test_a_store_in_a_bucket_through_the_node_cache(run, s3: S3, bucket, tmp_pat
     files = FileTransfer(run / "data" / "hidden_states")
     for run_number in (1, 2):
         s3.proxy.reset()
-        transfer = H5feedBackend.from_train_args(args, "unused")
+        transfer = H5feedBackend.from_train_args(args, str(run / "data"))
         for i in range(NUM_SAMPLES):
             assert_same_batch(transfer.get_cached(i), files.get_cached(i))
         chunk_gets = [r for r in s3.proxy.requests("GET") if any(f"/{a}/c/" in r.path for a in CHECKSUMMED)]
@@ -175,6 +175,18 @@ def test_a_store_of_another_pipeline_is_refused(tmp_path):
         "speculators' Arrow dataset with the sample converted from hs_{i}.safetensors")
 
 
+def test_a_store_converted_from_another_folder_is_named(run, caplog):
+    args = argparse.Namespace(h5feed_store=str(run / "hs.zarr"), h5feed_cache_dir=None, h5feed_on_corrupt="raise")
+    with caplog.at_level("WARNING", logger="h5feed.integrations.speculators"):
+        H5feedBackend.from_train_args(args, str(run / "data"))
+        assert caplog.messages == []
+        H5feedBackend.from_train_args(args, "/elsewhere/data")
+    assert caplog.messages == [(
+        f"{run / 'hs.zarr'} was converted from {run / 'data'}, and speculators trains on the Arrow dataset in "
+        "/elsewhere/data: if these are not the same data, every sample's token ids will differ from its row's and "
+        "speculators will skip it")]
+
+
 def test_the_store_flag_is_required():
     with pytest.raises(H5feedError, match=r"--hidden-states-backend h5feed needs --h5feed-store PATH_OR_URL, the "
                        r"store converted from /runs/data/hidden_states \(`h5feed convert /runs/data STORE`\)"):
@@ -202,7 +214,7 @@ def test_a_damaged_sample_skipped_is_counted_in_speculators_batch(run, tmp_path,
     shutil.copytree(run / "hs.zarr", tmp_path / "hs.zarr")
     flip_byte(tmp_path / "hs.zarr", sample=4)
     args = argparse.Namespace(h5feed_store=str(tmp_path / "hs.zarr"), h5feed_cache_dir=None, h5feed_on_corrupt="skip")
-    skipping = ArrowDataset(SEQ_LEN, run / "data", transfer=H5feedBackend.from_train_args(args, "unused"),
+    skipping = ArrowDataset(SEQ_LEN, run / "data", transfer=H5feedBackend.from_train_args(args, str(run / "data")),
                             on_missing="raise")
     on_files = ArrowDataset(SEQ_LEN, run / "data", on_missing="raise")
     collate = CollateFn(SEQ_LEN, H, num_target_layers=K, preprocess=shift_batch)

@@ -156,6 +156,12 @@ class H5feedBackend(HiddenStatesBackend):
                 "speculators through `python -m h5feed.speculators_train`, which adds the flag",
             )
         store = Store(location, cache_dir=getattr(args, "h5feed_cache_dir", None))
+        converted_from = store.info.source_root
+        if converted_from and os.path.realpath(converted_from) != os.path.realpath(data_path):
+            # moved data is fine; other data is not, and speculators would skip each sample with a warning only
+            log.warning("%s was converted from %s, and speculators trains on the Arrow dataset in %s: if these are "
+                        "not the same data, every sample's token ids will differ from its row's and speculators "
+                        "will skip it", store.path, converted_from, data_path)
         return StoreTransfer(store, getattr(args, "h5feed_on_corrupt", "raise"))
 
     @staticmethod
