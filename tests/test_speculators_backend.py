@@ -175,6 +175,19 @@ def test_a_store_of_another_pipeline_is_refused(tmp_path):
         "speculators' Arrow dataset with the sample converted from hs_{i}.safetensors")
 
 
+def test_a_store_with_two_files_of_one_index_is_refused(run, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(run / "data", data)
+    shutil.copy(data / "hidden_states" / "hs_3.safetensors", data / "hidden_states" / "hs_03.safetensors")
+    h5feed.convert(data, tmp_path / "hs.zarr", workers=0, chunk_tokens=16, progress=False)
+    with pytest.raises(StoreError) as err:
+        h5feed_transfer(tmp_path / "hs.zarr")
+    assert str(err.value) == (
+        f"{tmp_path / 'hs.zarr'}: holds 2 samples of file index 3 (hidden_states/hs_03.safetensors, "
+        "hidden_states/hs_3.safetensors): speculators' dataset has one row per index; keep one file of each index "
+        "in hidden_states/ and convert again")
+
+
 def test_a_store_converted_from_another_folder_is_named(run, caplog):
     args = argparse.Namespace(h5feed_store=str(run / "hs.zarr"), h5feed_cache_dir=None, h5feed_on_corrupt="raise")
     with caplog.at_level("WARNING", logger="h5feed.integrations.speculators"):

@@ -108,7 +108,8 @@ def check_serves_speculators(store: Store) -> None:
                          "speculators' Arrow dataset with the sample converted from hs_{i}.safetensors")
     if info.extra_arrays or not info.has_last_state or info.ids_shifted or info.torch_dtype not in SERVED_DTYPES:
         raise StoreError(store.path, f"holds {info.dtype} hidden states with arrays "
-                         f"{', '.join(info.array_names)}: not the plain [T, K+1, H] layout the h5feed backend serves")
+                         f"{', '.join(info.array_names)}: not the plain [T, K+1, H] layout the h5feed backend "
+                         "serves; read it with h5feed's own loaders (BatchLoader, HiddenStatesDataset)")
 
 
 def samples_by_file_index(store: Store) -> dict[int, int]:
@@ -119,8 +120,8 @@ def samples_by_file_index(store: Store) -> dict[int, int]:
         twice = int(unique[np.argmax(counts > 1)])
         paths = [store.source_paths[i] for i in np.flatnonzero(file_indices == twice)]
         raise StoreError(store.path, f"holds {len(paths)} samples of file index {twice} ({', '.join(paths)}): "
-                         "speculators' dataset has one row per index; convert each hidden_states folder into its "
-                         "own store")
+                         "speculators' dataset has one row per index; keep one file of each index in "
+                         "hidden_states/ and convert again")
     return dict(zip(unique.tolist(), first.tolist()))
 
 
