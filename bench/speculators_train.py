@@ -1,8 +1,12 @@
 """speculators 0.9's own `train` command: how long its steps wait for data with the `file` backend, the `h5feed`
 backend and h5feed's `BatchLoader`, on the same data.
 
-The GPU run (one H200; speculators, hs-connectors, datasets and h5feed's dependencies as wheels in .whl/, see the
-device notes), from the repository root:
+The GPU run (one H200), from the repository root, with these wheels in .whl/ (Python 3.12, manylinux; the
+image has torch, transformers, pandas, pyarrow, typer, rich and the rest): speculators==0.9.0 hs-connectors==0.9.0
+datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 openai==3.57.0 jiter==0.19.0 httpx2==2.16.2
+httpcore2==2.16.2 truststore==0.10.5 sniffio==1.3.1 loguru==0.7.3 pydantic==2.14.4 pydantic_core==2.50.5
+pydantic-settings==2.16.3 annotated-types==0.8.0 typing-inspection==0.4.5 python-dotenv==1.2.4 zarr==3.1.6
+numcodecs==0.16.6 crc32c==2.9.post0 donfig==0.8.1.post1 google-crc32c==1.9.0:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 bench/speculators_train.py \
