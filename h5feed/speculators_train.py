@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
-    train(TrainConfig.resolve(None if argv is None else list(argv)))  # None: sys.argv, recorded as run
+    train(TrainConfig.resolve(None if argv is None else list(argv)))  # None: sys.argv, which speculators records
 
 
 if __name__ == "__main__":
