@@ -734,9 +734,10 @@ class CudaBloscDecoder:
             self._scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._pinned_free: torch.cuda.Event | None = None  # the last copy out of self._pinned has completed
         self._lock = threading.Lock()
-        # nvCOMP's objects of the calls before.  Freed as the call returns, they waited for the GPU (on the H200
-        # each call returned only once its zstd kernel had run, nvCOMP's own calls taking < 1 ms of that); kept,
-        # they are freed at a later call that finds the stream idle (or MAX_HELD_CALLS calls later).
+        # nvCOMP's objects of the calls before, kept while their work may still be queued: freed as the call
+        # returned, they waited for the GPU (on the H200, with nvCOMP's own allocator, each call returned only
+        # once its zstd kernel had run); they go at a later call that finds the stream idle (or
+        # MAX_HELD_CALLS calls later).
         self._nvcomp_held: list[tuple[object, ...]] = []
 
     @property

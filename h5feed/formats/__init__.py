@@ -1,0 +1,36 @@
+"""Readers of every input format h5feed converts (the README's format tables), behind one interface.
+
+Each trainer wrote its hidden states its own way: a list of
+per-layer tensors in a ``.pt`` (speculators legacy), pre-concatenated tensors
+(speculators v0), tensors with a leading batch dim in a possibly gzipped
+``.ckpt`` (SpecForge), ``[T, K+1, H]`` safetensors beside an Arrow dataset
+(speculators 0.5+), ``<conversation_id>.pt`` dumps (NVIDIA Model-Optimizer),
+``rank_*/rows_*/data_{i}.ckpt`` with optional per-token extras (Tencent
+AngelSlim), or fixed-length safetensors shards of padded, pre-shifted samples
+with the draft-vocab target distribution and no last state (NVIDIA NeMo
+Automodel's EAGLE-3 cache).
+
+The converter should not care: every format (one module per pipeline) implements
+`SourceFormat` (``base``), finds its files through ``discovery``, reads pickles only
+through ``safe_load`` and checks keys and shapes with ``checks``; ``registry`` lists
+them by name and tells a source's format from its files.
+
+Trust: nothing under a source is passed over in silence.  An entry that may hide
+samples (an unreadable folder, a broken or looping link, a link out of the
+source, a misnamed ``*.pt``) is an error naming it, or with ``skip_bad`` a
+recorded skip.
+
+Safety: pickles are only ever read with ``torch.load(weights_only=True)``; a
+file that needs code to unpickle is refused, never executed.
+"""
+
+from h5feed.formats.angelslim import position_ids_from_rows, position_ids_to_rows
+from h5feed.formats.base import Companion, ExtraArray, FormatName, SampleShape, SourceFormat, SourceSample
+from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile
+from h5feed.formats.registry import FORMATS, detect_format, last_state_norm_of
+
+__all__ = [
+    "FORMATS", "Companion", "Discovery", "ExtraArray", "FormatName", "SampleShape", "SkippedEntry", "SourceFile",
+    "SourceFormat", "SourceSample", "detect_format", "last_state_norm_of", "position_ids_from_rows",
+    "position_ids_to_rows",
+]
