@@ -26,7 +26,7 @@ import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
-from h5feed.formats import SpeculatorsSafetensors
+from h5feed.formats.speculators import SpeculatorsSafetensors
 from h5feed.loading.datasets import OnCorrupt
 from h5feed.store import Store
 
