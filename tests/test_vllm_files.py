@@ -25,6 +25,7 @@ from h5feed.conversion import convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, detect_format
 from h5feed.store import Store
+from h5feed.synthetic import column_scales, make_sample, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H, K = 32, 4  # K layers in each file: 3 aux, then the final one (its id is num_hidden_layers)
@@ -301,3 +302,18 @@ def test_a_lock_alone_is_a_request_never_written(tmp_path: Path) -> None:
     convert(src, dst, workers=0, progress=False, last_state_norm="pre", skip_bad=True)
     assert Store(dst).info.skipped == [{"path": "cmpl-dd.safetensors.lock", "problem": problem}]
     assert len(Store(dst)) == len(LENGTHS)
+
+
+def test_synthetic_vllm_files_convert_with_their_arrow_loss_masks(tmp_path: Path) -> None:
+    """`h5feed.synthetic` writes vLLM's layout too (for benches): the Arrow dataset beside gives the masks."""
+    src, dst = tmp_path / "vllm", tmp_path / "hs.zarr"
+    lengths = [7, 19, 3, 11]
+    write_synthetic(src, "vllm-safetensors", len(lengths), H, K - 1, lengths=lengths, seed=5)
+    convert(src, dst, workers=0, progress=False, chunk_tokens=CHUNK, last_state_norm="pre")
+    store = Store(dst)
+    scales = column_scales(H, K, 5)
+    assert store.source_paths == [f"req-{i:06d}.safetensors" for i in range(len(lengths))]
+    for i, t in enumerate(lengths):
+        ids, mask, layers = make_sample(i, t, scales, seed=5)
+        assert_sample_is_file(store, i, {"hidden_states": torch.stack(layers, dim=1), "token_ids": ids})
+        assert mask is not None and torch.equal(store.read_sample(i).loss_mask, mask)
