@@ -317,3 +317,34 @@ def test_synthetic_vllm_files_convert_with_their_arrow_loss_masks(tmp_path: Path
         ids, mask, layers = make_sample(i, t, scales, seed=5)
         assert_sample_is_file(store, i, {"hidden_states": torch.stack(layers, dim=1), "token_ids": ids})
         assert mask is not None and torch.equal(store.read_sample(i).loss_mask, mask)
+
+
+def test_a_lock_taken_again_after_discovery_is_an_error_not_a_read(tmp_path: Path) -> None:
+    """A new vLLM run into the same folder reuses request ids: a file found finished may be rewritten under its lock
+    while the conversion runs.  Reading it then would read a half-written file: it is refused, naming it."""
+    src = tmp_path / "vllm"
+    write_requests(src)
+    fmt = FORMATS["vllm-safetensors"]
+    source = next(s for s in fmt.scan(src).files if s.relpath == "cmpl-3a.safetensors")
+    writer = Writer(src, "cmpl-3a", 9, seed=0, hold_s=None, partial=False)
+    try:
+        for read in (fmt.probe, fmt.load):
+            with pytest.raises(SourceError) as raised:
+                read(source)
+            assert (raised.value.path, raised.value.problem) == (str(src / "cmpl-3a.safetensors"), (
+                "is being written again (its lock cmpl-3a.safetensors.lock is held since it was found finished): "
+                "convert once vLLM is done with this folder"))
+    finally:
+        writer.kill()
+    assert torch.equal(fmt.load(source).input_ids, write_requests(tmp_path / "again")["cmpl-3a"]["token_ids"])
+
+
+def test_a_lock_that_is_a_fifo_is_refused_without_opening_it(tmp_path: Path) -> None:
+    src = tmp_path / "vllm"
+    write_requests(src)
+    (src / "cmpl-b7.safetensors.lock").unlink()
+    os.mkfifo(src / "cmpl-b7.safetensors.lock")  # opening it would wait for a writer that never comes
+    with pytest.raises(SourceError) as raised:
+        convert(src, tmp_path / "hs.zarr", workers=0, progress=False, last_state_norm="pre", lock_timeout=60)
+    assert (raised.value.path, raised.value.problem) == (
+        str(src / "cmpl-b7.safetensors.lock"), "is a named pipe (FIFO), not a regular file: refused without opening it")
