@@ -189,10 +189,16 @@ class SourceFormat(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
-    def __reduce__(self) -> tuple[Callable[[FormatName], SourceFormat], tuple[FormatName]]:
-        # Pickle by name, so that sending a format to a worker process neither
-        # copies its caches (memory-mapped Arrow tables) nor fails on its lock.
-        # Imported here: the registry imports every format, and so this module.
-        from h5feed.formats.registry import format_by_name
+    @classmethod
+    def shared(cls) -> SourceFormat:
+        """This process's one instance of the format, whose caches every sample it reads shares (the registry's)."""
+        instance = cls.__dict__.get("_shared_instance")
+        if instance is None:
+            instance = cls()
+            cls._shared_instance = instance
+        return instance
 
-        return (format_by_name, (self.name,))
+    def __reduce__(self) -> tuple[Callable[[], SourceFormat], tuple[()]]:
+        # Pickled as "the receiving process's shared instance", so that sending a format to a worker process
+        # neither copies its caches (memory-mapped Arrow tables) nor fails on its lock.
+        return (type(self).shared, ())

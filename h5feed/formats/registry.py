@@ -22,19 +22,14 @@ from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetenso
 from h5feed.formats.vllm import VllmSafetensors
 from h5feed.store.layout import LastStateNorm
 
-__all__ = ["FORMATS", "detect_format", "format_by_name", "last_state_norm_of"]
+__all__ = ["FORMATS", "detect_format", "last_state_norm_of"]
 
 
 FORMATS: dict[FormatName, SourceFormat] = {
     f.name: f
-    for f in (SpeculatorsLegacyPt(), SpeculatorsV0Pt(), SpecForgeCkpt(), SpeculatorsSafetensors(), ModelOptPt(),
-              AngelSlimCkpt(), NemoEagle3Cache(), VllmSafetensors())
+    for f in (cls.shared() for cls in (SpeculatorsLegacyPt, SpeculatorsV0Pt, SpecForgeCkpt, SpeculatorsSafetensors,
+                                       ModelOptPt, AngelSlimCkpt, NemoEagle3Cache, VllmSafetensors))
 }
-
-
-def format_by_name(name: FormatName) -> SourceFormat:
-    """The format of that name: how a format sent to a worker process is unpickled (see `SourceFormat.__reduce__`)."""
-    return FORMATS[name]
 
 
 def _format_of_keys(d: dict, extension: str) -> FormatName | None:
