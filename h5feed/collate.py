@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from h5feed.flavors import IGNORE_TOKEN_ID, TARGET_PROBS_ARRAYS, Flavor, FlavorName, get_flavor
-from h5feed.loading.placement import place_items
+from h5feed.placement import place_items
 from h5feed.store import HIDDEN_ARRAYS, Allocator, StoreInfo, shared_allocator
 
 Batch = dict[str, Any]

@@ -24,9 +24,11 @@ average).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import io
 import json
+import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from h5feed.formats import FormatName
 
 FORMAT_NAMES = ("speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
-                "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache")
+                "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors")
 VARIANTS = {"modelopt-pt": ("hf", "vllm", "trtllm"), "angelslim-ckpt": ("hf", "vllm"),
             "nemo-eagle3-cache": ("full", "topk")}
 VOCAB_SIZE = 32000
@@ -222,6 +224,8 @@ def write_synthetic(
     ``compress`` (SpecForge only) writes ``.ckpt.gz``.  ``loss_mask=False``
     leaves the mask out (no key; no Arrow column for safetensors).
     ``arrow_shards`` splits the safetensors format's Arrow dataset in shards.
+    ``vllm-safetensors`` writes ``req-{i:06d}.safetensors`` as vLLM's connector does (under a released
+    ``.lock``), with speculators' Arrow dataset beside them for the loss masks (none with ``loss_mask=False``).
 
     The other pipelines (Model-Optimizer, AngelSlim, NeMo Automodel) take a ``variant`` (see ``VARIANTS``, the first is the default):
     ``modelopt-pt`` writes ``conv_{i:06d}.pt`` as Model-Optimizer's HF, vLLM or TRT-LLM dumper does
@@ -241,8 +245,8 @@ def write_synthetic(
         raise ValueError(f"layout must be 'flat' or 'rows', got {layout!r}")
     if compress and fmt != "specforge-ckpt":
         raise ValueError("compress=True exists only for specforge-ckpt (.ckpt.gz)")
-    if layout == "rows" and fmt == "speculators-safetensors":
-        raise ValueError("speculators-safetensors has a fixed hidden_states/ layout; use layout='flat'")
+    if layout == "rows" and fmt in ("speculators-safetensors", "vllm-safetensors"):
+        raise ValueError(f"{fmt} has a fixed layout; use layout='flat'")
     if fmt in VARIANTS and (layout != "flat" or rows_per_folder != 2000):
         raise ValueError(f"{fmt} has its own folder layout; leave layout and rows_per_folder as they are")
     if num_aux_layers < 1 or hidden_size < 1 or num_samples < 0:
@@ -264,9 +268,9 @@ def write_synthetic(
     written: list[Path] = []
     all_ids: list[torch.Tensor] = []
     all_masks: list[torch.Tensor | None] = []
-    if fmt == "speculators-safetensors":
+    if fmt in ("speculators-safetensors", "vllm-safetensors"):
         from safetensors.torch import save_file
-
+    if fmt == "speculators-safetensors":
         (root / "hidden_states").mkdir(exist_ok=True)
 
     for i, t in enumerate(lens):
@@ -302,8 +306,17 @@ def write_synthetic(
                 torch.save(d, path)
         else:
             hs = torch.stack(layers, dim=1)  # [T, K+1, H]
-            path = root / "hidden_states" / f"hs_{i}.safetensors"
-            save_file({"hidden_states": hs, "token_ids": ids}, str(path))
+            if fmt == "vllm-safetensors":
+                path = root / f"req-{i:06d}.safetensors"
+                lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+                fcntl.flock(lock, fcntl.LOCK_EX)  # as vLLM's connector: held while the file is written
+                try:
+                    save_file({"hidden_states": hs, "token_ids": ids}, str(path))
+                finally:
+                    os.close(lock)
+            else:
+                path = root / "hidden_states" / f"hs_{i}.safetensors"
+                save_file({"hidden_states": hs, "token_ids": ids}, str(path))
             all_ids.append(ids)
             all_masks.append(mask)
         written.append(path)
@@ -311,7 +324,7 @@ def write_synthetic(
     if fmt in ("speculators-legacy-pt", "speculators-v0-pt"):
         # speculators' generator writes exact lengths beside the files
         (root / "sample_lengths.json").write_text(json.dumps({str(i): t for i, t in enumerate(lens)}))
-    if fmt == "speculators-safetensors":
+    if fmt == "speculators-safetensors" or (fmt == "vllm-safetensors" and loss_mask):
         write_arrow_dataset(root, all_ids, all_masks if loss_mask else None, shards=arrow_shards)
     return written
 

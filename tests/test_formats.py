@@ -223,6 +223,7 @@ def test_norm_and_names() -> None:
         "modelopt-pt": None,  # the files say it, or the user does (tests/test_trainers.py)
         "angelslim-ckpt": None,
         "nemo-eagle3-cache": None,  # it stores no last state
+        "vllm-safetensors": None,  # the user states it (tests/test_vllm_files.py)
     }
     for n, f in FORMATS.items():
         assert f.name == n

@@ -14,7 +14,7 @@ from typing import Any
 
 from h5feed.cli.options import add_location_options, add_storage_option, location_options, storage_options
 from h5feed.errors import H5feedError
-from h5feed.formats import FORMATS
+from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
 from h5feed.observe.watch import add_watch_parser
 
 log = logging.getLogger("h5feed")
@@ -44,6 +44,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         storage_options=storage_options(args),
         staging_dir=args.staging_dir,
         precision=args.precision,
+        lock_timeout=args.lock_timeout,
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -100,6 +101,7 @@ EXAMPLES = {
     "convert": """examples:
   h5feed convert /data/hidden_states /data/hs.zarr                   # detect the format, all cores
   h5feed convert dumps/ hs.zarr --last-state-norm post --workers 8   # Model-Optimizer HF dumps
+  h5feed convert /shared/vllm-hs hs.zarr --last-state-norm pre       # vLLM's {req_id}.safetensors
   h5feed convert s3://runs/hs s3://stores/hs.zarr --storage-option endpoint_url=http://minio:9000
   h5feed convert /data/hidden_states /data/hs-fp8.zarr --precision fp8  # lossy, about half the size
   (run the same command again to resume after a kill, or to append files added to SRC)""",
@@ -131,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"h5feed {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = _subcommand(sub, "convert", "convert per-sample .pt/.ckpt/.safetensors files (or a NeMo cache) into one Zarr store",
+    p = _subcommand(sub, "convert", "convert per-sample .pt/.ckpt/.safetensors files (vLLM's too, or a NeMo cache) into "
+                    "one Zarr store",
                     "Convert every sample file under SRC (any supported trainer's format, detected) into one chunked, "
                     "compressed Zarr v3 store, bit for bit, in parallel, crash-safe and resumable.")
     p.add_argument("src", help="folder of sample files (searched recursively), or a URL (s3://bucket/prefix, ...)")
@@ -141,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last-state-norm", choices=["pre", "post"], default=None,
                    help="whether the files' last hidden state is taken before (pre) or after (post) the verifier's "
                    "final norm; required for files that do not say it (Model-Optimizer's vLLM and HF dumps, "
-                   "AngelSlim's vLLM backend), refused where it contradicts them")
+                   "AngelSlim's vLLM backend; vLLM's own files: pre, when their last layer is the model's final "
+                   "one), refused where it contradicts them")
     p.add_argument("--workers", type=int, default=None,
                    help=f"worker processes of the local pool or of --dask; 0 converts in this process "
                    f"(default: the {os.cpu_count() or 1} cores)")
@@ -166,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true",
                    help="skip the fsyncs that make journaled samples survive a power loss (faster on some disks)")
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable files and record them in the store")
+    p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT_S, metavar="SECONDS",
+                   help="how long to wait for files vLLM is still writing (their .lock held); then an error, or with "
+                   "--skip-bad a recorded skip that a rerun appends (default: %(default)g)")
     p.add_argument("--overwrite", action="store_true", help="delete DST first")
     add_storage_option(p)
     p.add_argument("--staging-dir", metavar="DIR",

@@ -130,7 +130,7 @@ class BucketSources:
 
     def materialize_first(self) -> None:
         """Fetch the first sample file of each kind into the shadow: format detection reads its keys."""
-        for name in ("specforge-ckpt", "speculators-legacy-pt", "modelopt-pt"):
+        for name in ("specforge-ckpt", "speculators-legacy-pt", "modelopt-pt", "vllm-safetensors"):
             files = FORMATS[name].search(self.shadow).files  # type: ignore[index]
             if files:
                 path = SourceFormat.file_of(files[0].path)

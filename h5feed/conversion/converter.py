@@ -61,7 +61,15 @@ from h5feed.conversion.bucket_sources import BucketSources, SourceFetcher, namin
 from h5feed.conversion.lock import LOCK_FILE, WriterLock
 from h5feed.conversion.publish import BucketPublisher
 from h5feed.errors import H5feedError, SourceError, StoreError
-from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, detect_format, last_state_norm_of
+from h5feed.formats import (
+    DEFAULT_LOCK_TIMEOUT_S,
+    FORMATS,
+    SampleShape,
+    SourceFile,
+    SourceFormat,
+    detect_format,
+    last_state_norm_of,
+)
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, fsync_dir, write_atomically
 from h5feed.io.paths import contained_path
@@ -167,19 +175,22 @@ class _Plan:
     skipped: tuple[dict[str, str], ...]  # the files planning skipped: {"path": relpath, "problem": why}
     total_rows: int  # the token arrays' rows, to the last sample's last shard
     append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
+    unfinished: tuple[dict[str, str], ...] = ()  # skipped while their writer wrote them: the next run tries them again
 
     @classmethod
     def read(cls, dst: Path) -> _Plan:
         """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
         plan = json.loads((dst / PLAN_FILE).read_text())
         return cls(_Options(**plan["options"]), tuple(_PlannedSample(**s) for s in plan["samples"]),
-                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"))
+                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"), tuple(plan.get("unfinished", ())))
 
     def write(self, dst: Path, durable: bool) -> None:
         plan = {"options": self.options.to_json(), "samples": [s.to_json() for s in self.samples],
                 "skipped": list(self.skipped), "total_rows": self.total_rows}
         if self.append_from is not None:
             plan["append_from"] = self.append_from
+        if self.unfinished:
+            plan["unfinished"] = list(self.unfinished)
         write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
 
     @property
@@ -188,7 +199,7 @@ class _Plan:
         return len(self.samples) if self.append_from is None else self.append_from
 
     def known(self) -> set[str]:
-        """The files the plan has seen: planned or skipped."""
+        """The files the plan has seen: planned or skipped (but not those skipped unfinished)."""
         return {s.relpath for s in self.samples} | {s["path"] for s in self.skipped}
 
 
@@ -221,6 +232,7 @@ def convert(
     last_state_norm: LastStateNorm | None = None,
     storage_options: Mapping[str, Any] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     precision: Precision = "exact",
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
@@ -244,6 +256,8 @@ def convert(
         storage_options: fsspec options of a bucket SRC and DST (credentials, endpoint_url, ...).
         staging_dir: local folder of a bucket DST's conversion (default: one per DST under
             ~/.cache/h5feed/staging; keep it to resume), and of the sample files workers fetch from a bucket SRC.
+        lock_timeout: seconds to wait for files their writer still holds locked (vLLM's): one still locked then is
+            an error, or with skip_bad a recorded skip that the next run appends once it is written.
         precision: "exact" keeps the source's hidden states bit for bit; "fp8" quantizes them (lossy) as
             hs-connectors' fp8 backend does (float8_e4m3fn, one float32 scale per token; `h5feed.store.fp8`),
             about half the size, read back in bfloat16 as its FP8Transfer returns them.
@@ -267,8 +281,10 @@ def convert(
         raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
     if precision not in ("exact", "fp8"):
         raise ValueError(f"precision must be 'exact' or 'fp8', not {precision!r}")
+    if not lock_timeout >= 0:
+        raise ValueError(f"lock_timeout must be 0 or more seconds, not {lock_timeout!r}")
     settings = _Settings(format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite, progress,
-                         durable, last_state_norm, precision)
+                         durable, last_state_norm, lock_timeout, precision)
     try:
         return _convert_anywhere(src, dst, settings, dict(storage_options or {}), staging_dir)
     except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
@@ -290,7 +306,18 @@ class _Settings:
     progress: bool
     durable: bool
     last_state_norm: LastStateNorm | None
+    lock_timeout: float
     precision: Precision
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """What this run found in SRC: the sample files, the entries that are no sample (recorded as skipped), and the
+    files their writer was still writing (recorded as skipped too, but tried again by the next run)."""
+
+    files: list[SourceFile]
+    unreadable: list[dict[str, str]]
+    unfinished: list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -348,7 +375,7 @@ def _convert_locally(
     fmt = FORMATS[format] if format else detect_format(src_path, s.skip_bad)  # type: ignore[index]
     if sources is not None:
         sources.check_format(fmt)
-    found = fmt.scan(src_path, s.skip_bad)  # with skip_bad, unreadable entries come back as skips, never in silence
+    found = fmt.scan(src_path, s.skip_bad, s.lock_timeout)  # with skip_bad, unreadable entries come back as skips
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
     options = _Options(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm, s.precision)
@@ -358,10 +385,12 @@ def _convert_locally(
     job = _Job(src_path, sources.url if sources else str(src_path), dst_path, fmt, options, s,
                sources.fetcher if sources else None, publisher)
     created = not dst_path.exists()
-    unreadable = [*(sources.skipped if sources else []), *(e.record() for e in found.skipped)]  # bad keys, bad files
+    listing = _Listing(found.files, [*(sources.skipped if sources else []),  # bad keys, bad files
+                                     *(e.record() for e in found.skipped if not e.unfinished)],
+                       [e.record() for e in found.skipped if e.unfinished])
     try:
         with WriterLock.acquire(dst_path) as lock, _PoolMaker(s.workers, s.scheduler, lock) as pool:
-            return _convert(job, pool, found.files, unreadable)
+            return _convert(job, pool, listing)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreError(dst_path, "disk full: free space and run the same command to resume") from exc
@@ -372,7 +401,7 @@ def _convert_locally(
                 dst_path.rmdir()
 
 
-def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable: list[dict[str, str]]) -> ConvertReport:
+def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     """Plan (or resume, or extend the plan of an append), convert what the journal lacks, finalize."""
     started = time.perf_counter()
     dst_path, durable = job.dst, job.settings.durable
@@ -386,15 +415,15 @@ def _convert(job: _Job, pool: _PoolMaker, sources: list[SourceFile], unreadable:
     append: _Append | None = None
     if info is not None and info.status == "complete":
         _check_complete_matches(dst_path, info, job.options)
-        rerun = _plan_of_complete(job, info, sources, unreadable)
+        rerun = _plan_of_complete(job, info, listing)
         if rerun is None:  # nothing new, nothing unfinished
             return _check_or_rebuild_index(dst_path, info, durable)
         plan, append = rerun
     elif info is not None:
-        plan = _read_plan(job, sources)
+        plan = _read_plan(job, listing.files)
 
     if plan is None:
-        plan = _make_plan(job, pool(), sources, unreadable)
+        plan = _make_plan(job, pool(), listing)
     elif append is not None and info is not None:
         plan = _extend_plan(job, pool(), plan, append, info)
     _remove_partial_writes(dst_path)
@@ -614,12 +643,10 @@ def _worker_name() -> str:
 # --- plan -------------------------------------------------------------------------------
 
 
-def _make_plan(
-    job: _Job, pool: TaskPool, sources: list[SourceFile], unreadable: list[dict[str, str]]
-) -> _Plan:
+def _make_plan(job: _Job, pool: TaskPool, listing: _Listing) -> _Plan:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
     fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.settings.durable
-    probed, skipped = _probe(job, pool, sources, None)
+    probed, skipped = _probe(job, pool, listing.files, None)
     shapes = [(source, shape) for source, shape, _ in probed]
     if not probed:
         raise SourceError(src_root, "no readable sample files (all were skipped)")
@@ -652,7 +679,7 @@ def _make_plan(
     create_arrays(dst, info, total_rows=row)
     if durable:
         _fsync_tree(dst)
-    plan = _Plan(options, tuple(planned), tuple(unreadable + skipped), row)
+    plan = _Plan(options, tuple(planned), tuple(listing.unreadable + skipped), row, unfinished=tuple(listing.unfinished))
     plan.write(dst, durable)
     return plan
 
@@ -820,11 +847,10 @@ class _Append:
     new: list[SourceFile]
     skipped: list[dict[str, str]]
     published: int  # plan positions that a finished run published (an unfinished append's stay after it)
+    unfinished: list[dict[str, str]]  # what this run found still being written (replaces the plan's)
 
 
-def _plan_of_complete(
-    job: _Job, info: StoreInfo, sources: list[SourceFile], unreadable: list[dict[str, str]]
-) -> tuple[_Plan, _Append | None] | None:
+def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_Plan, _Append | None] | None:
     """What a rerun on a complete store has to do: None if nothing; else its plan, and what to append
     when SRC has files the plan has not seen (None: an append was killed before it finished).
 
@@ -842,7 +868,7 @@ def _plan_of_complete(
     published = plan.published
     journal_sound = all(i in done for i in range(published))
     known = plan.known()
-    new_skips = [s for s in unreadable if s["path"] not in known]
+    new_skips = [s for s in listing.unreadable if s["path"] not in known]
     for changed, problem in _changed_since_planned(src, plan):
         if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
@@ -851,15 +877,16 @@ def _plan_of_complete(
         if record not in plan.skipped and record not in new_skips:
             log.warning("skipping %s: %s", src / changed, record["problem"])
             new_skips.append(record)
-    new = [s for s in sources if s.relpath not in known]
+    new = [s for s in listing.files if s.relpath not in known]
+    unfinished_changed = listing.unfinished != list(plan.unfinished)
     kept = sum("checksum" in r for r in done.values())
     finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
-    if new or new_skips:
+    if new or new_skips or unfinished_changed:
         if not journal_sound:
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
                              "an append rewrites the index from it; convert into another DST, or pass --overwrite")
         log.info("%s: appending %d new sample file(s) after its %d samples", dst, len(new), info.num_samples)
-        return plan, _Append(new, new_skips, len(samples) if finished else published)
+        return plan, _Append(new, new_skips, len(samples) if finished else published, listing.unfinished)
     if finished or not journal_sound:
         return None  # done, or a damaged journal: the index is checked (and rebuilt from the journal if need be)
     return plan, None  # an append killed before it published its index: finish it
@@ -896,7 +923,7 @@ def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: 
     planned, row = _lay_out(probed, plan.total_rows, info.shard_tokens)
     plan = dataclasses.replace(plan, samples=plan.samples + tuple(planned),
                                skipped=plan.skipped + tuple(append.skipped + skipped), total_rows=row,
-                               append_from=append.published)
+                               append_from=append.published, unfinished=tuple(append.unfinished))
     plan.write(job.dst, job.settings.durable)  # from here a rerun resumes it
     return plan
 
@@ -1160,8 +1187,9 @@ def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
 
 
 def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
-    """The store's `skipped`: what planning skipped, then the files that failed to convert, in plan order."""
-    return list(plan.skipped) + [
+    """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
+    to convert, in plan order."""
+    return list(plan.skipped) + list(plan.unfinished) + [
         {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
     ]
 

@@ -9,7 +9,8 @@ per-layer tensors in a ``.pt`` (speculators legacy), pre-concatenated tensors
 ``rank_*/rows_*/data_{i}.ckpt`` with optional per-token extras (Tencent
 AngelSlim), or fixed-length safetensors shards of padded, pre-shifted samples
 with the draft-vocab target distribution and no last state (NVIDIA NeMo
-Automodel's EAGLE-3 cache).
+Automodel's EAGLE-3 cache), or ``{req_id}.safetensors`` written under a lock by vLLM's
+hidden-states connector.
 
 The converter should not care: every format (one module per pipeline) implements
 `SourceFormat` (``base``), finds its files through ``discovery``, reads pickles only
@@ -26,12 +27,20 @@ file that needs code to unpickle is refused, never executed.
 """
 
 from h5feed.formats.angelslim import position_ids_from_rows, position_ids_to_rows
-from h5feed.formats.base import Companion, ExtraArray, FormatName, SampleShape, SourceFormat, SourceSample
+from h5feed.formats.base import (
+    DEFAULT_LOCK_TIMEOUT_S,
+    Companion,
+    ExtraArray,
+    FormatName,
+    SampleShape,
+    SourceFormat,
+    SourceSample,
+)
 from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile
 from h5feed.formats.registry import FORMATS, detect_format, last_state_norm_of
 
 __all__ = [
-    "FORMATS", "Companion", "Discovery", "ExtraArray", "FormatName", "SampleShape", "SkippedEntry", "SourceFile",
+    "DEFAULT_LOCK_TIMEOUT_S", "FORMATS", "Companion", "Discovery", "ExtraArray", "FormatName", "SampleShape", "SkippedEntry", "SourceFile",
     "SourceFormat", "SourceSample", "detect_format", "last_state_norm_of", "position_ids_from_rows",
     "position_ids_to_rows",
 ]

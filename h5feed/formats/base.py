@@ -21,11 +21,14 @@ from h5feed.errors import SourceError
 from h5feed.formats.discovery import Discovery, SourceFile, check_root, find_samples, nothing_readable
 from h5feed.store.layout import LastStateNorm, dtype_name
 
-__all__ = ["Companion", "ExtraArray", "FormatName", "SampleShape", "SourceFormat", "SourceSample"]
+__all__ = ["DEFAULT_LOCK_TIMEOUT_S", "Companion", "ExtraArray", "FormatName", "SampleShape", "SourceFormat",
+           "SourceSample"]
+
+DEFAULT_LOCK_TIMEOUT_S = 60.0  # how long a conversion waits for files their writer still holds locked (vLLM's)
 
 FormatName = Literal[
     "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
-    "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache",
+    "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors",
 ]
 
 
@@ -129,12 +132,15 @@ class SourceFormat(ABC):
     folder: str = ""  # where the sample files live under the root ("" = anywhere)
     numbered = True  # the names carry the sample's index (else: its rank in relpath order)
     norm_hint = ""  # where the files may not say their last state's norm: what their writers do (for the error)
+    stated_norms: tuple[LastStateNorm, ...] = ("pre", "post")  # what the user may state for files that do not say it
 
-    def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
+    def scan(self, root: Path, skip_bad: bool = False, lock_timeout: float = 0.0) -> Discovery:
         """Every sample file under root and, with skip_bad, every entry that cannot be read as one.
 
         Without skip_bad the first such entry (an unreadable folder, a broken or
         looping link, a link out of the root, a misnamed file) is a SourceError naming it.
+        `lock_timeout`: how long to wait for files their writer still holds locked, for the formats
+        whose writers lock them (vLLM's); the others have no locks.
         """
         root = check_root(root)
         found = self.search(root)
@@ -184,10 +190,16 @@ class SourceFormat(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
-    def __reduce__(self) -> tuple[Callable[[FormatName], SourceFormat], tuple[FormatName]]:
-        # Pickle by name, so that sending a format to a worker process neither
-        # copies its caches (memory-mapped Arrow tables) nor fails on its lock.
-        # Imported here: the registry imports every format, and so this module.
-        from h5feed.formats.registry import format_by_name
+    @classmethod
+    def shared(cls) -> SourceFormat:
+        """This process's one instance of the format, whose caches every sample it reads shares (the registry's)."""
+        instance = cls.__dict__.get("_shared_instance")
+        if instance is None:
+            instance = cls()
+            cls._shared_instance = instance
+        return instance
 
-        return (format_by_name, (self.name,))
+    def __reduce__(self) -> tuple[Callable[[], SourceFormat], tuple[()]]:
+        # Pickled as "the receiving process's shared instance", so that sending a format to a worker process
+        # neither copies its caches (memory-mapped Arrow tables) nor fails on its lock.
+        return (type(self).shared, ())

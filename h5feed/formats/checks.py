@@ -136,7 +136,7 @@ def mask_to_int64(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None else mask.to(torch.int64).contiguous()
 
 
-def refuse_unknown_keys(path: Path, d: dict, known: tuple[str, ...], fmt: str) -> None:
+def refuse_unknown_keys(path: Path, d: Collection[str], known: tuple[str, ...], fmt: str) -> None:
     """A key h5feed does not know would be lost in the store: refuse rather than drop it."""
     unknown = [k for k in d if k not in known]
     if unknown:

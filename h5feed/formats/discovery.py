@@ -27,6 +27,11 @@ class SourceFile:
     sample_index: int  # the i of data_{i}.pt / data_{i}.ckpt / hs_{i}.safetensors
     relpath: str  # path relative to the source root, '/'-separated (provenance)
 
+    @property
+    def root(self) -> Path:
+        """The source root that relpath is relative to (where a dataset beside the files lies)."""
+        return self.path.parents[len(Path(self.relpath).parts) - 1]
+
 
 @dataclass(frozen=True)
 class SkippedEntry:
@@ -35,6 +40,7 @@ class SkippedEntry:
     path: Path  # absolute: a file, a symbolic link or a folder
     relpath: str  # relative to the source root, '/'-separated: what a store's ``skipped`` list records
     problem: str
+    unfinished: bool = False  # its writer was still writing it: a rerun tries it again (vLLM's locked files)
 
     def error(self) -> SourceError:
         return SourceError(self.path, self.problem)

@@ -106,7 +106,7 @@ class NemoEagle3Cache(SourceFormat):
             raise SourceError(path, "seq_length, shard_size, num_samples and draft_vocab_size must all be positive")
         return manifest
 
-    def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
+    def scan(self, root: Path, skip_bad: bool = False, lock_timeout: float = 0.0) -> Discovery:
         root = Path(os.path.abspath(check_root(root)))
         manifest, _ = self._manifest(root)
         shards: dict[int, str] = {}

@@ -16,23 +16,20 @@ from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile, check_
 from h5feed.formats.modelopt import ModelOptPt
 from h5feed.formats.nemo import NemoEagle3Cache
 from h5feed.formats.safe_load import gz_head_dict, load_torch_dict
+from h5feed.formats.safetensors_file import open_safetensors
 from h5feed.formats.specforge import SpecForgeCkpt
 from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors, SpeculatorsV0Pt
+from h5feed.formats.vllm import VllmSafetensors
 from h5feed.store.layout import LastStateNorm
 
-__all__ = ["FORMATS", "detect_format", "format_by_name", "last_state_norm_of"]
+__all__ = ["FORMATS", "detect_format", "last_state_norm_of"]
 
 
 FORMATS: dict[FormatName, SourceFormat] = {
     f.name: f
-    for f in (SpeculatorsLegacyPt(), SpeculatorsV0Pt(), SpecForgeCkpt(), SpeculatorsSafetensors(), ModelOptPt(),
-              AngelSlimCkpt(), NemoEagle3Cache())
+    for f in (cls.shared() for cls in (SpeculatorsLegacyPt, SpeculatorsV0Pt, SpecForgeCkpt, SpeculatorsSafetensors,
+                                       ModelOptPt, AngelSlimCkpt, NemoEagle3Cache, VllmSafetensors))
 }
-
-
-def format_by_name(name: FormatName) -> SourceFormat:
-    """The format of that name: how a format sent to a worker process is unpickled (see `SourceFormat.__reduce__`)."""
-    return FORMATS[name]
 
 
 def _format_of_keys(d: dict, extension: str) -> FormatName | None:
@@ -88,6 +85,31 @@ def _detect_by_keys(root: Path, found: Discovery, extension: str, skip_bad: bool
     raise nothing_readable(root, sorted(found.skipped + failed, key=lambda s: s.relpath))
 
 
+def _detect_vllm(root: Path, found: Discovery) -> SourceFormat:
+    """vLLM's files, by the keys of the first of them whose header reads (one still being written may not).
+
+    speculators' hs_{i}.safetensors hold the same keys: outside the hidden_states/ folder beside their
+    Arrow dataset they are refused with where to point instead, since read as vLLM's they lose its loss masks."""
+    speculators = FORMATS["speculators-safetensors"]
+    if all(speculators.pattern.fullmatch(f.path.name) for f in found.files):
+        raise SourceError(root, "holds speculators' hs_{i}.safetensors files: pass the folder that holds "
+                          "hidden_states/ and state.json (their loss masks are there), or --format vllm-safetensors "
+                          "to read them as vLLM's files, without a loss mask")
+    failed: list[SourceError] = []
+    for source in found.files[:8]:
+        try:
+            with open_safetensors(source.path) as f:
+                keys = sorted(f.keys())
+        except SourceError as exc:
+            failed.append(exc)
+            continue
+        if keys == ["hidden_states", "token_ids"]:
+            return FORMATS["vllm-safetensors"]
+        raise SourceError(source.path, f"keys ({', '.join(map(repr, keys)) or 'none'}) are not those of vLLM's "
+                          "hidden-state files ('hidden_states' + 'token_ids')")
+    raise failed[0]
+
+
 def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
     """The format of the sample files under root, by their names, then by the keys of the first file that loads.
 
@@ -105,6 +127,9 @@ def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
     safetensors, ckpts, pts = searched
     if safetensors.files:
         return FORMATS["speculators-safetensors"]
+    requests = FORMATS["vllm-safetensors"].search(root)
+    if requests.files and not (ckpts.files or pts.files):
+        return _detect_vllm(root, requests)
     if ckpts.files and pts.files:
         raise SourceError(
             root,
@@ -125,8 +150,8 @@ def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
     raise SourceError(
         root,
         "no sample files of any known format found: expected data_{i}.pt, data_{i}.ckpt[.gz] or "
-        "hidden_states/hs_{i}.safetensors (or Model-Optimizer's <conversation_id>.pt, or a NeMo cache: "
-        "manifest.json + shard-NNNNNN.safetensors)",
+        "hidden_states/hs_{i}.safetensors (or Model-Optimizer's <conversation_id>.pt, vLLM's {req_id}.safetensors, "
+        "or a NeMo cache: manifest.json + shard-NNNNNN.safetensors)",
     )
 
 
@@ -142,6 +167,9 @@ def last_state_norm_of(
         if given is not None:
             raise SourceError(root, f"--last-state-norm {given} was given, but {fmt.name} stores no last hidden state")
         return None
+    if fmt.last_state_norm is None and given is not None and given not in fmt.stated_norms:
+        raise SourceError(root, f"--last-state-norm {given} was given, but {fmt.name} files cannot hold the "
+                          f"{given}-norm last hidden state ({fmt.norm_hint})")
     if fmt.last_state_norm is not None:
         if given is not None and given != fmt.last_state_norm:
             raise SourceError(root, f"{fmt.name} files hold the {fmt.last_state_norm}-norm last hidden state; "

@@ -3,12 +3,13 @@ dataset."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,7 +31,8 @@ from h5feed.formats.safetensors_file import check_fp8_scales, fp8_scales, open_s
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.store.layout import LastStateNorm
 
-__all__ = ["SpeculatorsLegacyPt", "SpeculatorsSafetensors", "SpeculatorsV0Pt"]
+__all__ = ["ArrowRows", "SpeculatorsLegacyPt", "SpeculatorsSafetensors", "SpeculatorsV0Pt", "layers_file_shape",
+           "split_layers"]
 
 
 class SpeculatorsLegacyPt(TorchDictFormat):
@@ -96,13 +98,31 @@ class SpeculatorsV0Pt(TorchDictFormat):
         return CheckedSample(ids, mask_vector(path, d.get("loss_mask"), "loss_mask", shape.num_tokens), aux, last, shape)
 
 
-class _ArrowRows:
+class ArrowRows:
     """Read-only, memory-mapped view of an HF ``datasets.save_to_disk`` folder, via pyarrow only.
 
     speculators 0.5+ (``ArrowDataset``) pairs row i of this dataset with
     ``hidden_states/hs_{i}.safetensors`` and takes ``loss_mask`` and
     ``seq_len`` from the row (``input_ids`` must equal the file's ``token_ids``).
+    Read once per process (`of`): the tables are mapped, not copied.
     """
+
+    _cache: ClassVar[dict[str, tuple[int, ArrowRows]]] = {}  # root -> (its state.json's mtime, the dataset)
+    _cache_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def of(cls, root: Path) -> ArrowRows:
+        """The dataset at root, read again only when its state.json changed."""
+        try:
+            stamp = (root / "state.json").stat().st_mtime_ns
+        except OSError:
+            stamp = -1
+        with cls._cache_lock:
+            cached = cls._cache.get(str(root))
+            if cached is None or cached[0] != stamp:
+                cached = (stamp, cls(root))
+                cls._cache[str(root)] = cached
+            return cached[1]
 
     def __init__(self, root: Path):
         import pyarrow as pa
@@ -141,6 +161,7 @@ class _ArrowRows:
         self.input_ids, self.loss_mask, self.seq_len = (
             self.table.column(n) if n in names else None for n in ("input_ids", "loss_mask", "seq_len")
         )
+        self._rows_by_ids: dict[bytes, list[int]] | None = None  # digest of a row's input_ids -> its rows
 
     @staticmethod
     def _read_ipc(path: Path):
@@ -197,6 +218,72 @@ class _ArrowRows:
             ids = self._list_at(self.input_ids, row, f"'input_ids' of row {i}", path)
         return mask, ids
 
+    def rows_with_input_ids(self, path: Path, token_ids: torch.Tensor) -> list[int]:
+        """The rows whose ``input_ids`` equal `token_ids` (int64), for files not named by their row (vLLM's):
+        found by a digest of every row's ids, computed once, then compared exactly."""
+        if self.input_ids is None:
+            raise SourceError(path, f"cannot be paired with a row of the Arrow dataset at {self.root}: it has no "
+                              "'input_ids' column")
+        if self._rows_by_ids is None:
+            by_ids: dict[bytes, list[int]] = {}
+            for i in range(self.num_rows):
+                ids = self._input_ids_of(i)
+                if ids is not None:
+                    by_ids.setdefault(_digest(ids), []).append(i)
+            self._rows_by_ids = by_ids
+        rows = []
+        for i in self._rows_by_ids.get(_digest(token_ids), []):
+            ids = self._input_ids_of(i)
+            if ids is not None and torch.equal(ids, token_ids):
+                rows.append(i)
+        return rows
+
+    def _input_ids_of(self, i: int) -> torch.Tensor | None:
+        """Row i's input_ids as int64, None when the row has none."""
+        assert self.input_ids is not None
+        row = int(self.indices[i].as_py()) if self.indices is not None else i
+        ids = self._list_at(self.input_ids, row, f"'input_ids' of row {i}", self.root)
+        return None if ids is None else ids.to(torch.int64)
+
+
+def _digest(ids: torch.Tensor) -> bytes:
+    """A digest of int64 token ids: rows and files are matched by it, then compared exactly."""
+    return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
+
+
+def layers_file_shape(path: Path, f: Any, fmt: FormatName) -> SampleShape:
+    """The shape of an open ``hidden_states`` [T, K+1, H] + ``token_ids`` [T] file (speculators' and vLLM's),
+    its keys, dtypes and shapes checked from its header alone."""
+    require_keys(path, list(f.keys()), ("token_ids", "hidden_states"), fmt)
+    t = token_vector(path, tensor_meta(f, "token_ids"), "token_ids").shape[0]
+    hs = tensor_meta(f, "hidden_states")
+    check_hidden(path, hs, "'hidden_states'", "[T, K+1, H]")
+    if hs.shape[0] != t:
+        raise SourceError(path, f"'hidden_states' has {hs.shape[0]} tokens but 'token_ids' has {t}")
+    if hs.shape[1] < 2:
+        raise SourceError(
+            path,
+            f"'hidden_states' holds {hs.shape[1]} layer(s) (shape {fmt_shape(hs)}); expected "
+            "K+1 >= 2 (K auxiliary layers, then the last layer)",
+        )
+    if hs.shape[2] == 0:
+        raise SourceError(path, f"'hidden_states' has hidden size 0 (shape {fmt_shape(hs)})")
+    check_fp8_scales(path, f, hs)
+    return SampleShape(t, hs.shape[2], hs.shape[1] - 1, hs.dtype)
+
+
+def split_layers(path: Path, f: Any, shape: SampleShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(aux [T, K*H], last [T, H], input_ids int64 [T]) of an open file of that shape.
+
+    The slices are views of the library's private (copy-on-write) file mapping, or in
+    older safetensors just these parts read: each part is copied once, straight into
+    its final contiguous tensor, and the [T, K+1, H] block never is."""
+    t, k, h = shape.num_tokens, shape.num_aux_layers, shape.hidden_size
+    hs = f.get_slice("hidden_states")
+    aux = hs[:, :k].contiguous().view(t, k * h)  # no copy when T == 1
+    last = hs[:, k:].contiguous().view(t, h)
+    return aux, last, ids_to_int64(path, f.get_tensor("token_ids"), "token_ids")
+
 
 class SpeculatorsSafetensors(SourceFormat):
     """D: speculators 0.5+ ``hidden_states/hs_{i}.safetensors`` ([T, K+1, H], last pre-norm) + Arrow dataset.
@@ -213,13 +300,9 @@ class SpeculatorsSafetensors(SourceFormat):
     extensions = (".safetensors",)
     folder = "hidden_states"  # flat, or sharded in sub-folders (hidden_states/0000/) by newer speculators
 
-    def __init__(self) -> None:
-        self._arrow: dict[tuple[str, int], _ArrowRows] = {}
-        self._lock = threading.Lock()
-
-    def scan(self, root: Path, skip_bad: bool = False) -> Discovery:
-        found = super().scan(root, skip_bad)
-        self._rows(Path(os.path.abspath(root)))  # fail early when the Arrow dataset is missing
+    def scan(self, root: Path, skip_bad: bool = False, lock_timeout: float = 0.0) -> Discovery:
+        found = super().scan(root, skip_bad, lock_timeout)
+        ArrowRows.of(Path(os.path.abspath(root)))  # fail early when the Arrow dataset is missing
         return found
 
     def _none_found(self, root: Path) -> SourceError:
@@ -229,65 +312,19 @@ class SpeculatorsSafetensors(SourceFormat):
             hint = " (hs_*.safetensors files exist elsewhere: pass the folder that holds hidden_states/ and state.json)"
         return SourceError(root, f"no hidden_states/hs_{{i}}.safetensors files found{hint}")
 
-    @staticmethod
-    def _data_root(source: SourceFile) -> Path:
-        """The folder of the Arrow dataset: the source root that relpath is relative to."""
-        return source.path.parents[len(Path(source.relpath).parts) - 1]
-
-    def _rows(self, root: Path) -> _ArrowRows:
-        try:
-            stamp = (root / "state.json").stat().st_mtime_ns
-        except OSError:
-            stamp = -1
-        key = (str(root), stamp)
-        with self._lock:
-            rows = self._arrow.get(key)
-            if rows is None:
-                rows = _ArrowRows(root)
-                self._arrow = {k: v for k, v in self._arrow.items() if k[0] != key[0]}
-                self._arrow[key] = rows
-            return rows
-
-    def _file_shape(self, path: Path, f: Any) -> SampleShape:
-        """Checks the file's keys, dtypes and shapes from its header alone."""
-        require_keys(path, list(f.keys()), ("token_ids", "hidden_states"), self.name)
-        t = token_vector(path, tensor_meta(f, "token_ids"), "token_ids").shape[0]
-        hs = tensor_meta(f, "hidden_states")
-        check_hidden(path, hs, "'hidden_states'", "[T, K+1, H]")
-        if hs.shape[0] != t:
-            raise SourceError(path, f"'hidden_states' has {hs.shape[0]} tokens but 'token_ids' has {t}")
-        if hs.shape[1] < 2:
-            raise SourceError(
-                path,
-                f"'hidden_states' holds {hs.shape[1]} layer(s) (shape {fmt_shape(hs)}); expected "
-                "K+1 >= 2 (K auxiliary layers, then the last layer)",
-            )
-        if hs.shape[2] == 0:
-            raise SourceError(path, f"'hidden_states' has hidden size 0 (shape {fmt_shape(hs)})")
-        check_fp8_scales(path, f, hs)
-        return SampleShape(t, hs.shape[2], hs.shape[1] - 1, hs.dtype)
-
     def probe(self, source: SourceFile) -> SampleShape:
         with open_safetensors(source.path) as f:
-            shape = self._file_shape(source.path, f)
-        self._rows(self._data_root(source)).lookup(source.sample_index, source.path, shape.num_tokens, full=False)
+            shape = layers_file_shape(source.path, f, self.name)
+        ArrowRows.of(source.root).lookup(source.sample_index, source.path, shape.num_tokens, full=False)
         return shape
 
     def load(self, source: SourceFile) -> SourceSample:
         path = source.path
         with open_safetensors(path) as f:
-            shape = self._file_shape(path, f)
-            t, k, h = shape.num_tokens, shape.num_aux_layers, shape.hidden_size
-            hs = f.get_slice("hidden_states")
-            aux, last, ids = hs[:, :k], hs[:, k:], f.get_tensor("token_ids")
+            shape = layers_file_shape(path, f, self.name)
+            aux, last, input_ids = split_layers(path, f, shape)
             scales = fp8_scales(f, shape)
-        mask, arrow_ids = self._rows(self._data_root(source)).lookup(source.sample_index, path, t, full=True)
-        # The slices are views of the library's private (copy-on-write) file mapping, or in
-        # older safetensors just these parts read: each part is copied once, straight into
-        # its final contiguous tensor, and the [T, K+1, H] block never is.
-        aux = aux.contiguous().view(t, k * h)  # no copy when T == 1
-        last = last.contiguous().view(t, h)
-        input_ids = ids_to_int64(path, ids, "token_ids")
+        mask, arrow_ids = ArrowRows.of(source.root).lookup(source.sample_index, path, len(input_ids), full=True)
         if arrow_ids is not None and not torch.equal(arrow_ids.to(torch.int64), input_ids):
             raise SourceError(
                 path,

@@ -1,6 +1,7 @@
-"""The read engine every loader shares: the sample schedule, the ordered read-ahead, the placement into the batch,
-the slot ring, the delivery thread, and the loaders built on them.
+"""The read engine every loader shares: the sample schedule, the ordered read-ahead, the slot ring, the delivery
+thread, and the loaders built on them; each batch is laid out by `h5feed.placement` (which the trainers' collates
+use too).
 
-Import the modules themselves (or the loaders from `h5feed`): this package imports nothing on its own, since
-`h5feed.collate` uses `h5feed.loading.placement` and the loaders use `h5feed.collate`.
+Import the modules themselves (or the loaders from `h5feed`): this package's loaders import `h5feed.collate`,
+which the package's face must not pull in.
 """

@@ -45,11 +45,11 @@ from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
 from h5feed.loading.delivery import Delivery
-from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
 from h5feed.metrics import WorkerCounters
+from h5feed.placement import place_items
 from h5feed.store import (
     HIDDEN_ARRAYS,
     HIDDEN_SCALES,

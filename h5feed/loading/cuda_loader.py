@@ -31,8 +31,8 @@ from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.delivery import Delivery
-from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
+from h5feed.placement import place_items
 from h5feed.store import Store
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
