@@ -467,3 +467,19 @@ def test_an_fp8_file_without_its_scales_is_refused(fp8_files, tmp_path):
     assert refused.value.problem == ("'hidden_states' is float8_e4m3fn without its 'hidden_states_scales': "
                                      "hs-connectors' fp8 backend writes both; the file is incomplete or was written "
                                      "otherwise")
+
+
+@pytest.mark.parametrize("store_name", ["from_fp8", "from_bf16"])
+def test_speculators_h5feed_backend_on_an_fp8_store_returns_fp8transfers_samples(fp8_files, store_name):
+    """speculators' `--hidden-states-backend h5feed` on an FP8 store (of FP8 files, or --precision fp8 of the bf16
+    ones): each get_cached(i) is what its fp8 backend's FP8Transfer returns for hs_{i}.safetensors, bit for bit."""
+    from h5feed.integrations.speculators import StoreTransfer
+
+    served = StoreTransfer(Store(fp8_files / store_name))
+    files = FP8Transfer(fp8_files / "fp8" / "hidden_states")
+    for i in range(N):
+        got, want = served.get_cached(i), files.get_cached(i)
+        assert list(got) == list(want) == ["token_ids", "hidden_states"]
+        assert got["hidden_states"].dtype == want["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(got["hidden_states"].view(torch.int16), want["hidden_states"].view(torch.int16))
+        assert torch.equal(got["token_ids"], want["token_ids"])

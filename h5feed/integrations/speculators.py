@@ -4,7 +4,8 @@ speculators' `ArrowDataset` reads sample i of its Arrow dataset through a backen
 registry (`HiddenStatesBackend.registry`), whose `get_cached(i)` returns what
 ``hidden_states/hs_{i}.safetensors`` holds: ``{"hidden_states": [T, K+1, H], "token_ids": [T]}``.
 Importing this module registers the backend ``h5feed``, which returns exactly that (same keys, dtypes,
-shapes and bits) from the store converted from those files, each read checked: damaged bytes are a
+shapes and bits) from the store converted from those files (from FP8 files, or with --precision fp8: what the
+fp8 backend's FP8Transfer returns, in bfloat16), each read checked: damaged bytes are a
 `CorruptSampleError`, never a sample (or, with ``--h5feed-on-corrupt skip``, a skip in speculators' own terms:
 the batch keeps its other samples and its `error_records` counts the skipped one).  speculators' parser takes
 the backends' flags from the registry when it is built, so the backend must be registered before:
@@ -28,7 +29,8 @@ from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.formats.speculators import SpeculatorsSafetensors
 from h5feed.loading.datasets import OnCorrupt
-from h5feed.store import Store
+from h5feed.store import Store, plain_allocator
+from h5feed.store.fp8 import dequantized
 
 if TYPE_CHECKING:
     from speculators.train.recovery import SampleUnavailable
@@ -78,7 +80,7 @@ class StoreTransfer(HiddenStatesTransfer):
                 "whose rows the store holds",
             )
         try:
-            raw = self.store.read_sample(i, extras=())
+            raw = dequantized(self.store.read_sample(i, extras=()), plain_allocator)  # an FP8 store's: FP8Transfer's
         except CorruptSampleError as error:
             if self.on_corrupt == "raise":
                 raise
