@@ -483,3 +483,28 @@ def test_speculators_h5feed_backend_on_an_fp8_store_returns_fp8transfers_samples
         assert got["hidden_states"].dtype == want["hidden_states"].dtype == torch.bfloat16
         assert torch.equal(got["hidden_states"].view(torch.int16), want["hidden_states"].view(torch.int16))
         assert torch.equal(got["token_ids"], want["token_ids"])
+
+
+def test_vllm_files_of_the_fp8_connector_convert_to_an_fp8_store(tmp_path, assert_same_batch):
+    """hs-connectors' FP8HiddenStatesConnector writes vLLM's {req_id}.safetensors (under their locks) with FP8
+    hidden_states and their scales: kept as they are; every item's hidden states are FP8Transfer's for that file."""
+    from safetensors.torch import load_file
+
+    files = write_synthetic(tmp_path / "src", "vllm-safetensors", N, H, K, lengths=LENGTHS, seed=13)
+    for path in files:
+        tensors = load_file(str(path))
+        fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+        save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(path))
+    h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=16, progress=False,
+                   last_state_norm="pre")
+    store = Store(tmp_path / "store")
+    assert (store.info.source_format, store.info.num_aux_layers, store.info.precision, store.info.lossy) == (
+        "vllm-safetensors", K, "fp8", False)
+    assert verify_store(store.path, tmp_path / "src", progress=False).ok
+    dataset = HiddenStatesDataset(store, "speculators")
+    transfer = FP8Transfer(tmp_path / "src")
+    for i in range(N):
+        want = transfer.get_generated({"handle": str(tmp_path / "src" / store.source_paths[i])})["hidden_states"]
+        item = dataset[i]
+        assert torch.equal(item["hidden_states"].view(torch.int16), want[:, :K].reshape(-1, K * H).view(torch.int16))
+        assert torch.equal(item["verifier_last_hidden_states"].view(torch.int16), want[:, K].view(torch.int16))

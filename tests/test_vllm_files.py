@@ -205,9 +205,13 @@ def test_files_written_without_a_lock_and_keys_vllm_does_not_write(tmp_path: Pat
     for i, relpath in enumerate(store.source_paths):
         assert_sample_is_file(store, i, files[relpath.removesuffix(".safetensors")])
     save_file({**files["cmpl-3a"], "hidden_states_scales": torch.ones(9, 1, 1)}, str(src / "cmpl-3a.safetensors"))
-    with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: has key\(s\) 'hidden_states_scales' that format "
-                       "vllm-safetensors does not have"):
+    with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: 'hidden_states_scales' beside 'hidden_states' of "
+                       r"dtype torch\.bfloat16: scales belong to float8_e4m3fn hidden states"):  # FP8 files take them
         convert(src, tmp_path / "b.zarr", workers=0, progress=False, last_state_norm="pre")
+    save_file({**files["cmpl-3a"], "extra": torch.ones(9)}, str(src / "cmpl-3a.safetensors"))
+    with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: has key\(s\) 'extra' that format "
+                       "vllm-safetensors does not have"):
+        convert(src, tmp_path / "c.zarr", workers=0, progress=False, last_state_norm="pre")
 
 
 # --------------------------------------------------------------------------- files still being written

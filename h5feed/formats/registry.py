@@ -20,7 +20,7 @@ from h5feed.formats.safetensors_file import open_safetensors
 from h5feed.formats.specforge import SpecForgeCkpt
 from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors, SpeculatorsV0Pt
 from h5feed.formats.vllm import VllmSafetensors
-from h5feed.store.layout import LastStateNorm
+from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
 
 __all__ = ["FORMATS", "detect_format", "last_state_norm_of"]
 
@@ -86,7 +86,8 @@ def _detect_by_keys(root: Path, found: Discovery, extension: str, skip_bad: bool
 
 
 def _detect_vllm(root: Path, found: Discovery) -> SourceFormat:
-    """vLLM's files, by the keys of the first of them whose header reads (one still being written may not).
+    """vLLM's files (or hs-connectors' FP8 ones, with their scales), by the keys of the first of them whose header
+    reads (one still being written may not).
 
     speculators' hs_{i}.safetensors hold the same keys: outside the hidden_states/ folder beside their
     Arrow dataset they are refused with where to point instead, since read as vLLM's they lose its loss masks."""
@@ -103,7 +104,7 @@ def _detect_vllm(root: Path, found: Discovery) -> SourceFormat:
         except SourceError as exc:
             failed.append(exc)
             continue
-        if keys == ["hidden_states", "token_ids"]:
+        if keys in (["hidden_states", "token_ids"], ["hidden_states", HIDDEN_SCALES, "token_ids"]):  # FP8: scales
             return FORMATS["vllm-safetensors"]
         raise SourceError(source.path, f"keys ({', '.join(map(repr, keys)) or 'none'}) are not those of vLLM's "
                           "hidden-state files ('hidden_states' + 'token_ids')")

@@ -3,7 +3,9 @@
 vLLM (``speculative_config={"method": "extract_hidden_states", ...}`` with that connector) writes one
 file per request into its ``shared_storage_path``: ``hidden_states`` [T, K, H] in the model's dtype
 (the layers of ``eagle_aux_hidden_state_layer_ids``, in that order) and ``token_ids`` [T] int64, with
-``safetensors.torch.save_file`` and no metadata.  The last of the K layers is the final layer's output,
+``safetensors.torch.save_file`` and no metadata.  hs-connectors' ``FP8HiddenStatesConnector`` (its subclass)
+writes the same files with ``hidden_states`` in float8_e4m3fn and ``hidden_states_scales`` beside it: they
+convert into an FP8 store that keeps both as they are.  The last of the K layers is the final layer's output,
 before the norm, only when ``num_hidden_layers`` is in that list (as speculators configures it): the
 files cannot say so, so the user states it (``--last-state-norm pre``), as for other formats.
 
@@ -34,15 +36,15 @@ from h5feed.errors import SourceError
 from h5feed.formats.base import FormatName, SampleShape, SourceFormat, SourceSample
 from h5feed.formats.checks import ids_to_int64, mask_to_int64, refuse_unknown_keys
 from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile, check_root, find_samples, nothing_readable
-from h5feed.formats.safetensors_file import open_safetensors
+from h5feed.formats.safetensors_file import fp8_scales, open_safetensors
 from h5feed.formats.speculators import ArrowRows, layers_file_shape, split_layers
 from h5feed.io.paths import regular_file
-from h5feed.store.layout import LastStateNorm
+from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
 
 __all__ = ["LOCK_SUFFIX", "VllmSafetensors"]
 
 LOCK_SUFFIX = ".lock"  # vLLM's lock beside each file: {req_id}.safetensors.lock
-_KEYS = ("hidden_states", "token_ids")
+_KEYS = ("hidden_states", "token_ids", HIDDEN_SCALES)  # the scales: hs-connectors' FP8HiddenStatesConnector's
 _POLL_S = 0.05  # how often a held lock is tried again
 
 
@@ -128,9 +130,11 @@ class VllmSafetensors(SourceFormat):
         path = source.path
         with _reading(path), open_safetensors(path) as f:
             refuse_unknown_keys(path, list(f.keys()), _KEYS, self.name)
-            aux, last, input_ids = split_layers(path, f, layers_file_shape(path, f, self.name))
+            shape = layers_file_shape(path, f, self.name)
+            aux, last, input_ids = split_layers(path, f, shape)
+            scales = fp8_scales(f, shape)
         mask = self._loss_mask(source, input_ids) if _paired(source) else None
-        return SourceSample(input_ids, mask, [aux], last)
+        return SourceSample(input_ids, mask, [aux], last, hidden_scales=scales)
 
     @staticmethod
     def _loss_mask(source: SourceFile, input_ids: torch.Tensor) -> torch.Tensor | None:
