@@ -269,7 +269,7 @@ def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, flavo
 def test_decode_on_the_gpu_refuses_an_fp8_store(pairs, monkeypatch):
     """Where the GPU backend is available (here: said to be), "cuda" refuses an FP8 store and "auto" reads it on
     the CPU; what that backend reads (the compressed frames) refuses FP8 hidden states, whoever asks."""
-    import h5feed.loading.batch_loader as batch_loader
+    from h5feed.loading import batch_loader
 
     monkeypatch.setattr(batch_loader, "why_unavailable", lambda: None)
     path = pairs("speculators-safetensors").fp8
