@@ -256,7 +256,7 @@ def cpu_seconds() -> float:
 
 
 def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, convert_workers: int,
-              flavor: str) -> Store:
+              flavor: str = "speculators-legacy") -> Store:
     """A synthetic Kimi-shaped `.pt` set of the flavor's pipeline and its store (speculators': `h5feed bench`'s
     builder; Model-Optimizer's HF dumps, post-norm last state, written and converted here; both reused when
     complete)."""
