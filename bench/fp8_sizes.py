@@ -2,9 +2,10 @@
 
 Writes a synthetic source set (by default the shape of `h5feed bench`'s Kimi set, fewer samples: its values
 are synthetic, not real activations, so the ratios say how the codec does on them, not on a model's), converts
-it twice, and prints the stored bytes against raw bf16, and the FP8 error per token (the RMS error over all of
-a token's hidden states, and relative to their RMS), beside speculators 0.4's training noise (uniform,
-std 0.05).
+it twice, and prints the stored bytes against raw bf16, the FP8 error per token (the RMS error over all of
+a token's hidden states, and relative to their RMS) beside speculators 0.4's training noise (uniform,
+std 0.05), and what a read costs (CPU seconds per sample of a HiddenStatesDataset in this process, one thread,
+warm page cache: FP8's includes its dequantization).
 
     python bench/fp8_sizes.py --work /tmp/fp8-sizes [--samples 4] [--hidden-size 7168] [--src FOLDER]
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,20 @@ def _figures(values: torch.Tensor) -> dict[str, float]:
             "max": round(float(values.max()), 5)}
 
 
+def _read_cpu_s_per_sample(store: Store, rounds: int = 3) -> float:
+    """The median over `rounds` passes of a speculators HiddenStatesDataset's CPU seconds per item."""
+    dataset = h5feed.HiddenStatesDataset(store, "speculators")
+    for i in range(len(dataset)):  # warm-up: page cache, buffers
+        dataset[i]
+    passes = []
+    for _ in range(rounds):
+        cpu = time.process_time()
+        for i in range(len(dataset)):
+            dataset[i]
+        passes.append((time.process_time() - cpu) / len(dataset))
+    return round(statistics.median(passes), 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)
@@ -41,6 +58,7 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=DEFAULT_SPEC.hidden_size)
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(1)
     src = args.src or args.work / "src"
     if args.src is None and not src.exists():
         write_synthetic(src, DEFAULT_SPEC.format, args.samples, args.hidden_size, DEFAULT_SPEC.num_aux_layers,
@@ -63,6 +81,7 @@ def main() -> None:
         rel_rms.append((squared / (w**2).mean(dim=1)).sqrt())
     absolute, relative = torch.cat(abs_rms), torch.cat(rel_rms)
     hidden = ("aux_hidden_states", "last_hidden_states")
+    read_cpu = {name: _read_cpu_s_per_sample(store) for name, store in stores.items()}
 
     def stored(store: Store, names: tuple[str, ...]) -> int:
         return sum(f.stat().st_size for n in names for f in (Path(store.path) / n).rglob("*") if f.is_file())
@@ -79,6 +98,7 @@ def main() -> None:
         "fp8_over_exact_store": round(fp8.stored_nbytes() / exact.stored_nbytes(), 3),
         "rms_error_per_token": _figures(absolute), "relative_rms_error_per_token": _figures(relative),
         "speculators_04_noise_rms": round(NOISE_STD / 3**0.5, 4),  # uniform in [-0.05, 0.05]
+        "read_cpu_s_per_sample": read_cpu,
     }, indent=2))
 
 
