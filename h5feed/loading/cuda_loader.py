@@ -63,7 +63,10 @@ class _Decoded:
 
 
 def store_refusal(store: Store) -> str | None:
-    """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2)."""
+    """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2
+    or later, exact hidden states)."""
+    if store.info.fp8:
+        return "it holds FP8 hidden states, which decode on the GPU cannot dequantize yet"
     codec = store.info.codec
     if codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded:
         return None
