@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.gpu_decode import why_unavailable
+from h5feed.loading.controls import LoaderControls
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
 from h5feed.loading.delivery import Delivery
@@ -59,9 +60,6 @@ from h5feed.store import (
     shared_allocator,
 )
 from h5feed.store.fp8 import dequantize_into
-
-if TYPE_CHECKING:  # typing.Self is 3.11+
-    from typing_extensions import Self
 
 Decode = Literal["cpu", "cuda", "auto"]
 _CPU_DECODE_ONLY = ("num_workers", "slots_per_worker", "multiprocessing_context", "worker_init_fn", "timeout")
@@ -235,7 +233,7 @@ class _SlotFeed(IterableDataset[FilledBatch]):
             yield self.writer.write(indices, self.writer.ring.claim(own))
 
 
-class BatchLoader:
+class BatchLoader(LoaderControls):
     """The trainer's batches, decoded straight into a recycled ring of (page-locked) batch buffers.
 
     Yields exactly what `DataLoader(HiddenStatesStream(...), batch_size=..., collate_fn=
@@ -362,20 +360,6 @@ class BatchLoader:
         samples = len(self.dataset)
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)
-
-    @property
-    def batch_sampler(self) -> BatchLoader:
-        """speculators' Trainers call `train_loader.batch_sampler.set_epoch(epoch)` each epoch: this loader takes it."""
-        return self
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
-
     def __iter__(self) -> Iterator[Batch]:
         """One pass over this rank's batches; starting another ends the one before."""
         if self._closed:
@@ -395,12 +379,6 @@ class BatchLoader:
             self._closed = True
             if not self._handed_out:
                 self._free_ring()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def _end_pass(self) -> None:
         """Stop the current pass's workers or threads; slots it had filled go back to the ring."""

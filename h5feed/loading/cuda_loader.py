@@ -22,21 +22,19 @@ import weakref
 from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from h5feed.collate import Batch, BatchPlan, RowKey, TensorSpec, trainer_collate
 from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
+from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.delivery import Delivery
 from h5feed.loading.readahead import ReadAhead
 from h5feed.placement import place_items
 from h5feed.store import Store
-
-if TYPE_CHECKING:  # typing.Self is 3.11+
-    from typing_extensions import Self
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
 
@@ -79,7 +77,7 @@ def gpu_decode_refusal(store: Store) -> str | None:
     return why_unavailable() or store_refusal(store)
 
 
-class CudaBatchLoader:
+class CudaBatchLoader(LoaderControls):
     """The trainer's batches, decoded on the GPU from compressed frames that reader threads read and check.
 
     Args:
@@ -148,15 +146,6 @@ class CudaBatchLoader:
     def __len__(self) -> int:
         return len(self.dataset.schedule.worker_batches(self.drop_last))
 
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
-
     def close(self) -> None:
         """End the current pass and give the pinned staging memory back; the loader cannot be iterated again."""
         active = self._active() if self._active is not None else None
@@ -164,12 +153,6 @@ class CudaBatchLoader:
             active.close()
         self._closed = True
         self.__dict__.pop("_staging", None)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __iter__(self) -> Iterator[Batch]:
         """One pass over this rank's batches."""
