@@ -233,6 +233,18 @@ def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) 
     return best
 
 
+def warm_batch(shape: Shape, max_len: int) -> Batch:
+    """A full-length batch of random values (speculators 0.4's collate) to calibrate and warm the step on."""
+    return create_collate_fn(max_len)([{
+        "input_ids": torch.randint(0, EMBED_VOCAB, (max_len,)),
+        "hidden_states": torch.randn(max_len, shape.aux_layers * shape.hidden, dtype=torch.bfloat16),
+        "verifier_last_hidden_states": torch.randn(max_len, shape.hidden, dtype=torch.bfloat16),
+        "loss_mask": torch.ones(max_len, dtype=torch.long),
+        "lengths": torch.tensor([max_len]),
+        "position_ids": torch.arange(max_len),
+    }])
+
+
 def step_seconds(trainer: Trainer, batch: Batch, steps: int = 5) -> tuple[float, float]:
     """Wall and CPU seconds of one training step on a batch already at hand (page-locked, as the loaders
     deliver it on a GPU box), after two warm-up steps."""
@@ -482,14 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold and fs in ("tmpfs", "ramfs"):
         log.warning("%s is on %s: a cold page cache means nothing there", store.path, fs)
 
-    warm = create_collate_fn(args.max_len)([{
-        "input_ids": torch.randint(0, EMBED_VOCAB, (args.max_len,)),
-        "hidden_states": torch.randn(args.max_len, shape.aux_layers * shape.hidden, dtype=torch.bfloat16),
-        "verifier_last_hidden_states": torch.randn(args.max_len, shape.hidden, dtype=torch.bfloat16),
-        "loss_mask": torch.ones(args.max_len, dtype=torch.long),
-        "lengths": torch.tensor([args.max_len]),
-        "position_ids": torch.arange(args.max_len),
-    }])
+    warm = warm_batch(shape, args.max_len)
     if args.step_ms:
         trainer, shape, _ = calibrate(shape, device, warm, args.step_ms)
     else:

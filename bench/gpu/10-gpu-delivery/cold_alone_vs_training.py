@@ -1,11 +1,19 @@
-import os, statistics, sys, time
+"""How fast each backend reads from a cold disk, alone and under the 65 ms step (RESULTS: the GPU backend off
+the training thread). Run on the GPU box from the repository root: python3 bench/gpu/10-gpu-delivery/cold_alone_vs_training.py
+(the 64-sample Kimi set of bench/train_step.py --make-data 64 must exist)."""
+import statistics
+import sys
+import time
+
 import torch
+
 sys.path.insert(0, "bench"); sys.path.insert(0, ".")
 import train_step as ts
+
 import h5feed
+from h5feed.bench import drop_page_cache
 from h5feed.loading.cuda_loader import CudaBatchLoader
 from h5feed.store import Store
-from h5feed.bench import drop_page_cache
 
 store = Store("/root/.cache/h5feed/bench/speculators-legacy-pt-H7168-K3-T1500-1900-n64-s0/store")
 args = dict(flavor="speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16, seed=0)
@@ -16,10 +24,7 @@ def w(*a, **k):
 CudaBatchLoader._stage = w
 device = torch.device("cuda")
 shape = ts.Shape.for_hidden(store.hidden_size, store.num_aux_layers)
-warm = ts.create_collate_fn(2048)([{"input_ids": torch.randint(0, ts.EMBED_VOCAB, (2048,)),
-    "hidden_states": torch.randn(2048, 3 * shape.hidden, dtype=torch.bfloat16),
-    "verifier_last_hidden_states": torch.randn(2048, shape.hidden, dtype=torch.bfloat16),
-    "loss_mask": torch.ones(2048, dtype=torch.long), "lengths": torch.tensor([2048]), "position_ids": torch.arange(2048)}])
+warm = ts.warm_batch(shape, 2048)
 trainer, shape, ms = ts.calibrate(shape, device, warm, 65)
 print("step alone ms", round(ms, 1))
 def run(label, make, train):

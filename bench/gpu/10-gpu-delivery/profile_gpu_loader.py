@@ -1,9 +1,20 @@
-import gzip, os, shutil, statistics, sys, time
+"""The GPU backend, warm: samples/s alone, per-call CPU times of its stages, and a torch.profiler trace under the
+65 ms step (RESULTS: the GPU backend off the training thread). Run on the GPU box from the repository root with OUT set:
+python3 bench/gpu/10-gpu-delivery/profile_gpu_loader.py (the 64-sample Kimi set of bench/train_step.py --make-data 64 must exist)."""
+import gzip
+import os
+import shutil
+import statistics
+import sys
+import time
+
 import torch
+
 sys.path.insert(0, "bench"); sys.path.insert(0, ".")
 import train_step as ts
-from h5feed.loading.cuda_loader import CudaBatchLoader
+
 from h5feed.gpu_decode import CudaBloscDecoder
+from h5feed.loading.cuda_loader import CudaBatchLoader
 from h5feed.store import Store
 
 OUT = os.environ["OUT"]
@@ -30,10 +41,7 @@ for threads in (4, 8):
     report(f"alone warm threads={threads}: {n/el:.1f} samples/s, gpu_decode_ms/sample {loader.gpu_decode_ms/n:.2f}")
 device = torch.device("cuda")
 shape = ts.Shape.for_hidden(store.hidden_size, store.num_aux_layers)
-warm = ts.create_collate_fn(2048)([{"input_ids": torch.randint(0, ts.EMBED_VOCAB, (2048,)),
-    "hidden_states": torch.randn(2048, 3 * shape.hidden, dtype=torch.bfloat16),
-    "verifier_last_hidden_states": torch.randn(2048, shape.hidden, dtype=torch.bfloat16),
-    "loss_mask": torch.ones(2048, dtype=torch.long), "lengths": torch.tensor([2048]), "position_ids": torch.arange(2048)}])
+warm = ts.warm_batch(shape, 2048)
 trainer, shape, ms = ts.calibrate(shape, device, warm, 65)
 print("step alone ms", ms)
 loader = CudaBatchLoader(store, **args, threads=4)
