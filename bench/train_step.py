@@ -49,6 +49,7 @@ import os
 import platform
 import shutil
 import sys
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -401,12 +402,15 @@ def train(name: str, loader: Any, trainer: Trainer, args: argparse.Namespace, ca
           train_cpu_per_step: float) -> dict[str, Any]:
     monitored = h5feed.monitor(loader, every=args.every, log_dir=args.out, stall_after=args.stall_after,
                                name=f"{name}-w{workers}")
-    losses = []
+    losses, waits = [], []  # waits: each next() on the training thread, the monitor's share included
     wall, cpu = time.perf_counter(), cpu_seconds()
+    asked = wall
     for step, batch in enumerate(monitored, 1):
+        waits.append(time.perf_counter() - asked)
         losses.append(trainer.step(batch).item())  # trainers log the loss every step: one sync per step
         if args.steps and step >= args.steps:
             break
+        asked = time.perf_counter()
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu  # the epoch's workers are reaped by now
     s = monitored.summary()
     loading_cpu = max(0.0, cpu - train_cpu_per_step * len(losses))
@@ -422,6 +426,7 @@ def train(name: str, loader: Any, trainer: Trainer, args: argparse.Namespace, ca
         "gpu_idle_pct": s["gpu_idle(%)"],
         "samples_per_s": s["throughput(samples/s)"],
         "first_batch_s": s["first_batch(s)"],
+        "next_ms_median": statistics.median(waits[1:]) * 1e3 if len(waits) > 1 else None,  # the first: start-up
         "loading_cpu_cores": loading_cpu / wall,
         "loading_cpu_s_per_sample": loading_cpu / max(len(losses), 1),
         "gpu_decode_ms_per_sample": getattr(loader, "gpu_decode_ms", 0.0) / max(len(losses), 1),
@@ -436,13 +441,13 @@ def _num(value: float | None, spec: str) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     rows = [["loader", "workers", "cache", "steps", "step time", "data-wait %", "GPU idle %", "samples/s",
-             "loading cores", "CPU s/sample", "GPU decode ms/sample"]]
+             "loading cores", "CPU s/sample", "next() median ms"]]
     rows += [[r["loader"], str(r["workers"]), "FAILED", r["error"][:60]] + [""] * 7 for r in runs if "error" in r]
     runs = [r for r in runs if "error" not in r]
     rows += [[r["loader"], str(r["workers"]), r["cache"], str(r["steps"]), _num(r["step_time_s"], ".3f") + " s",
               _num(r["data_loading_pct"], ".1f"), _num(r["gpu_idle_pct"], ".1f"), _num(r["samples_per_s"], ".2f"),
               _num(r["loading_cpu_cores"], ".2f"), _num(r["loading_cpu_s_per_sample"], ".3f"),
-              _num(r["gpu_decode_ms_per_sample"], ".1f")] for r in runs]
+              _num(r["next_ms_median"], ".2f")] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in rows)

@@ -13,6 +13,7 @@ import torch
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu_decode, trainer_collate
+from h5feed.loading.delivery import Delivery
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule
 
@@ -90,6 +91,45 @@ def test_read_ahead_hands_back_in_order_and_draws_work_only_depth_ahead():
         assert reads.take() == 0
         assert drawn == [0, 1, 2, 3]
         assert list(reads) == [10, 20, 30, 40, 50, 60, 70]
+
+
+def test_read_ahead_announces_in_order_on_a_thread_of_its_own_that_never_holds_back_the_reads():
+    """Announcing a cold file blocks (the kernel queues its reads): the consumer must not wait for it."""
+    announced, release, consumer = [], threading.Event(), threading.current_thread()
+
+    def announce(i):
+        assert threading.current_thread() is not consumer
+        announced.append(i)
+        if i == 0:
+            assert release.wait(10)  # the disk is slow to take this one's reads
+
+    with ReadAhead(range(6), lambda i: i * 10, threads=2, depth=3, announce=announce) as reads:
+        assert [reads.take() for _ in range(6)] == [0, 10, 20, 30, 40, 50]  # all read while announcing is stuck
+        assert announced == [0]
+        release.set()
+    assert announced == [0]  # close() dropped the announcements not started (the reads were done)
+
+
+def test_delivery_runs_on_take_on_the_trainers_thread_while_its_thread_waits():
+    """What the trainer's thread does as it takes a batch (a CUDA stream's wait, which lets the GIL go) runs
+    while the delivery thread is parked, so that the thread cannot take the GIL from the trainer then."""
+    produced, seen, trainer = [], [], threading.current_thread()
+
+    def source():
+        for i in range(5):
+            produced.append(i)
+            yield i
+
+    def on_take(i):
+        assert threading.current_thread() is trainer
+        seen.append((i, list(produced)))
+
+    delivery = Delivery(source, on_take=on_take)
+    try:
+        assert list(delivery) == [0, 1, 2, 3, 4]
+    finally:
+        delivery.close()
+    assert seen == [(i, list(range(i + 1))) for i in range(5)]  # the next one is made only after on_take
 
 
 def functions_called_in(call):

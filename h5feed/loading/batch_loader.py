@@ -45,7 +45,7 @@ from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
-from h5feed.loading.delivery import Delivery
+from h5feed.loading.delivery import Delivery, trainer_stream_waits
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
@@ -196,16 +196,6 @@ class ReadyBatch:
     passed: int
     copied: torch.cuda.Event | None = None
     in_fresh_memory: bool = False  # no slot was free: the trainer holds more batches than the ring keeps
-
-
-def _hand_over_on_device(batch: Batch, copied: torch.cuda.Event, device: torch.device | None) -> None:
-    """The trainer's stream waits for the batch's copy (no wait here); its memory, made on the delivery thread's
-    stream, is kept for the trainer's stream's work."""
-    consumer = torch.cuda.current_stream(device)
-    consumer.wait_event(copied)
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            value.record_stream(consumer)
 
 
 def _as_is(message: Any) -> Any:
@@ -398,7 +388,7 @@ class BatchLoader(LoaderControls):
         """The pass on the trainer's thread: each batch, made ready by the delivery thread, is only handed over."""
         stream = self.dataset
         stream.schedule.begin_pass()  # every pass starts at the stream's start: a second one replays the epoch
-        delivery = Delivery(self._ready_batches, name="h5feed-batch-delivery")
+        delivery = Delivery(self._ready_batches, on_take=self._wait_for_copy, name="h5feed-batch-delivery")
         try:
             for ready in delivery:
                 stream.note_consumed(ready.passed)
@@ -407,9 +397,13 @@ class BatchLoader(LoaderControls):
         finally:
             delivery.close()
 
+    def _wait_for_copy(self, ready: ReadyBatch) -> None:
+        """With `device`: the trainer's stream waits for the batch's copy (on the trainer's thread, as it takes it)."""
+        if ready.copied is not None and ready.batch is not None:
+            trainer_stream_waits(ready.batch, ready.copied, self.device)
+
     def _hand_over(self, ready: ReadyBatch) -> Batch:
-        """The ready batch, taken out of `ready`, in the trainer's structure; with `device`, the trainer's stream
-        waits for its copy."""
+        """The ready batch, taken out of `ready`, in the trainer's structure."""
         batch, ready.batch = ready.batch, None
         assert batch is not None
         if ready.in_fresh_memory and not self._warned:
@@ -417,8 +411,6 @@ class BatchLoader(LoaderControls):
             warnings.warn(f"h5feed: the trainer holds more batches than the {self.slots_per_worker} slots per worker "
                           "keep; the rest are built in fresh memory (slower); pass a larger slots_per_worker if that "
                           "is intended", stacklevel=3)
-        if ready.copied is not None:
-            _hand_over_on_device(batch, ready.copied, self.device)
         return self.collate.finish(batch)
 
     def _ready_batches(self) -> Generator[ReadyBatch, None, None]:

@@ -31,7 +31,7 @@ from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
-from h5feed.loading.delivery import Delivery
+from h5feed.loading.delivery import Delivery, trainer_stream_waits
 from h5feed.loading.readahead import ReadAhead
 from h5feed.placement import place_items
 from h5feed.store import Store
@@ -166,16 +166,11 @@ class CudaBatchLoader(LoaderControls):
         """The pass on the trainer's thread: each batch, decoded and placed by the delivery thread, only handed over."""
         stream = self.dataset
         stream.schedule.begin_pass()
-        delivery = Delivery(self._decoded_batches, name="h5feed-gpu-decode")
+        delivery = Delivery(self._decoded_batches, on_take=self._wait_for_decode, name="h5feed-gpu-decode")
         try:
             for decoded in delivery:
                 if decoded.batch is not None:  # None: all the batch's samples were damaged and skipped
                     batch, decoded.batch = decoded.batch, None
-                    consumer = torch.cuda.current_stream(self.device)
-                    consumer.wait_event(decoded.ready)  # the trainer's kernels start once the batch is placed
-                    for value in batch.values():
-                        if isinstance(value, torch.Tensor) and value.is_cuda:
-                            value.record_stream(consumer)  # made on the decode stream, used on the trainer's
                     stream.note_consumed(decoded.scheduled)
                     yield self.collate.finish(batch)
                 else:
@@ -183,6 +178,11 @@ class CudaBatchLoader(LoaderControls):
         finally:
             delivery.close()
             self._collect_timings(wait=True)
+
+    def _wait_for_decode(self, decoded: _Decoded) -> None:
+        """The trainer's kernels start once the batch is placed (on the trainer's thread, as it takes it)."""
+        if decoded.batch is not None:
+            trainer_stream_waits(decoded.batch, decoded.ready, self.device)
 
     # --- the delivery thread: staged batches decoded on the GPU, a group at a time ----------------
     def _decoded_batches(self) -> Generator[_Decoded, None, None]:

@@ -4,15 +4,22 @@ threads, wrap it as the batch's tensors, queue its copy to the GPU), done one ba
 The trainer's thread then only takes a batch that is ready.  The thread stays one batch in
 front of the trainer: each batch it holds is a slot of the ring that no writer may fill.  Whatever the thread raises (a damaged sample, a dead worker) is
 raised on the trainer's thread at the batch where it happened.
+
+What must happen on the trainer's thread (its CUDA stream made to wait for the batch) runs
+before the thread is let go on to the next batch: those calls release the GIL, and a
+delivery thread let go first took it then and held it for its Python work, up to the
+interpreter's switch interval (5 ms), at every tenth `next()` or so on the H200 box.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import torch
 
 Delivered = TypeVar("Delivered")
 
@@ -30,12 +37,15 @@ _END = object()  # the source is exhausted
 class Delivery(Generic[Delivered]):
     """Runs `source()` in a thread of its own, one result in front of the trainer's thread.
 
-    Iterate on the trainer's thread; `close()` stops the thread (once what it is doing now is done:
-    a read in flight is not cut) and closes the source in it.  A source must not refer to the
-    Delivery, so that a loader nobody holds any more can go.
+    Iterate on the trainer's thread; `on_take(result)` runs there for each result before the
+    thread goes on.  `close()` stops the thread (once what it is doing now is done: a read in
+    flight is not cut) and closes the source in it.  A source must not refer to the Delivery, so
+    that a loader nobody holds any more can go.
     """
 
-    def __init__(self, source: Callable[[], Iterator[Delivered]], *, name: str = "h5feed-delivery") -> None:
+    def __init__(self, source: Callable[[], Iterator[Delivered]], *,
+                 on_take: Callable[[Delivered], None] | None = None, name: str = "h5feed-delivery") -> None:
+        self._on_take = on_take
         self._room = threading.Semaphore(1)  # taken by the thread for each result, given back as the trainer takes it
         self._ready: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -47,11 +57,15 @@ class Delivery(Generic[Delivered]):
         """The source's results, in order, on the trainer's thread; what it raised, raised here."""
         while True:
             delivered = self._ready.get()
-            self._room.release()  # the thread goes on to the next while the trainer uses this one
-            if delivered is _END:
-                return
-            if isinstance(delivered, _Failure):
-                raise delivered.error
+            try:
+                if delivered is _END:
+                    return
+                if isinstance(delivered, _Failure):
+                    raise delivered.error
+                if self._on_take is not None:
+                    self._on_take(delivered)  # type: ignore[arg-type]
+            finally:
+                self._room.release()  # the thread goes on to the next while the trainer uses this one
             yield delivered  # type: ignore[misc]
 
     def close(self) -> None:
@@ -60,6 +74,16 @@ class Delivery(Generic[Delivered]):
         self._room.release()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def trainer_stream_waits(batch: Mapping[str, Any], ready: torch.cuda.Event, device: torch.device | None) -> None:
+    """The trainer's current stream waits for `ready` (the batch's copy or decode; no wait here), and the batch's
+    GPU memory, made on another stream, is kept for the trainer's stream's work.  Call it on the trainer's thread."""
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_event(ready)
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(consumer)
 
 
 def _deliver(source: Callable[[], Iterator[Delivered]], room: threading.Semaphore, ready: queue.SimpleQueue[object],

@@ -4,6 +4,11 @@ Reads release the GIL (file I/O, mmap, Blosc, crc32c), so threads in one process
 and decode in parallel.  Each piece of work is announced first (`announce`: the disk
 starts on its chunks at once) and then read by a thread; the results come back in
 the order of the work, whatever order the threads finish in.
+
+Announcing runs on a thread of its own, in the work's order: asking the kernel to read a
+cold file ahead (`posix_fadvise(WILLNEED)`) blocks while it queues the file's reads (~40 ms
+for a 70 MB sample on the H200 box), and done by the consumer it held back the next
+submission while reader threads sat idle.
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ class ReadAhead(Generic[Work, Result]):
         self._held, self._holding = held, False
         self._in_flight: deque[Future[Result]] = deque()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=name)
+        self._announcer = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-announce") if announce else None
         for _ in range(max(depth, 1)):
             self._submit_next()
 
     def _submit_next(self) -> None:
         for work in self._upcoming:
-            if self._announce is not None:
-                self._announce(work)
+            if self._announcer is not None:  # what it raises is left to the read that follows to report
+                self._announcer.submit(self._announce, work)  # type: ignore[arg-type]
             self._in_flight.append(self._pool.submit(self._read, work))
             return
 
@@ -90,6 +96,8 @@ class ReadAhead(Generic[Work, Result]):
         for future in self._in_flight:
             future.cancel()
         self._in_flight.clear()
+        if self._announcer is not None:
+            self._announcer.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> ReadAhead[Work, Result]:
