@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from pathlib import Path
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
+    """"unknown KIND 'NAME': did you mean 'X'? (one of: ...)": what a lookup of a mistyped name says."""
+    known = list(choices)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown {kind} {name!r}: {hint}(one of: {', '.join(known)})"
 
 
 class H5feedError(Exception):

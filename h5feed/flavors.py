@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from h5feed.errors import StoreError
+from h5feed.errors import StoreError, unknown_name
 from h5feed.formats import position_ids_from_rows
 from h5feed.store import Allocator, LastStateNorm, RawSample, StoreInfo
 
@@ -92,7 +92,7 @@ class Flavor:
                 path,
                 f"flavor {self.name!r} needs the verifier's last hidden state {_NORM_WORDS[wanted]}, but this store "
                 f"holds it {_NORM_WORDS[held]} ({whence}); the two cannot be converted into each other without "  # type: ignore[index]
-                "the verifier's final-norm weight",
+                f"the verifier's final-norm weight. Flavors that fit this store: {', '.join(flavors_for_norm(held))}",
             )
         if max_len is not None and not self.truncates:
             raise ValueError(f"flavor {self.name!r} yields whole samples, as its trainer's dataset does: "
@@ -290,9 +290,14 @@ FLAVORS: dict[str, Flavor] = {
 }
 
 
+def flavors_for_norm(norm: LastStateNorm | None) -> list[str]:
+    """The flavors whose trainers take a last hidden state of this norm (NeMo's cache, which has none, aside)."""
+    return [f.name for f in FLAVORS.values() if f.last_state_norm in (None, norm) and not f.needs_target_probs]
+
+
 def get_flavor(name: str) -> Flavor:
     try:
         return FLAVORS[name]
     except KeyError:
-        raise ValueError(f"unknown flavor {name!r}: choose one of {', '.join(FLAVORS)}") from None
+        raise ValueError(unknown_name("flavor", name, FLAVORS)) from None
 

@@ -171,6 +171,13 @@ class LoaderSnapshot:
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
 
 
+def check_worker_count(num_workers: int) -> None:
+    """Refuse more DataLoader workers than the counters have rows for, before any starts."""
+    if num_workers > MAX_WORKERS:
+        raise ValueError(f"num_workers={num_workers}: an h5feed loader runs at most {MAX_WORKERS} DataLoader workers "
+                         "(each reads whole samples: 2-8 keep a GPU fed; `h5feed bench --workers N` measures it here)")
+
+
 class LoaderCounters:
     """The table of all workers' rows, owned by a dataset; picklable into its workers."""
 
@@ -191,7 +198,8 @@ class LoaderCounters:
             info = torch.utils.data.get_worker_info()
             worker_id = info.id if info is not None else 0
         if worker_id >= len(self.table):
-            raise ValueError(f"worker id {worker_id} exceeds the {len(self.table)} counter rows")
+            raise ValueError(f"DataLoader worker {worker_id}: an h5feed loader runs at most {len(self.table)} DataLoader "
+                             f"workers; pass num_workers <= {len(self.table)}")
         return WorkerCounters(self.table[worker_id], self._lock)
 
     def snapshot(self) -> LoaderSnapshot:

@@ -64,6 +64,8 @@ def verify_store(
     if not store.remote:
         report.mismatches += _damaged_companions(Path(path), store.info)
     source_format = FORMATS[store.info.source_format] if against is not None else None  # type: ignore[index]
+    if against is not None:
+        _check_source_folder(Path(against), store)
     for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):
         relpath = store.source_paths[i]
         report.samples_checked += 1
@@ -110,6 +112,24 @@ def _unreadable_arrays(store: Store) -> list[Mismatch]:
         except Exception as exc:  # whatever zarr raises on damaged metadata
             problems.append(Mismatch(-1, name, f"zarr-python cannot open the array: {exc!r}"))
     return problems
+
+
+def _check_source_folder(against: Path, store: Store, probe: int = 8) -> None:
+    """One clear error, not a mismatch per sample, when `against` is not the folder the store came from:
+    it is no folder, or none of the first `probe` source files the index names is in it."""
+    hint = f"pass the folder the store was converted from (it recorded {store.info.source_root})"
+    if not against.is_dir():
+        raise SourceError(against, f"is not a folder: {hint}")
+    names = [SourceFormat.file_of(Path(store.source_paths[i])).as_posix() for i in range(min(probe, len(store)))]
+    if names and not any(_is_file_inside(against, name) for name in names):
+        raise SourceError(against, f"holds none of the store's first source files ({names[0]}, ...): {hint}")
+
+
+def _is_file_inside(folder: Path, name: str) -> bool:
+    try:
+        return contained_path(folder, name).is_file()
+    except UnsafeName:  # the per-sample comparison reports it
+        return False
 
 
 def _source_file(against: Path, relpath: str, source_index: int) -> SourceFile:

@@ -492,8 +492,10 @@ def test_inspect_prints_what_the_store_holds(tmp_path, cli):
     r = cli("inspect", dst)
     assert r.status == 0
     for key, value in (("samples", 5), ("tokens", tokens), ("hidden_size", H), ("num_aux_layers", K),
-                       ("dtype", "bfloat16"), ("last_state_norm", "pre"), ("codec", ZSTD),
-                       ("compression_ratio", round(raw / stored, 3)), ("skipped", 0)):
+                       ("dtype", "bfloat16"), ("last_state_norm", "pre"),
+                       ("codec", "blosc zstd, level 1, byte shuffle, 1 MiB blocks"),
+                       ("raw_bytes", f"{raw / 1e3:.3g} kB ({raw:,} bytes)"),
+                       ("compression_ratio", f"{round(raw / stored, 3)}x (raw bytes / stored bytes)"), ("skipped", 0)):
         assert re.search(rf"^{key}\s+{re.escape(str(value))}$", r.stdout, re.MULTILINE), key
 
 

@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from h5feed.cli.options import add_location_options, add_storage_option, location_options, storage_options
+from h5feed.cli.options import add_location_options, add_storage_option, location_options, one_of, storage_options
 from h5feed.errors import H5feedError
 from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
 from h5feed.observe.watch import add_watch_parser
@@ -93,8 +93,44 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             value = len(value)
             for skipped in summary["skipped"]:
                 print(f"  skipped {skipped['path']}: {skipped['problem']}")
-        print(f"{key:<{width}}  {value}")
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            print(f"{key:<{width}}  {len(value)}")  # one line each below: extra arrays, companions
+            for name, entry in value.items():
+                print(f"  {name}: {_readable(name, entry)}")
+            continue
+        print(f"{key:<{width}}  {_readable(key, value)}")
     return 0
+
+
+def _readable(key: str, value: Any) -> str:
+    """One figure of `inspect` as a person reads it (`--json` keeps the raw values)."""
+    if value is None:
+        return "none"
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{_size(value)} ({value:,} bytes)"
+    if key == "codec" and isinstance(value, dict):
+        shuffle = {"shuffle": "byte shuffle", "bitshuffle": "bit shuffle", "noshuffle": "no shuffle"}
+        parts = [" ".join(str(value[k]) for k in ("name", "cname") if k in value)]
+        parts += [f"level {value['clevel']}"] if "clevel" in value else []
+        parts += [shuffle.get(str(value["shuffle"]), str(value["shuffle"]))] if "shuffle" in value else []
+        parts += [f"{_size(value['blocksize'], binary=True)} blocks"] if value.get("blocksize") else []
+        return ", ".join(parts)
+    if key == "compression_ratio":
+        return f"{value}x (raw bytes / stored bytes)"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_readable(k, v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
+def _size(n: int, binary: bool = False) -> str:
+    """Bytes as kB/MB/GB/TB (or KiB/MiB/GiB with binary=True)."""
+    step, units = (1024, ("bytes", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("bytes", "kB", "MB", "GB", "TB"))
+    amount, unit = float(n), 0
+    while amount >= step and unit < len(units) - 1:
+        amount, unit = amount / step, unit + 1
+    return f"{n} bytes" if unit == 0 else f"{amount:.3g} {units[unit]}"
 
 
 EXAMPLES = {
@@ -140,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="folder of sample files (searched recursively), or a URL (s3://bucket/prefix, ...)")
     p.add_argument("dst", help="the store to write (a folder, or a URL: converted in --staging-dir, then uploaded); "
                    "an unfinished one is resumed, and new files in SRC are appended to a complete one")
-    p.add_argument("--format", choices=list(FORMATS), help="input format (default: detected)")
+    p.add_argument("--format", type=one_of("format", FORMATS), metavar="FORMAT",
+                   help=f"input format, one of {', '.join(FORMATS)} (default: detected)")
     p.add_argument("--last-state-norm", choices=["pre", "post"], default=None,
                    help="whether the files' last hidden state is taken before (pre) or after (post) the verifier's "
                    "final norm; required for files that do not say it (Model-Optimizer's vLLM and HF dumps, "

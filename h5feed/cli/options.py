@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from h5feed.errors import H5feedError
+from h5feed.errors import H5feedError, unknown_name
+
+
+def one_of(kind: str, choices: Iterable[str]) -> Callable[[str], str]:
+    """An argparse type for a name among `choices`: a mistyped one is refused with a "did you mean"."""
+    known = list(choices)
+
+    def parse(text: str) -> str:
+        if text not in known:
+            raise argparse.ArgumentTypeError(unknown_name(kind, text, known))
+        return text
+
+    return parse
 
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:

@@ -433,6 +433,9 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     samples = plan.samples
     done = _read_journal(dst_path)
     pending = [i for i in range(len(samples)) if i not in done]
+    if info is not None and info.status != "complete":
+        log.info("%s: resuming an unfinished conversion: %d of %d samples were done by an earlier run; %d to go",
+                 dst_path, len(done), len(samples), len(pending))
     report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
     if pending:
         # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)

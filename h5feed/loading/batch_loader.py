@@ -49,7 +49,7 @@ from h5feed.loading.delivery import Delivery, trainer_stream_waits
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
-from h5feed.metrics import WorkerCounters
+from h5feed.metrics import WorkerCounters, check_worker_count
 from h5feed.placement import place_items
 from h5feed.store import (
     HIDDEN_ARRAYS,
@@ -239,7 +239,8 @@ class BatchLoader(LoaderControls):
             are here, the store is Blosc-zstd and exact (not FP8) and no argument of CPU decode
             (num_workers, ...) is given, else "cpu".  An FP8 store's batches hold its hidden states
             dequantized as hs-connectors' FP8Transfer returns them (bf16).
-        flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`.
+        flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`; without a flavor,
+            speculators-legacy where the store fits it, else a ValueError naming the flavors that do.
         batch_size: items per batch (speculators packs them into one max_len row).
         drop_last: leave out the last batch when it is short (SpecForge's loader does).
         num_workers: DataLoader worker processes; 0: `threads` reader threads in this process.
@@ -312,6 +313,7 @@ class BatchLoader(LoaderControls):
                              "the stream with trainer_collate")
         if batch_size < 1 or num_workers < 0 or prefetch < 1:
             raise ValueError("batch_size and prefetch must be >= 1 and num_workers >= 0")
+        check_worker_count(num_workers)
         store = stream.store
         stream.batch_size = batch_size
         stream.schedule.counted_by_loader = True

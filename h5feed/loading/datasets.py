@@ -25,10 +25,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert, get_worker_info
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
-from h5feed.flavors import Flavor, FlavorName, Item, Transform, get_flavor
+from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
-from h5feed.metrics import LoaderCounters, WorkerCounters
+from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 from h5feed.store.fp8 import dequantized
 
@@ -448,6 +448,7 @@ class StreamLoader(DataLoader):
     """
 
     def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
+        check_worker_count(kwargs.get("num_workers", 0))
         dataset.batch_size = batch_size or 1
         dataset.schedule.counted_by_loader = True
         dataset.stands_in_for_skips = True
@@ -554,5 +555,28 @@ def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor:
         if extra:
             raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
         return data
-    return HiddenStatesStream(data, flavor or "speculators-legacy", max_len, hidden_states_dtype=hidden_states_dtype,
-                              **stream_kwargs)
+    if flavor is None:
+        data = _as_store(data, stream_kwargs.pop("storage_options", None), stream_kwargs.pop("cache_dir", None),
+                         stream_kwargs.pop("cache_limit", None))
+        flavor = _default_flavor(data)
+    return HiddenStatesStream(data, flavor, max_len, hidden_states_dtype=hidden_states_dtype, **stream_kwargs)
+
+
+def _default_flavor(store: Store) -> str:
+    """speculators-legacy, the loaders' default, where it fits the store; otherwise a ValueError that names the
+    flavors that do (the trainers' batches differ: a guess would hand one batches it does not expect)."""
+    norm = store.info.last_state_norm
+    if store.info.has_last_state and norm == get_flavor("speculators-legacy").last_state_norm:
+        return "speculators-legacy"
+    fits = [name for name in flavors_for_norm(norm) if _fits(name, store)] if store.info.has_last_state else ["nemo-eagle3"]
+    raise ValueError(f"{store.path}: no flavor given, and the default (speculators-legacy, which needs a pre-norm last "
+                     f"hidden state) does not fit this store (converted from {store.info.source_format}): pass "
+                     f"flavor=, the trainer whose batches to make: {', '.join(fits)}")
+
+
+def _fits(flavor: str, store: Store) -> bool:
+    try:
+        get_flavor(flavor).check_store(store.path, store.info, None)
+    except (ValueError, StoreError):
+        return False
+    return True

@@ -1,0 +1,118 @@
+"""The mistakes users make, each answered with a message that says what to do, as early as it can be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h5feed
+from h5feed import BatchLoader, HiddenStatesStream, StreamLoader
+from h5feed.errors import SourceError, StoreError
+
+H = 8
+LENGTHS = [5, 17, 3, 9]
+
+
+@pytest.fixture(scope="module")
+def pre_norm_store(synthetic_store):
+    return synthetic_store("ue_legacy", "speculators-legacy-pt", len(LENGTHS), H, LENGTHS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def post_norm_store(synthetic_store):
+    return synthetic_store("ue_specforge", "specforge-ckpt", len(LENGTHS), H, LENGTHS, seed=4)
+
+
+def test_a_mistyped_flavor_is_refused_with_the_nearest_name(pre_norm_store):
+    with pytest.raises(ValueError, match=r"unknown flavor 'specforg': did you mean 'specforge'\? \(one of: "
+                                         r"speculators-legacy, speculators, specforge, "):
+        BatchLoader(pre_norm_store.path, flavor="specforg", max_len=64)
+    with pytest.raises(ValueError, match="unknown flavor 'xyz': [(]one of"):  # nothing close: no guess
+        HiddenStatesStream(pre_norm_store.path, "xyz", 64)
+
+
+def test_a_mistyped_format_on_the_command_line_names_the_nearest(cli, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli("convert", tmp_path, tmp_path / "out", "--format", "vllm-safetensor")
+    assert exit_.value.code == 2
+    assert ("argument --format: unknown format 'vllm-safetensor': did you mean 'vllm-safetensors'?"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("make", [
+    lambda path: BatchLoader(path, flavor="speculators-legacy", max_len=64, num_workers=1000),
+    lambda path: StreamLoader(HiddenStatesStream(path, "speculators-legacy", 64), num_workers=1000),
+], ids=["BatchLoader", "StreamLoader"])
+def test_too_many_workers_are_refused_when_the_loader_is_made(pre_norm_store, make):
+    with pytest.raises(ValueError, match=r"num_workers=1000: an h5feed loader runs at most 64 DataLoader workers"):
+        make(pre_norm_store.path)
+
+
+def test_without_a_flavor_the_default_serves_a_pre_norm_store(pre_norm_store, assert_same_batch):
+    args = {"max_len": 64, "hidden_states_dtype": torch.bfloat16, "threads": 1}
+    loader = BatchLoader(pre_norm_store.path, **args)
+    assert loader.dataset.flavor.name == "speculators-legacy"
+    got, want = list(loader), list(BatchLoader(pre_norm_store.path, flavor="speculators-legacy", **args))
+    assert len(got) == len(LENGTHS)
+    for a, b in zip(got, want):
+        assert_same_batch(a, b)
+
+
+def test_without_a_flavor_a_post_norm_store_names_the_flavors_that_fit(post_norm_store):
+    with pytest.raises(ValueError) as refused:
+        BatchLoader(post_norm_store.path, max_len=64)
+    message = str(refused.value)
+    assert message.startswith(f"{post_norm_store.path}: no flavor given, and the default (speculators-legacy")
+    fits = message.split("the trainer whose batches to make: ")[1].split(", ")
+    assert fits == ["specforge", "specforge-shifted", "modelopt", "modelopt-answer-only", "modelopt-0.45", "angelslim"]
+    for name in fits:  # each one named does open the store
+        HiddenStatesStream(post_norm_store.path, name, None if name == "angelslim" else 64)
+
+
+def test_the_wrong_norm_refusal_names_the_flavors_that_fit(post_norm_store):
+    with pytest.raises(StoreError, match=r"final-norm weight\. Flavors that fit this store: specforge, "
+                                         r"specforge-shifted, modelopt, modelopt-answer-only, modelopt-0.45, angelslim$"):
+        HiddenStatesStream(post_norm_store.path, "speculators", 64)
+
+
+def test_verify_against_a_wrong_folder_is_one_error_naming_the_right_one(cli, pre_norm_store, tmp_path):
+    missing = cli("verify", pre_norm_store.path, "--against", tmp_path / "nowhere")
+    assert missing.status != 0
+    assert f"{tmp_path / 'nowhere'}: is not a folder: pass the folder the store was converted from" in missing.output
+    assert str(pre_norm_store.src) in missing.output and "MISMATCH" not in missing.output
+
+    (tmp_path / "other").mkdir()
+    wrong = cli("verify", pre_norm_store.path, "--against", tmp_path / "other")
+    assert wrong.status != 0
+    assert wrong.output.count("holds none of the store's first source files") == 1
+    assert "MISMATCH" not in wrong.output
+
+    right = cli("verify", pre_norm_store.path, "--against", pre_norm_store.src)
+    assert right.status == 0, right.output
+
+
+def test_a_dataloader_with_too_many_workers_says_how_many_it_may_have(pre_norm_store):
+    counters = HiddenStatesStream(pre_norm_store.path, "speculators-legacy", 64).counters
+    with pytest.raises(ValueError, match=r"DataLoader worker 64: an h5feed loader runs at most 64 DataLoader workers; "
+                                         r"pass num_workers <= 64"):
+        counters.worker(64)
+
+
+def test_source_error_is_what_verify_raises_for_the_api(pre_norm_store, tmp_path):
+    with pytest.raises(SourceError, match="is not a folder"):
+        h5feed.verify_store(pre_norm_store.path, tmp_path / "nowhere", progress=False)
+
+
+def test_a_resumed_conversion_says_so_and_how_much_was_done(tmp_path, cli, interrupted_convert):
+    from h5feed.synthetic import write_synthetic
+
+    src, dst = tmp_path / "src", tmp_path / "store"
+    write_synthetic(src, "speculators-legacy-pt", 5, H, lengths=(4, 20), seed=9)
+    assert sorted(interrupted_convert(src, dst, after=2)) == [0, 1]
+    resumed = cli("convert", src, dst, "--workers", "0")
+    assert resumed.status == 0, resumed.output
+    assert (f"{dst}: resuming an unfinished conversion: 2 of 5 samples were done by an earlier run; 3 to go"
+            in resumed.output)
+    again = cli("convert", src, dst, "--workers", "0")  # complete: nothing is resumed
+    assert again.status == 0 and "resuming" not in again.output
