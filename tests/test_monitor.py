@@ -152,7 +152,7 @@ def test_one_file_per_rank_and_watch_names_the_slowest_rank(tmp_path, capsys, mo
     ends = {rank: records(tmp_path / f"h5feed-monitor-ddp-rank{rank}.jsonl")[-1] for rank in (0, 1)}
     assert [(e["kind"], e["rank"], e["world_size"], e["steps"]) for e in ends.values()] == [("end", 0, 2, 5),
                                                                                           ("end", 1, 2, 5)]
-    assert format_line(ends[1]).startswith("h5feed[ddp rank 1/2] step 6 |")
+    assert format_line(ends[1]).startswith("h5feed[ddp rank 1/2] epoch 0 step 6 |")
 
     assert cli_main(["watch", str(tmp_path), "--once"]) == 0
     frame = capsys.readouterr().out
@@ -201,3 +201,45 @@ def test_train_step_bench_smoke(tmp_path):
     assert "decode on the GPU is not available" in result["runs"][-1]["error"]
     assert "h5feed[h5feed-batch-w1] first batch after" in done.stderr
     assert {p.name for p in out.glob("h5feed-monitor-*.jsonl")} == {f"h5feed-monitor-{n}-w1.jsonl" for n in names[:-1]}
+
+
+def test_a_run_re_wrapped_each_epoch_counts_one_global_step_and_one_tensorboard_file(tmp_path):
+    """The README's loop wraps the loader afresh each epoch: the run's step goes on, in the JSON lines, the
+    report lines and one TensorBoard events file whose steps only increase."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    loader = DataLoader(SlowDataset(5, 0.02))
+    for _ in range(3):
+        monitored = h5feed.monitor(loader, every=0.05, log_dir=tmp_path, tensorboard=True, name="epochs")
+        for _ in monitored:
+            time.sleep(0.02)
+    lines = records(tmp_path / "h5feed-monitor-epochs.jsonl")
+    ends = [r for r in lines if r["kind"] == "end"]
+    assert [(r["epoch"], r["step"], r["global_step"], r["complete"]) for r in ends] == [
+        (0, 5, 5, True), (1, 5, 10, True), (2, 5, 15, True)]
+    reports = [r for r in lines if r["kind"] == "report"]
+    assert {r["epoch"] for r in reports} == {0, 1, 2}
+    assert [r["global_step"] for r in reports] == sorted(r["global_step"] for r in reports)
+    assert format_line(ends[2]).startswith("h5feed[epochs] epoch 2 step 15 |")
+
+    events = list(tmp_path.glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    steps = [e.step for e in accumulator.Scalars("epochs/time_metrics/data_loading(%)")]
+    assert steps == sorted(steps) and steps[-1] > 5  # past the first epoch's 5 batches, never back
+
+
+def test_a_pass_left_early_is_not_called_finished_and_a_slow_loader_is_named_the_bottleneck(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="h5feed")
+    monitored = h5feed.monitor(DataLoader(SlowDataset(10, 0.03)), every=60.0, log_dir=tmp_path, name="left")
+    for step, _ in enumerate(monitored, 1):
+        if step == 4:
+            break
+    del monitored  # the loop's iterator is closed: the pass ends
+    end = records(tmp_path / "h5feed-monitor-left.jsonl")[-1]
+    assert (end["kind"], end["step"], end["complete"]) == ("end", 4, False)
+    [line] = [r.getMessage() for r in caplog.records if "batches in" in r.getMessage()]
+    assert "| stopped before the loader's end (interrupted, or the loop was left): 4 batches in " in line
+    assert "finished" not in line
+    assert "the step waited for data" in line and "loading held training back" in line

@@ -116,3 +116,32 @@ def test_a_resumed_conversion_says_so_and_how_much_was_done(tmp_path, cli, inter
             in resumed.output)
     again = cli("convert", src, dst, "--workers", "0")  # complete: nothing is resumed
     assert again.status == 0 and "resuming" not in again.output
+
+
+def test_inspect_and_verify_of_a_store_being_converted_name_the_writer_and_its_progress(tmp_path, cli,
+                                                                                         interrupted_convert):
+    import subprocess
+    import sys
+
+    from h5feed.synthetic import write_synthetic
+
+    src, dst = tmp_path / "src", tmp_path / "store"
+    write_synthetic(src, "speculators-legacy-pt", 5, H, lengths=(4, 20), seed=9)
+    assert sorted(interrupted_convert(src, dst, after=2)) == [0, 1]
+    holder = subprocess.Popen(  # another process that writes the store: what a running convert holds
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from h5feed.conversion.lock import "
+         "WriterLock; lock = WriterLock.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)",
+         str(dst)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for command in ("inspect", "verify"):
+            r = cli(command, dst)
+            assert r.status == 1
+            assert f"{dst}: is being converted now by `h5feed convert` (host " in r.output
+            assert f", pid {holder.pid}, started at " in r.output
+            assert "): 2 of 5 samples done; wait for it to finish" in r.output
+    finally:
+        holder.kill()
+        holder.wait()
+    after = cli("inspect", dst)  # the writer is gone: the store is unfinished, to be resumed
+    assert after.status == 1 and "run the same `h5feed convert` command again to resume it" in after.output

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from h5feed.cli.options import add_location_options, add_storage_option, location_options, one_of, storage_options
-from h5feed.errors import H5feedError
+from h5feed.errors import H5feedError, StoreError
 from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
 from h5feed.observe.watch import add_watch_parser
 
@@ -66,9 +66,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_while_converting(store: str) -> None:
+    """A local store a running `h5feed convert` holds is refused with who converts it and how far it is."""
+    from h5feed.conversion.converter import being_converted
+    from h5feed.io import is_remote
+
+    state = None if is_remote(store) else being_converted(store)
+    if state is not None:
+        raise StoreError(store, state)
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from h5feed.verify import verify_store
 
+    _refuse_while_converting(args.store)
     report = verify_store(args.store, args.against, progress=not args.quiet, **location_options(args))
     for mismatch in report.mismatches:
         log.error("MISMATCH %s", mismatch)
@@ -83,6 +94,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from h5feed.verify import describe_store
 
+    _refuse_while_converting(args.store)
     summary = describe_store(args.store, **location_options(args))
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -58,7 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from h5feed.conversion.bucket_sources import BucketSources, SourceFetcher, naming
-from h5feed.conversion.lock import LOCK_FILE, WriterLock
+from h5feed.conversion.lock import LOCK_FILE, WriterLock, current_writer
 from h5feed.conversion.publish import BucketPublisher
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import (
@@ -455,6 +455,22 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     report.num_samples, report.num_tokens, report.skipped = info.num_samples, info.num_tokens, skipped
     report.seconds = time.perf_counter() - started
     return report
+
+
+def being_converted(dst: str | os.PathLike[str]) -> str | None:
+    """What a running `h5feed convert` of this local store is at ("being converted now by ...: 12 of 40 samples
+    done"), or None when no conversion holds it."""
+    path = Path(dst)
+    writer = current_writer(path)
+    if writer is None:
+        return None
+    who = f"host {writer.get('host', '?')}, pid {writer.get('pid', '?')}, started at {writer.get('started_at', '?')}"
+    try:
+        total = len(_Plan.read(path).samples)
+        progress = f": {len(_read_journal(path))} of {total} samples done"
+    except (OSError, ValueError, KeyError, TypeError):  # still planning
+        progress = ": planning"
+    return f"is being converted now by `h5feed convert` ({who}){progress}; wait for it to finish"
 
 
 def _planned_format(dst: Path) -> str | None:

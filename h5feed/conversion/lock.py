@@ -223,6 +223,26 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
+def current_writer(store: Path) -> dict[str, Any] | None:
+    """Who holds a local store's writer lock now (host, pid, started_at), or None when nobody does.
+
+    Probed with a shared lock that is let go at once: a writer starting in that instant is refused,
+    as a second writer would be, and can be started again."""
+    try:
+        fd = os.open(store / LOCK_FILE, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _read(fd: int) -> dict[str, Any]:
     """The holder's description; a file being written this instant may be empty: ask again briefly."""
     for _ in range(20):

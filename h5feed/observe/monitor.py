@@ -13,7 +13,10 @@ what every worker is doing when the trainer or the workers stop moving.
 
 A step is the time between two successive `next()` calls; the first batch,
 which includes worker start-up, is reported on its own and left out of the step
-figures.
+figures.  Each pass over the loader is an epoch of one run: monitors of the same
+name and files in one process (a loop that wraps its loader afresh each epoch, or
+one monitor iterated per epoch) count the run's `global_step` on, write one
+TensorBoard events file with increasing steps, and say which epoch a line is of.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from h5feed.store import Store
 log = logging.getLogger(__name__)
 
 JSONL_PREFIX = "h5feed-monitor"
+BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
 
 T = TypeVar("T")
 
@@ -87,6 +91,18 @@ def monitor(
     """
     return Monitor(loader, every=every, log_dir=log_dir, jsonl=jsonl, stall_after=stall_after,
                    tensorboard=tensorboard, name=name)
+
+
+@dataclass
+class _Run:
+    """What outlives one pass over the loader: the run's batches and epochs so far, and its TensorBoard writer."""
+
+    steps_before: int = 0  # batches handed over in the passes that ended
+    epochs: int = 0  # passes begun
+    tensorboard: Any = None
+
+
+_RUNS: dict[tuple[str, int, str, str], _Run] = {}  # by (name, rank, JSON-lines file, log_dir): one per run
 
 
 @dataclass
@@ -167,7 +183,10 @@ class Monitor(Generic[T]):
         else:
             suffix = f"-rank{self.rank}" if self.world_size > 1 else ""
             self.jsonl_path = log_path / f"{JSONL_PREFIX}-{name}{suffix}.jsonl" if log_path is not None else None
-        self._tb = _tensorboard_writer(tensorboard, log_path)
+        self._run = _RUNS.setdefault((name, self.rank, str(self.jsonl_path), str(log_path)), _Run())
+        if self._run.tensorboard is None:
+            self._run.tensorboard = _tensorboard_writer(tensorboard, log_path)
+        self._tb = self._run.tensorboard if tensorboard else None
         self._batch_size = getattr(loader, "batch_size", None) or 1
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -186,6 +205,8 @@ class Monitor(Generic[T]):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start = _Report(self._t0, StepTotals(), None)
+        self._epoch = self._run.epochs - 1  # the pass being iterated (0-based)
+        self._ran_out = False  # the loader came to its end (not a pass left early)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -200,6 +221,7 @@ class Monitor(Generic[T]):
                 try:
                     batch = next(batches)
                 except StopIteration:
+                    self._ran_out = True
                     return
                 self._got(t_call, time.perf_counter(), batch)
                 yield batch
@@ -243,6 +265,7 @@ class Monitor(Generic[T]):
 
     # --- start and end --------------------------------------------------------------------------
     def _begin(self) -> None:
+        self._run.epochs += 1
         self._reset()
         self._waiting_since = self._t0
         self._start = _Report(self._t0, StepTotals(), self.counters.snapshot() if self.counters is not None else None)
@@ -286,8 +309,16 @@ class Monitor(Generic[T]):
             self._waiting_since = None
         rec = self._record("end", time.perf_counter(), self._start)
         rec["first_batch(s)"] = self._first_batch_s
-        self._emit(rec, f"{format_line(rec)} | finished: {self._batches} batches in {rec['elapsed(s)']:.1f} s, "
-                        f"first batch after {num(self._first_batch_s, '.2f', ' s')}")
+        rec["complete"] = self._ran_out
+        self._run.steps_before += self._batches
+        how = "finished" if self._ran_out else "stopped before the loader's end (interrupted, or the loop was left)"
+        line = (f"{format_line(rec)} | {how}: {self._batches} batches in {rec['elapsed(s)']:.1f} s, "
+                f"first batch after {num(self._first_batch_s, '.2f', ' s')}")
+        wait = rec.get("data_loading(%)")
+        if wait is not None and wait >= BOTTLENECK_PCT:
+            line += (f" | the step waited for data {wait:.1f}% of the time: loading held training back; more "
+                     "DataLoader workers or reader threads may help (`h5feed bench` measures the loaders here)")
+        self._emit(rec, line)
         if self._tb is not None:
             self._tb.flush()
 
@@ -356,7 +387,9 @@ class Monitor(Generic[T]):
             "rank": self.rank,
             "world_size": self.world_size,
             "time": time.time(),
-            "step": batches,
+            "epoch": self._epoch,
+            "step": batches,  # in this epoch
+            "global_step": self._run.steps_before + batches,  # over the run
             "elapsed(s)": now - self._t0,
             "window(s)": now - since.time,
             **step_figures(totals - since.totals),
@@ -390,7 +423,8 @@ class Monitor(Generic[T]):
         lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
         if snap is not None and not rows:
             lines.append("  no worker has started: a worker still starting (spawn imports take seconds) or one that died")
-        self._emit({"kind": "stall", "verdict": verdict, "message": text, "step": self._batches, "waiting(s)": wait,
+        self._emit({"kind": "stall", "verdict": verdict, "message": text, "epoch": self._epoch, "step": self._batches,
+                    "global_step": self._run.steps_before + self._batches, "waiting(s)": wait,
                     "workers": rows}, "\n".join(lines), level=logging.WARNING)
         return verdict
 
@@ -416,7 +450,7 @@ class Monitor(Generic[T]):
     def _scalars(self, rec: Record) -> None:
         if self._tb is None or not rec["steps"]:
             return
-        step = rec["step"]
+        step = rec["global_step"]
         prefix = self.name if self.world_size == 1 else f"{self.name}/rank{self.rank}"
         names = {"time_metrics/data_loading(s)": "data_loading(s)", "time_metrics/data_loading(%)": "data_loading(%)",
                  "time_metrics/step_time(s)": "step_time(s)", "time_metrics/gpu_idle(%)": "gpu_idle(%)",

@@ -106,14 +106,15 @@ def format_line(rec: Record) -> str:
         if not loader["workers"]:
             return line + "; no worker has started reading yet"
         return line + f"; {loader['workers']} worker(s) started, {loader['reading']} reading a sample"
+    where = f"epoch {rec['epoch']} step {rec['global_step']}" if "global_step" in rec else f"step {rec['step']}"
     if rec["steps"]:
         line = (
-            f"{head} step {rec['step']} | {num(rec['throughput(steps/s)'], '.2f')} steps/s, "
+            f"{head} {where} | {num(rec['throughput(steps/s)'], '.2f')} steps/s, "
             f"step {num(rec['step_time(s)'], '.3f', ' s')} | data_loading {num(rec['data_loading(s)'], '.3f', ' s')} "
             f"({num(rec['data_loading(%)'], '.1f', '%')}) | GPU idle {num(rec['gpu_idle(%)'], '.1f', '%')}"
         )
     else:
-        line = f"{head} step {rec['step']} | no step finished in the last {rec['window(s)']:.1f} s"
+        line = f"{head} {where} | no step finished in the last {rec['window(s)']:.1f} s"
     if loader is not None:
         line += (
             f" | loader {num(loader['samples_per_s'], '.1f')} samples/s, {num(loader['read_GBps'], '.2f')} GB/s read, "

@@ -90,7 +90,7 @@ def render(path: Path, records: list[Record], now: float) -> str:
 
 
 _RANK_COLUMNS: list[Column] = [
-    ("rank", "rank", "d"), ("host", "host", "s"), ("pid", "pid", "d"), ("step", "step", "d"),
+    ("rank", "rank", "d"), ("host", "host", "s"), ("pid", "pid", "d"), ("step", "step", "d"), ("epoch", "epoch", "d"),
     ("steps/s", "throughput(steps/s)", ".2f"), ("step s", "step_time(s)", ".3f"),
     ("data wait s", "data_loading(s)", ".3f"), ("data wait %", "data_loading(%)", ".1f"),
     ("GPU idle %", "gpu_idle(%)", ".1f"), ("loader samples/s", "samples_per_s", ".1f"),
@@ -103,7 +103,8 @@ def _rank_row(records: list[Record], now: float) -> Record:
     figures = _figures(records) or {}
     loader = figures.get("loader") or {}
     return {
-        "rank": records[-1]["rank"], "host": start.get("host"), "pid": start.get("pid"), "step": figures.get("step"),
+        "rank": records[-1]["rank"], "host": start.get("host"), "pid": start.get("pid"),
+        "step": figures.get("global_step", figures.get("step")), "epoch": figures.get("epoch"),
         **{key: figures.get(key) for key in ("throughput(steps/s)", "step_time(s)", "data_loading(s)",
                                              "data_loading(%)", "gpu_idle(%)")},
         **{key: loader.get(key) for key in ("samples_per_s", "read_GBps", "decoded_GBps", "queue_depth")},
