@@ -15,7 +15,7 @@ import torch
 from h5feed import bench
 from h5feed.baseline import Eagle3SampleFileDataset, list_files
 from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_set, run_bench
-from h5feed.bench.loaders import BASELINE, ITEMS, USABLE, compare_digests, digest
+from h5feed.bench.loaders import BASELINE, ITEMS, SHORT_LABELS, USABLE, compare_digests, digest
 from h5feed.bench.report import TABLE_COLUMNS
 from h5feed.cli import main
 from h5feed.loading.datasets import HiddenStatesDataset
@@ -71,22 +71,27 @@ def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny
         assert p.peak_memory_bytes > 0 and p.memory_metric in ("pss", "rss")
     assert not any("DIFFER" in note for note in result.notes)
 
-    rows = result.rows()
+    rows = result.rows(verbose=True)
     assert rows[0] == [c if c != "peak mem" else f"peak mem ({result.memory_metric.upper()})" for c in TABLE_COLUMNS]
     assert [(r[0], r[1]) for r in rows[1:]] == [(LOADER_LABELS[name], "warm") for name in LOADERS]
     assert [r[TABLE_COLUMNS.index("batches")] for r in rows[1:]] == ["reference"] + ["equal"] * (len(LOADERS) - 1)
     assert rows[1][TABLE_COLUMNS.index("x baseline")] == "1.00x"
     assert rows[-1][TABLE_COLUMNS.index("x baseline")] == "-"
+    short = result.rows()
+    assert short[0][:5] == ["loader", "cache", "samples/s", "x baseline", "CPU s/sample"]
+    assert [r[0] for r in short[1:]] == [SHORT_LABELS[name] for name in LOADERS]
     table = result.table()
-    assert all(LOADER_LABELS[name] in table for name in LOADERS) and "load average" in table
+    assert all(f"{SHORT_LABELS[name]} = {LOADER_LABELS[name]}" in table for name in LOADERS) and "load average" in table
+    code = "To use it: "
+    assert max(len(line) for line in table.splitlines() if not line.startswith(code)) <= 120
+    assert "per-worker samples/s" not in table and "per-worker samples/s" in result.table(verbose=True)
     usable = [p for p in result.passes if p.loader not in (BASELINE, ITEMS)]
     best = max(usable, key=lambda p: p.ratio)  # one cache state: the best ratio
     assert result.fastest() == best.loader
     assert table.splitlines()[-2:] == [
-        (f"Fastest here: {LOADER_LABELS[best.loader]}: {best.ratio:.2f}x the .pt loader warm, "
+        (f"Fastest here: {SHORT_LABELS[best.loader]}: {best.ratio:.2f}x the .pt loader warm, "
          f"{best.cpu_per_sample:.3f} CPU s/sample (the .pt loader: {base.cpu_per_sample:.3f})."),
-        "To use it: " + USABLE[best.loader].format(flavor="speculators-legacy", max_len=MAX_LEN, workers=2,
-                                                   dtype="bfloat16"),
+        code + USABLE[best.loader].format(flavor="speculators-legacy", max_len=MAX_LEN, workers=2, dtype="bfloat16"),
     ]
     assert "target" not in table and " met" not in table
 

@@ -540,3 +540,32 @@ def test_every_command_help_says_what_it_does_and_shows_examples(capsys, command
     assert len(description.split()) > 10 and not description.lstrip().startswith(("positional", "options"))
     examples = out[out.index("examples:\n"):].splitlines()[1:]
     assert examples and all(line.startswith((f"  h5feed {command} ", "  (")) for line in examples)
+
+
+def test_a_skipped_file_repaired_later_is_converted_by_retry_skipped(tmp_path, cli, assert_sample_matches_source):
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src)
+    good = files[3].read_bytes()
+    damage, problem = BAD["truncated-pt"]
+    damage(files[3])
+    first = cli(*convert_args(src, dst, "--skip-bad"))
+    assert first.status == 0 and len(Store(dst)) == len(files) - 1
+    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name]
+
+    still_bad = cli(*convert_args(src, dst, "--skip-bad", "--retry-skipped"))  # not repaired yet: still skipped
+    assert still_bad.status == 0 and len(Store(dst)) == len(files) - 1
+    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name]
+
+    files[3].write_bytes(good)  # repaired
+    rerun = cli(*convert_args(src, dst))  # a plain rerun leaves it, and says how to take it
+    assert rerun.status == 0 and len(Store(dst)) == len(files) - 1
+    assert "is already complete: nothing to do; 1 file(s) were skipped: once repaired, --retry-skipped" in rerun.output
+
+    retried = cli(*convert_args(src, dst, "--retry-skipped"))
+    assert retried.status == 0, retried.output
+    assert "trying the 1 file(s) skipped before again" in retried.output
+    store = Store(dst)
+    assert len(store) == len(files) and store.info.skipped == []
+    assert store.source_paths[-1] == files[3].name  # appended after the samples converted before
+    for i in range(len(store)):
+        assert_sample_matches_source(store, i, LEGACY, src)

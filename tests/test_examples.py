@@ -68,3 +68,32 @@ def test_a_script_runs_as_users_run_it(pre_norm_store):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert [line.split()[:2] for line in out.stdout.splitlines()] == [["step", str(i)] for i in range(4)]
+
+
+def test_the_readmes_quickstart_runs_as_written(tmp_path, cli, monkeypatch):
+    """The README's quickstart, its commands and its code, run on tiny synthetic files with only the paths
+    changed; the batch has the keys its comment lists."""
+    import re
+
+    from h5feed.synthetic import write_synthetic
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    shell, code = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.S)
+    paths = {"/data/hidden_states": str(tmp_path / "src"), "/data/hs.zarr": str(tmp_path / "hs.zarr"),
+             "runs/drafter": str(tmp_path / "runs")}
+    for old, new in paths.items():
+        shell, code = shell.replace(old, new), code.replace(old, new)
+    write_synthetic(tmp_path / "src", "speculators-legacy-pt", 5, H, lengths=(4, 40), seed=11)
+    for line in shell.strip().splitlines():
+        command = line.split("#", 1)[0].split()
+        assert command[0] == "h5feed"
+        result = cli(*command[1:])
+        assert result.status == 0, (line, result.output)
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README quickstart", "exec"), namespace)
+    listed = re.search(r"\.\.\.  # (.*)", code).group(1).split(", ")
+    assert sorted(namespace["batch"]) == sorted(listed)  # the last batch of the second epoch
+    ends = [line for line in (tmp_path / "runs" / "h5feed-monitor-train.jsonl").read_text().splitlines()
+            if '"kind": "end"' in line]
+    assert len(ends) == 2  # one run, two epochs

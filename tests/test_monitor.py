@@ -243,3 +243,22 @@ def test_a_pass_left_early_is_not_called_finished_and_a_slow_loader_is_named_the
     assert "| stopped before the loader's end (interrupted, or the loop was left): 4 batches in " in line
     assert "finished" not in line
     assert "the step waited for data" in line and "loading held training back" in line
+
+
+def test_watch_waits_for_a_run_folder_not_made_yet_and_finds_runs_below_a_parent(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert cli_main(["watch", str(runs / "drafter"), "--once"]) == 1  # before the run starts
+    assert "does not exist yet; waiting for the run to create it" in capsys.readouterr().out
+
+    monitored = h5feed.monitor(DataLoader(SlowDataset(12, 0.02)), every=0.05, log_dir=runs / "drafter", name="below")
+    for _ in monitored:
+        pass
+    assert cli_main(["watch", str(runs), "--once"]) == 0  # the parent: the run is found in its sub-folder
+    frame = capsys.readouterr().out
+    assert frame.startswith(f"== below  {runs / 'drafter' / 'h5feed-monitor-below.jsonl'}  (finished;")
+    assert "   epoch 0, " in frame and " min into the pass" in frame
+    history = next(line for line in frame.splitlines() if "data wait over the last" in line)
+    reports = [r for r in records(runs / "drafter" / "h5feed-monitor-below.jsonl") if r["kind"] == "report"]
+    assert f"over the last {len(reports)} reports: " in history
+    sparks = history.split("reports: ")[1].split(" ")[0]
+    assert len(sparks) == len(reports) and set(sparks) <= set("▁▂▃▄▅▆▇█")

@@ -360,7 +360,8 @@ def test_modelopt_vllm_dumps_are_flagged_pre_norm_as_stated(made: Any) -> None:
     assert info.value.problem == (
         "flavor 'modelopt-0.45' needs the verifier's last hidden state after the final norm (post-norm), but this "
         "store holds it before the final norm (pre-norm) (converted from modelopt-pt); the two cannot be converted "
-        "into each other without the verifier's final-norm weight")
+        "into each other without the verifier's final-norm weight. Flavors that fit this store: speculators-legacy, "
+        "speculators, modelopt, modelopt-answer-only")
 
 
 @pytest.mark.parametrize("name", ["angelslim-hf", "angelslim-vllm"])

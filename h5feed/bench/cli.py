@@ -32,7 +32,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         read_cache_dir=where["cache_dir"],
         read_cache_limit=where["cache_limit"],
     )
-    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(verbose=args.verbose))
     return 0
 
 
@@ -82,6 +82,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where the embedded default set is kept (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--verbose", action="store_true",
+                   help="the table with every column: CPU cores, GB/s, each worker's samples/s, the other processes' CPU")
     add_location_options(p, cache_flag="--read-cache-dir")  # --cache-dir is where the default set is kept
     p.set_defaults(func=_cmd_bench)
     return p

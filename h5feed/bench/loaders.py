@@ -54,6 +54,14 @@ LOADER_LABELS = {
     "HiddenStatesDataset": "h5feed HiddenStatesDataset, DataLoader + 0.4 collate + pin_memory",
     ITEMS: "[old path, no trainer] HiddenStatesStream items, batch_size=None, no collate",
 }
+SHORT_LABELS = {  # the table's names (the long ones are listed under it)
+    BASELINE: ".pt baseline",
+    "BatchLoader": "BatchLoader, workers",
+    "BatchLoader-threads": "BatchLoader, threads",
+    "StreamLoader": "StreamLoader + collate",
+    "HiddenStatesDataset": "Dataset + collate",
+    ITEMS: "items, no trainer",
+}
 # The trainer-path loaders a user can take from the bench, as the code that makes them (formatted with the
 # bench's flavor, max_len, workers and dtype); the baseline and the item path are not advice.
 USABLE = {

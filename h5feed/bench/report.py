@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from h5feed.bench.loaders import BASELINE, LOADER_LABELS, USABLE, WorkerStats
+from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, WorkerStats
 
 TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "x baseline", "CPU s/sample", "CPU cores", "GB/s",
-                 "peak mem", "per-worker samples/s", "batches", "other CPU")
+                 "peak mem", "per-worker samples/s", "batches", "other CPU")  # --verbose
+SHORT_COLUMNS = ("loader", "cache", "samples/s", "x baseline", "CPU s/sample", "peak mem", "batches")  # the default
+WIDTH = 120  # the report's lines, but for paths and the code to copy
 
 
 @dataclass
@@ -84,52 +87,64 @@ class BenchResult:
         base_cpu = max((p.cpu_per_sample for p in base.values()), default=float("nan"))
         settings = USABLE[best].format(flavor=self.flavor, max_len=self.max_len, workers=self.workers,
                                        dtype=self.hidden_states_dtype)
-        return (f"Fastest here: {LOADER_LABELS[best]}: {figures}, {cpu:.3f} CPU s/sample (the .pt loader: "
+        return (f"Fastest here: {SHORT_LABELS[best]}: {figures}, {cpu:.3f} CPU s/sample (the .pt loader: "
                 f"{base_cpu:.3f}).\nTo use it: {settings}")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def rows(self) -> list[list[str]]:
-        """The table's cells, header first: one row per loader x cache state."""
-        rows = [list(TABLE_COLUMNS)]
-        rows[0][TABLE_COLUMNS.index("peak mem")] = f"peak mem ({self.memory_metric.upper()})"
+    def rows(self, verbose: bool = False) -> list[list[str]]:
+        """The table's cells, header first: one row per loader x cache state (`verbose`: every column, long names)."""
+        columns = TABLE_COLUMNS if verbose else SHORT_COLUMNS
+        rows = [[f"peak mem ({self.memory_metric.upper()})" if c == "peak mem" else c for c in columns]]
         for p in self.passes:
-            rows.append([
-                LOADER_LABELS.get(p.loader, p.loader),
-                p.cache,
-                str(p.samples),
-                f"{p.samples_per_s:.2f}",
-                "-" if p.ratio is None else f"{p.ratio:.2f}x",
-                f"{p.cpu_per_sample:.3f}",
-                f"{p.cpu_seconds / p.seconds:.2f}",
-                f"{p.gb_per_s:.2f}",
-                f"{p.peak_memory_bytes / 1e9:.2f} GB",
-                " ".join(f"{w.samples_per_s:.2f}" for w in p.workers) or "-",
-                self.checks.get(p.loader, "not checked"),
-                f"{100 * p.other_cpu_share:.0f}%",
-            ])
+            cells = {
+                "loader": (LOADER_LABELS if verbose else SHORT_LABELS).get(p.loader, p.loader),
+                "cache": p.cache,
+                "samples": str(p.samples),
+                "samples/s": f"{p.samples_per_s:.2f}",
+                "x baseline": "-" if p.ratio is None else f"{p.ratio:.2f}x",
+                "CPU s/sample": f"{p.cpu_per_sample:.3f}",
+                "CPU cores": f"{p.cpu_seconds / p.seconds:.2f}",
+                "GB/s": f"{p.gb_per_s:.2f}",
+                "peak mem": f"{p.peak_memory_bytes / 1e9:.2f} GB",
+                "per-worker samples/s": " ".join(f"{w.samples_per_s:.2f}" for w in p.workers) or "-",
+                "batches": self.checks.get(p.loader, "not checked"),
+                "other CPU": f"{100 * p.other_cpu_share:.0f}%",
+            }
+            rows.append([cells[c] for c in columns])
         return rows
 
-    def table(self) -> str:
+    def table(self, verbose: bool = False) -> str:
         """The plain-text report: the settings, one row per pass, notes, and last what to use here."""
         load = self.machine.get("load_average", {})
+        settings = (f"trainer path: batch_size=1, num_workers (or threads)={self.workers}, collate={self.collate}, "
+                    f"pin_memory=True, max_len={self.max_len}, flavor={self.flavor}, "
+                    f"hidden_states_dtype={self.hidden_states_dtype}, store order")
+        rows = self.rows(verbose)
+        columns = TABLE_COLUMNS if verbose else SHORT_COLUMNS
+        right = {i for i, c in enumerate(columns) if c not in ("loader", "cache", "per-worker samples/s", "batches")}
         out = [
             (f"store  {self.store} ({self.num_samples} samples, {self.num_tokens} tokens, H={self.hidden_size}, "
              f"K={self.num_aux_layers}, {self.store_bytes / 1e9:.2f} GB)"),
             f"source {self.source_root} ({self.source_format}"
             + (f", {self.source_bytes / 1e9:.2f} GB)" if self.source_bytes else ")"),
-            (f"trainer path: batch_size=1, num_workers (or threads)={self.workers}, collate={self.collate}, "
-             f"pin_memory=True, max_len={self.max_len}, flavor={self.flavor}, "
-             f"hidden_states_dtype={self.hidden_states_dtype}, store order"),
+            *textwrap.wrap(settings, WIDTH, subsequent_indent="  "),
             (f"machine: {self.machine.get('cpus')} cores, {self.machine.get('memory_bytes', 0) / 2**30:.0f} GiB, "
              f"CUDA {'yes' if self.machine.get('cuda') else 'no'}; load average (1 min) "
              f"{load.get('start', float('nan')):.2f} at the start, {load.get('end', float('nan')):.2f} at the end"),
             "",
-            *format_table(self.rows(), right={2, 3, 4, 5, 6, 7, 8, 11}),
+            *format_table(rows, right),
         ]
+        if not verbose:
+            out += ["", "loaders:"]
+            out += [line for p in dict.fromkeys(p.loader for p in self.passes)
+                    for line in textwrap.wrap(f"{SHORT_LABELS.get(p, p)} = {LOADER_LABELS.get(p, p)}", WIDTH,
+                                              initial_indent="  ", subsequent_indent="    ")]
+            out.append("  (--verbose: CPU cores, GB/s, each worker's samples/s and the other processes' CPU; "
+                       "--json: everything)")
         for note in self.notes:
-            out.append(f"note: {note}")
+            out += textwrap.wrap(f"note: {note}", WIDTH, subsequent_indent="  ")
         advice = self.recommendation()
         if advice:
             out += ["", advice]

@@ -45,6 +45,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         staging_dir=args.staging_dir,
         precision=args.precision,
         lock_timeout=args.lock_timeout,
+        retry_skipped=args.retry_skipped,
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -222,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT_S, metavar="SECONDS",
                    help="how long to wait for files vLLM is still writing (their .lock held); then an error, or with "
                    "--skip-bad a recorded skip that a rerun appends (default: %(default)g)")
+    p.add_argument("--retry-skipped", action="store_true",
+                   help="on a complete DST, try the files it skipped as unreadable again (repaired since): those that "
+                   "load now are appended; with --skip-bad the others stay recorded")
     p.add_argument("--overwrite", action="store_true", help="delete DST first")
     add_storage_option(p)
     p.add_argument("--staging-dir", metavar="DIR",

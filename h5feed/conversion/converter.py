@@ -234,6 +234,7 @@ def convert(
     staging_dir: str | os.PathLike[str] | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     precision: Precision = "exact",
+    retry_skipped: bool = False,
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
 
@@ -261,6 +262,9 @@ def convert(
         precision: "exact" keeps the source's hidden states bit for bit; "fp8" quantizes them (lossy) as
             hs-connectors' fp8 backend does (float8_e4m3fn, one float32 scale per token; `h5feed.store.fp8`),
             about half the size, read back in bfloat16 as its FP8Transfer returns them.
+        retry_skipped: on a complete store, try the files its conversion skipped as unreadable again (repaired
+            since): those that load now are appended, the others stay recorded as skipped (with skip_bad; else
+            the first is an error).  Without it, a rerun leaves them as they were.
     """
     if scheduler is not None and scheduler != "local" and workers is not None:
         raise ValueError(f"workers sets the size of the local pool or of scheduler='local'; the cluster at "
@@ -284,7 +288,7 @@ def convert(
     if not lock_timeout >= 0:
         raise ValueError(f"lock_timeout must be 0 or more seconds, not {lock_timeout!r}")
     settings = _Settings(format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite, progress,
-                         durable, last_state_norm, lock_timeout, precision)
+                         durable, last_state_norm, lock_timeout, precision, retry_skipped)
     try:
         return _convert_anywhere(src, dst, settings, dict(storage_options or {}), staging_dir)
     except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
@@ -308,6 +312,7 @@ class _Settings:
     last_state_norm: LastStateNorm | None
     lock_timeout: float
     precision: Precision
+    retry_skipped: bool
 
 
 @dataclass(frozen=True)
@@ -492,7 +497,10 @@ def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> Conver
     journal the conversion left in the store, or reported with what to run."""
     try:
         Store(dst)
-        log.info("%s is already complete: nothing to do", dst)
+        skipped = len(info.skipped)
+        hint = (f"; {skipped} file(s) were skipped: once repaired, --retry-skipped converts them (appended)"
+                if skipped else "")
+        log.info("%s is already complete: nothing to do%s", dst, hint)
     except StoreError as exc:
         if not ((dst / PLAN_FILE).exists() and (dst / JOURNAL_FILE).exists()):
             raise StoreError(dst, f"is complete but damaged ({exc.problem}), and has no plan and journal to rebuild "
@@ -886,6 +894,12 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
     done = _read_journal(dst)
     published = plan.published
     journal_sound = all(i in done for i in range(published))
+    kept = sum("checksum" in r for r in done.values())
+    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
+    if job.settings.retry_skipped and plan.skipped:
+        retried = [s for s in plan.skipped if s["path"] not in {p.relpath for p in samples}]
+        log.info("%s: trying the %d file(s) skipped before again", dst, len(retried))
+        plan = dataclasses.replace(plan, skipped=tuple(s for s in plan.skipped if s not in retried))
     known = plan.known()
     new_skips = [s for s in listing.unreadable if s["path"] not in known]
     for changed, problem in _changed_since_planned(src, plan):
@@ -898,8 +912,6 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
             new_skips.append(record)
     new = [s for s in listing.files if s.relpath not in known]
     unfinished_changed = listing.unfinished != list(plan.unfinished)
-    kept = sum("checksum" in r for r in done.values())
-    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
     if new or new_skips or unfinished_changed:
         if not journal_sound:
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "

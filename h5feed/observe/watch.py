@@ -39,11 +39,31 @@ def _tail_records(path: Path, chunk: int = 1 << 16) -> list[Record]:
 
 
 def _jsonl_files(path: Path) -> list[Path]:
+    """The monitors' files: the one given, or those in the folder and its sub-folders (a parent of several runs);
+    none while the folder does not exist yet (the run creates it)."""
     if path.is_file():
         return [path]
     if path.is_dir():
-        return sorted(path.glob(f"{JSONL_PREFIX}*.jsonl"), key=lambda p: p.stat().st_mtime)
-    raise H5feedError(f"{path}: no such run directory or JSON-lines file")
+        return sorted(path.rglob(f"{JSONL_PREFIX}*.jsonl"), key=lambda p: p.stat().st_mtime)
+    if path.exists():
+        raise H5feedError(f"{path}: neither a run folder nor a JSON-lines file")
+    return []
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], top: float = 100.0) -> str:
+    """One character per value, from ▁ (0) to █ (`top` or more)."""
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(len(SPARKS) * max(v, 0.0) / top))] for v in values)
+
+
+def _history(records: list[Record], last: int = 40) -> str | None:
+    """The data wait of the pass's last reports, as a sparkline (0 to 100% of the step)."""
+    waits = [r["data_loading(%)"] for r in records if r.get("kind") == "report" and r.get("data_loading(%)") is not None]
+    if not waits:
+        return None
+    return f"data wait over the last {len(waits[-last:])} reports: {sparkline(waits[-last:])} (now {waits[-1]:.1f}%)"
 
 
 def _state(records: list[Record], now: float) -> str:
@@ -84,6 +104,10 @@ def render(path: Path, records: list[Record], now: float) -> str:
     if figures is None:
         out.append("   no report yet")
         return "\n".join(out)
+    when = f"epoch {figures['epoch']}, " if figures.get("epoch") is not None else ""
+    out.append(f"   {when}{figures['elapsed(s)'] / 60:.1f} min into the pass")
+    if (history := _history(records)) is not None:
+        out.append(f"   {history}")
     out.append(format_line(figures))
     out += format_workers(figures["workers"])
     return "\n".join(out)
@@ -183,7 +207,9 @@ def watch(path: str | os.PathLike[str], *, once: bool = False, interval: float =
 
 
 def _nothing(target: Path) -> str:
-    return f"{target}: no {JSONL_PREFIX}*.jsonl yet (is the monitor given log_dir={target}?)"
+    if not target.exists():
+        return f"{target}: does not exist yet; waiting for the run to create it (h5feed.monitor(..., log_dir=...))"
+    return f"{target}: no {JSONL_PREFIX}*.jsonl here or in its sub-folders yet (is the monitor given log_dir={target}?)"
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
