@@ -15,6 +15,7 @@ from typing import Any
 from h5feed.cli.options import add_location_options, add_storage_option, location_options, one_of, storage_options
 from h5feed.errors import H5feedError, StoreError
 from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
+from h5feed.observe.report import add_report_parser
 from h5feed.observe.watch import add_watch_parser
 
 log = logging.getLogger("h5feed")
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_watch_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

@@ -38,7 +38,7 @@ def _tail_records(path: Path, chunk: int = 1 << 16) -> list[Record]:
         span *= 4
 
 
-def _jsonl_files(path: Path) -> list[Path]:
+def monitor_files(path: Path) -> list[Path]:
     """The monitors' files: the one given, or those in the folder and its sub-folders (a parent of several runs);
     none while the folder does not exist yet (the run creates it)."""
     if path.is_file():
@@ -176,7 +176,7 @@ def frame(target: Path, now: float | None = None) -> str | None:
     """What `h5feed watch` shows for a run folder or one file: a block per monitor, one per run of several ranks."""
     now = time.time() if now is None else now
     runs: dict[Any, list[tuple[Path, list[Record]]]] = {}
-    for path in _jsonl_files(target):
+    for path in monitor_files(target):
         records = _tail_records(path)
         world = records[-1].get("world_size", 1) if records else 1
         key = (records[-1]["name"], world) if world > 1 else path

@@ -32,19 +32,19 @@ def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, s
 def verdict_text(verdict: Verdict, wait: float | None, quiet: float | None, step: int, recent: Record | None) -> str:
     batch = f"batch {step + 1}"
     if verdict == "stuck":
-        progress = "no worker has started" if quiet is None else f"no worker has made progress for {quiet:.0f} s"
-        return f"the input pipeline is STUCK: the trainer has waited {wait:.0f} s for {batch} and {progress}"
+        progress = "no worker has started" if quiet is None else f"no worker has made progress for {quiet:.1f} s"
+        return f"the input pipeline is STUCK: the trainer has waited {wait:.1f} s for {batch} and {progress}"
     if verdict == "bottleneck":
         rates = ""
         if recent is not None:
             rates = (f" ({num(recent['samples_per_s'], '.2f')} samples/s, {num(recent['read_GBps'], '.3f')} GB/s "
                      f"over the last {RECENT_S:.0f} s)")
-        return (f"the input pipeline is the BOTTLENECK: the trainer has waited {wait:.0f} s for {batch} while "
+        return (f"the input pipeline is the BOTTLENECK: the trainer has waited {wait:.1f} s for {batch} while "
                 f"workers are still reading{rates}")
     if verdict == "idle":
-        return (f"the input pipeline is IDLE: no worker has made progress for {quiet:.0f} s and the trainer is not "
+        return (f"the input pipeline is IDLE: no worker has made progress for {quiet:.1f} s and the trainer is not "
                 "asking for batches (queues full or workers done: the trainer is busy elsewhere)")
-    return (f"the trainer has waited {wait:.0f} s for {batch}; this loader has no h5feed counters, so what its "
+    return (f"the trainer has waited {wait:.1f} s for {batch}; this loader has no h5feed counters, so what its "
             "workers do cannot be seen")
 
 

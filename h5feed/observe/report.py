@@ -1,0 +1,226 @@
+"""`h5feed report`: a monitored run as one self-contained HTML page (and a PNG), from the monitor's JSON lines.
+
+Why: "how long did the GPU wait for data, over the whole run, per rank and per worker, and when
+did it stall?" is a time series; the log lines and `h5feed watch` show one moment.  The page puts
+the run's summary on top, then the data wait and the step rate of every rank over time, and every
+worker's samples/s, stalls marked.  Plots are drawn with matplotlib (`pip install h5feed[report]`)
+and embedded, so the page is one file to copy or attach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from h5feed.errors import H5feedError
+from h5feed.observe.renderer import Record, num
+from h5feed.observe.watch import monitor_files
+
+
+@dataclass
+class Track:
+    """One monitor's file: every record of every epoch it wrote, in order."""
+
+    path: Path
+    records: list[Record] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return str(self.records[-1]["name"])
+
+    @property
+    def rank(self) -> int:
+        return int(self.records[-1].get("rank", 0))
+
+    def of(self, kind: str) -> list[Record]:
+        return [r for r in self.records if r.get("kind") == kind]
+
+
+def load_tracks(folder: str | Path) -> list[Track]:
+    """The monitors' files in `folder` and its sub-folders, each read whole (a line cut short is passed over)."""
+    tracks = []
+    for path in monitor_files(Path(folder)):
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        if records:
+            tracks.append(Track(path, records))
+    if not tracks:
+        raise H5feedError(f"{folder}: no h5feed-monitor*.jsonl with records here or in its sub-folders "
+                          "(is it the log_dir given to h5feed.monitor?)")
+    return sorted(tracks, key=lambda t: (t.name, t.rank))
+
+
+def summary_lines(tracks: list[Track]) -> list[str]:
+    """The run in a few sentences: steps and epochs, the data wait, the slowest rank and worker, the stalls."""
+    lines = []
+    for t in tracks:
+        ends = t.of("end")
+        steps = max((r.get("global_step", r.get("step", 0)) for r in t.records if "step" in r), default=0)
+        epochs = len(t.of("start"))
+        waited = sum((r.get("data_loading(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+        stepped = sum((r.get("step_time(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+        share = f"{100 * waited / stepped:.1f}%" if stepped else "n/a"
+        state = "finished" if ends and ends[-1].get("complete", True) else "stopped early or still running"
+        lines.append(f"{t.name} rank {t.rank}: {steps} steps over {epochs} epoch(s), {state}; the step waited for "
+                     f"data {share} of the time ({waited:.1f} s of {stepped:.1f} s)")
+    waits = {t.rank: _wait_share(t) for t in tracks}
+    if len(tracks) > 1 and all(w is not None for w in waits.values()):
+        slow = max(waits, key=lambda r: waits[r] or 0.0)
+        lines.append(f"slowest rank: rank {slow}, {waits[slow]:.1f}% data wait (under DDP it sets every rank's pace)")
+    worker = _slowest_worker(tracks)
+    if worker is not None:
+        lines.append(worker)
+    stalls = [(t, r) for t in tracks for r in t.of("stall")]
+    lines.append(f"{len(stalls)} stall report(s)" + (": " + "; ".join(
+        f"rank {t.rank} at step {r.get('global_step', r.get('step'))}: {r.get('verdict')}" for t, r in stalls[:5])
+        if stalls else ""))
+    return lines
+
+
+def _wait_share(t: Track) -> float | None:
+    ends = t.of("end")
+    stepped = sum((r.get("step_time(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+    waited = sum((r.get("data_loading(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+    return 100 * waited / stepped if stepped else None
+
+
+def _slowest_worker(tracks: list[Track]) -> str | None:
+    rates: dict[tuple[int, int], list[float]] = {}
+    for t in tracks:
+        for r in t.of("report"):
+            for w in r.get("workers") or []:
+                if w.get("samples_per_s") is not None:
+                    rates.setdefault((t.rank, int(w["worker"])), []).append(float(w["samples_per_s"]))
+    if len(rates) < 2:
+        return None
+    means = {key: sum(v) / len(v) for key, v in rates.items()}
+    (rank, worker), slow = min(means.items(), key=lambda item: item[1])
+    fast = max(means.values())
+    return f"slowest worker: rank {rank} worker {worker}, {slow:.2f} samples/s on average (the fastest: {fast:.2f})"
+
+
+def plot_png(tracks: list[Track]) -> bytes:
+    """The run's time series as one PNG: data wait % and samples/s per rank, samples/s per worker; stalls marked."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise H5feedError("h5feed report draws its plots with matplotlib: pip install 'h5feed[report]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(r["time"] for t in tracks for r in t.records if "time" in r)
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True, constrained_layout=True)
+    wait_ax, rate_ax, worker_ax = axes
+    for t in tracks:
+        reports = t.of("report")
+        x = [r["time"] - t0 for r in reports]
+        label = f"rank {t.rank}" if len(tracks) > 1 else t.name
+        wait_ax.plot(x, [r.get("data_loading(%)") for r in reports], marker=".", label=label)
+        rate_ax.plot(x, [r.get("throughput(samples/s)") for r in reports], marker=".", label=label)
+        workers: dict[int, list[tuple[float, float]]] = {}
+        for r in reports:
+            for w in r.get("workers") or []:
+                if w.get("samples_per_s") is not None:
+                    workers.setdefault(int(w["worker"]), []).append((r["time"] - t0, w["samples_per_s"]))
+        for worker, points in sorted(workers.items()):
+            worker_ax.plot(*zip(*points), marker=".", label=f"{label} worker {worker}")
+        for stall in t.of("stall"):
+            for ax in axes:
+                ax.axvline(stall["time"] - t0, color="red", alpha=0.5, linestyle="--")
+    if not worker_ax.lines:
+        worker_ax.text(0.5, 0.5, "no per-worker counters: the loader is not one of h5feed's", ha="center",
+                       va="center", transform=worker_ax.transAxes)
+    wait_ax.set_ylabel("data wait, % of the step")
+    rate_ax.set_ylabel("trainer samples/s")
+    worker_ax.set_ylabel("worker samples/s")
+    worker_ax.set_xlabel("seconds since the run's first record (red dashes: stall reports)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize="small")
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=90)
+    plt.close(fig)
+    return out.getvalue()
+
+
+def report_html(tracks: list[Track], png: bytes) -> str:
+    """The page: the summary, the plots (embedded), and a table of every pass's end figures."""
+    rows = []
+    for t in tracks:
+        for r in t.of("end"):
+            rows.append(f"<tr><td>{t.rank}</td><td>{r.get('epoch', '')}</td><td>{r.get('step', '')}</td>"
+                        f"<td>{num(r.get('step_time(s)'), '.3f', ' s')}</td>"
+                        f"<td>{num(r.get('data_loading(%)'), '.1f', '%')}</td>"
+                        f"<td>{num(r.get('gpu_idle(%)'), '.1f', '%')}</td>"
+                        f"<td>{num(r.get('throughput(samples/s)'), '.2f')}</td></tr>")
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(tracks))
+    title = html.escape(f"h5feed run {tracks[0].name}: {tracks[0].path.parent}")
+    image = base64.b64encode(png).decode()
+    return textwrap.dedent(f"""\
+        <!doctype html>
+        <html><head><meta charset="utf-8"><title>{title}</title>
+        <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}td,th{{padding:2px 10px;text-align:right}}
+        </style></head>
+        <body>
+        <h1>{title}</h1>
+        <ul id="summary">{summary}</ul>
+        <img id="plots" alt="data wait, samples/s per rank and per worker over time"
+             src="data:image/png;base64,{image}">
+        <h2>Each pass</h2>
+        <table id="passes"><tr><th>rank</th><th>epoch</th><th>steps</th><th>step</th><th>data wait</th>
+        <th>GPU idle</th><th>samples/s</th></tr>{"".join(rows)}</table>
+        <script>
+        window.addEventListener("load", () => {{
+          const img = document.getElementById("plots");
+          document.body.dataset.plotWidth = img.naturalWidth;  // 0 if the image did not decode
+        }});
+        </script>
+        </body></html>
+        """)
+
+
+def write_report(folder: str | Path, out: str | Path | None = None, png: str | Path | None = None) -> Path:
+    """Write the run's page (default: `report.html` in `folder`), and its plots as a PNG if asked; returns the page."""
+    tracks = load_tracks(folder)
+    image = plot_png(tracks)
+    page = Path(out) if out is not None else Path(folder) / "report.html"
+    page.write_text(report_html(tracks, image))
+    if png is not None:
+        Path(png).write_bytes(image)
+    return page
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    page = write_report(args.log_dir, args.output, args.png)
+    print(page)
+    return 0
+
+
+def add_report_parser(subparsers: Any) -> None:
+    """`h5feed report LOG_DIR`."""
+    p = subparsers.add_parser(
+        "report", help="an HTML page (and PNG) of a monitored run: data wait and samples/s over time, per rank and "
+                       "worker, stalls marked",
+        description=textwrap.fill("Read the JSON lines h5feed.monitor(loader, log_dir=...) wrote (every rank's, "
+                                  "in LOG_DIR and its sub-folders) and write one self-contained HTML page: the run's "
+                                  "summary, its data wait and samples/s over time per rank and per worker, stalls "
+                                  "marked. Needs matplotlib (pip install 'h5feed[report]').", 100),
+        epilog="examples:\n  h5feed report runs/drafter                     # writes runs/drafter/report.html\n"
+               "  h5feed report runs/drafter -o run.html --png run.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log_dir", help="the monitor's log_dir (or a folder above several runs' log_dirs)")
+    p.add_argument("-o", "--output", help="the page to write (default: LOG_DIR/report.html)")
+    p.add_argument("--png", help="also write the plots as this PNG file")
+    p.set_defaults(func=_cmd_report)
