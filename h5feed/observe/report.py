@@ -13,7 +13,6 @@ import argparse
 import base64
 import html
 import io
-import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 from h5feed.errors import H5feedError
 from h5feed.observe.renderer import Record, num
-from h5feed.observe.watch import monitor_files
+from h5feed.observe.watch import monitor_files, parse_records
 
 
 @dataclass
@@ -45,16 +44,8 @@ class Track:
 
 def load_tracks(folder: str | Path) -> list[Track]:
     """The monitors' files in `folder` and its sub-folders, each read whole (a line cut short is passed over)."""
-    tracks = []
-    for path in monitor_files(Path(folder)):
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        if records:
-            tracks.append(Track(path, records))
+    tracks = [Track(path, parse_records(path.read_text().splitlines())) for path in monitor_files(Path(folder))]
+    tracks = [t for t in tracks if t.records]
     if not tracks:
         raise H5feedError(f"{folder}: no h5feed-monitor*.jsonl with records here or in its sub-folders "
                           "(is it the log_dir given to h5feed.monitor?)")
@@ -68,8 +59,7 @@ def summary_lines(tracks: list[Track]) -> list[str]:
         ends = t.of("end")
         steps = max((r.get("global_step", r.get("step", 0)) for r in t.records if "step" in r), default=0)
         epochs = len(t.of("start"))
-        waited = sum((r.get("data_loading(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
-        stepped = sum((r.get("step_time(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+        waited, stepped = _wait_and_step_s(t)
         share = f"{100 * waited / stepped:.1f}%" if stepped else "n/a"
         state = "finished" if ends and ends[-1].get("complete", True) else "stopped early or still running"
         lines.append(f"{t.name} rank {t.rank}: {steps} steps over {epochs} epoch(s), {state}; the step waited for "
@@ -88,10 +78,16 @@ def summary_lines(tracks: list[Track]) -> list[str]:
     return lines
 
 
-def _wait_share(t: Track) -> float | None:
+def _wait_and_step_s(t: Track) -> tuple[float, float]:
+    """Seconds the trainer waited for data and seconds of steps, over every pass the track ended."""
     ends = t.of("end")
-    stepped = sum((r.get("step_time(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
     waited = sum((r.get("data_loading(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+    stepped = sum((r.get("step_time(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
+    return waited, stepped
+
+
+def _wait_share(t: Track) -> float | None:
+    waited, stepped = _wait_and_step_s(t)
     return 100 * waited / stepped if stepped else None
 
 

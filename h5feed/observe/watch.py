@@ -8,12 +8,24 @@ import os
 import sys
 import textwrap
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
 from h5feed.errors import H5feedError
 from h5feed.observe.monitor import JSONL_PREFIX
 from h5feed.observe.renderer import Column, Record, format_line, format_table, format_workers, num
+
+
+def parse_records(lines: Iterable[str | bytes]) -> list[Record]:
+    """The monitor's JSON lines as records; an empty line, or one still being written (cut short), is passed over."""
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def _tail_records(path: Path, chunk: int = 1 << 16) -> list[Record]:
@@ -26,12 +38,7 @@ def _tail_records(path: Path, chunk: int = 1 << 16) -> list[Record]:
             lines = f.read(span).split(b"\n")
         if size > span:
             lines = lines[1:]  # cut mid-line
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # empty, or a line still being written
+        records = parse_records(lines)
         starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
         if starts or span >= size:
             return records[starts[-1]:] if starts else records
