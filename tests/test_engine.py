@@ -93,9 +93,11 @@ def test_read_ahead_hands_back_in_order_and_draws_work_only_depth_ahead():
         assert list(reads) == [10, 20, 30, 40, 50, 60, 70]
 
 
-def test_read_ahead_announces_in_order_on_a_thread_of_its_own_that_never_holds_back_the_reads():
-    """Announcing a cold file blocks (the kernel queues its reads): the consumer must not wait for it."""
+def test_read_ahead_announces_on_a_thread_of_its_own_that_holds_back_no_other_read():
+    """Announcing a cold file blocks (the kernel queues its reads): the consumer must not wait for it, nor
+    any read but the announced piece's own."""
     announced, release, consumer = [], threading.Event(), threading.current_thread()
+    others_read = threading.Barrier(3)
 
     def announce(i):
         assert threading.current_thread() is not consumer
@@ -103,11 +105,38 @@ def test_read_ahead_announces_in_order_on_a_thread_of_its_own_that_never_holds_b
         if i == 0:
             assert release.wait(10)  # the disk is slow to take this one's reads
 
-    with ReadAhead(range(6), lambda i: i * 10, threads=2, depth=3, announce=announce) as reads:
-        assert [reads.take() for _ in range(6)] == [0, 10, 20, 30, 40, 50]  # all read while announcing is stuck
-        assert announced == [0]
+    def read(i):
+        if i in (1, 2):
+            others_read.wait(10)  # both read while the announcement of 0 is stuck
+        return i * 10
+
+    with ReadAhead(range(6), read, threads=3, depth=3, announce=announce) as reads:
+        others_read.wait(10)
+        assert reads.ready() is None  # 0's read waits for its own announcement
         release.set()
-    assert announced == [0]  # close() dropped the announcements not started (the reads were done)
+        assert [reads.take() for _ in range(6)] == [0, 10, 20, 30, 40, 50]
+    assert announced[0] == 0 and 1 not in announced and 2 not in announced  # read before announced: skipped
+
+
+def test_read_ahead_announces_each_piece_before_its_read_or_not_at_all():
+    """A late announcement would ask for a piece already read (a bucket's reader fetches it again)."""
+    events, lock = [], threading.Lock()
+
+    def announce(i):
+        time.sleep(0.001 * (i % 4))  # the announcer falls behind now and then
+        with lock:
+            events.append(("announced", i))
+
+    def read(i):
+        with lock:
+            events.append(("read", i))
+        return i
+
+    with ReadAhead(range(200), read, threads=4, depth=4, announce=announce) as reads:
+        assert list(reads) == list(range(200))
+    for i in range(200):
+        assert ("announced", i) not in events or events.index(("announced", i)) < events.index(("read", i))
+    assert sum(kind == "announced" for kind, _ in events) > 0
 
 
 def test_delivery_runs_on_take_on_the_trainers_thread_while_its_thread_waits():

@@ -8,11 +8,15 @@ the order of the work, whatever order the threads finish in.
 Announcing runs on a thread of its own, in the work's order: asking the kernel to read a
 cold file ahead (`posix_fadvise(WILLNEED)`) blocks while it queues the file's reads (~40 ms
 for a 70 MB sample on the H200 box), and done by the consumer it held back the next
-submission while reader threads sat idle.
+submission while reader threads sat idle.  A piece is announced before its read starts or not at
+all: a read that starts first (the announcer is behind) skips its announcement, and one that starts
+while its own announcement runs waits for it.  A late announcement would ask for the piece again
+after it was read, and a bucket's reader would fetch it a second time.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +27,25 @@ from h5feed.metrics import WorkerCounters
 
 Work = TypeVar("Work")
 Result = TypeVar("Result")
+
+
+class _Piece(Generic[Work]):
+    """One piece of work, announced before its read starts or not at all."""
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+        self._lock = threading.Lock()  # held while announcing: a read that starts meanwhile waits
+        self._read_started = False
+
+    def announce(self, announce: Callable[[Work], None]) -> None:
+        with self._lock:
+            if not self._read_started:
+                announce(self.work)
+
+    def start_read(self) -> Work:
+        with self._lock:
+            self._read_started = True
+        return self.work
 
 
 class ReadAhead(Generic[Work, Result]):
@@ -50,10 +73,14 @@ class ReadAhead(Generic[Work, Result]):
 
     def _submit_next(self) -> None:
         for work in self._upcoming:
+            piece = _Piece(work)
             if self._announcer is not None:  # what it raises is left to the read that follows to report
-                self._announcer.submit(self._announce, work)  # type: ignore[arg-type]
-            self._in_flight.append(self._pool.submit(self._read, work))
+                self._announcer.submit(piece.announce, self._announce)  # type: ignore[arg-type]
+            self._in_flight.append(self._pool.submit(self._read_piece, piece))
             return
+
+    def _read_piece(self, piece: _Piece[Work]) -> Result:
+        return self._read(piece.start_read())
 
     def _give_up_held(self) -> None:
         """The result taken last is given up: its place goes to the next piece of work."""
