@@ -48,8 +48,8 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace

@@ -79,7 +79,7 @@ def test_the_readmes_quickstart_runs_as_written(tmp_path, cli, monkeypatch):
 
     text = (ROOT / "README.md").read_text()
     section = text.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
-    shell, code = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.S)
+    shell, code = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.DOTALL)
     paths = {"/data/hidden_states": str(tmp_path / "src"), "/data/hs.zarr": str(tmp_path / "hs.zarr"),
              "runs/drafter": str(tmp_path / "runs")}
     for old, new in paths.items():

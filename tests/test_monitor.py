@@ -17,7 +17,7 @@ import h5feed
 from h5feed.cli import main as cli_main
 from h5feed.metrics import LoaderCounters
 from h5feed.observe.renderer import format_line, format_workers
-from h5feed.observe.watchdog import classify
+from h5feed.observe.watchdog import StallEpisode, classify
 
 REPO = Path(__file__).resolve().parents[1]
 STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
@@ -100,7 +100,7 @@ def small_store(synthetic_store):
     return synthetic_store("monitor", "speculators-legacy-pt", 8, 32, (40, 60))
 
 
-def test_watchdog_names_the_stalled_worker_and_its_sample(tmp_path, caplog, small_store):
+def test_watchdog_names_the_stalled_worker_and_its_sample(tmp_path, caplog, capsys, small_store):
     dataset = h5feed.HiddenStatesDataset(small_store.path, max_len=32)
     loader = DataLoader(dataset, num_workers=2, worker_init_fn=_stall_one_sample)
     caplog.set_level(logging.INFO, logger="h5feed.monitor")
@@ -110,12 +110,22 @@ def test_watchdog_names_the_stalled_worker_and_its_sample(tmp_path, caplog, smal
     stuck = next(r for r in stalls if r["verdict"] == "stuck")
     assert stuck["step"] == STALLED_SAMPLE and stuck["waiting(s)"] > 0.5
     worker = next(w for w in stuck["workers"] if w["sample"] == STALLED_SAMPLE)
-    source = Path(small_store.files[STALLED_SAMPLE]).resolve()
-    assert worker["worker"] == 1 and Path(worker["path"]) == source
+    shard = h5feed.Store(small_store.path).sample_object(STALLED_SAMPLE)  # the store's object, not the .pt
+    assert Path(shard).is_file() and Path(shard).is_relative_to(small_store.path)
+    assert worker["worker"] == 1 and worker["object"] == shard
     assert worker["sample_MB"] > 0 and worker["since_progress_s"] > 0.5 and worker["state"] != "gone"
     text = next(m for m in caplog.messages if "STUCK" in m)
-    assert f"worker 1 (pid {worker['pid']}" in text and f"sample {STALLED_SAMPLE} ({source})" in text
+    assert f"worker 1 (pid {worker['pid']}" in text and f"sample {STALLED_SAMPLE} ({shard})" in text
     assert "no worker has made progress" in text
+    assert f"what to do: to see where a worker is blocked: `py-spy dump --pid {worker['pid']}`" in text
+    assert stuck["advice"] in text
+    [resumed] = [r for r in records(tmp_path / "h5feed-monitor-stall.jsonl") if r["kind"] == "resumed"]
+    assert resumed["step"] == STALLED_SAMPLE and resumed["waited(s)"] == pytest.approx(STALL_S, abs=0.5)
+    assert f"resumed: the trainer got batch {STALLED_SAMPLE + 1} after " in caplog.text
+
+    assert cli_main(["watch", str(tmp_path), "--once"]) == 0  # the stall is shown as over, and for how long
+    frame = capsys.readouterr().out
+    assert f"{stuck['message']}; over: the trainer got batch {STALLED_SAMPLE + 1} after {resumed['waited(s)']:.1f} s" in frame
 
 
 def test_jsonl_log_and_watch_show_the_same_figures(tmp_path, caplog, capsys, small_store):
@@ -127,7 +137,7 @@ def test_jsonl_log_and_watch_show_the_same_figures(tmp_path, caplog, capsys, sma
     recs = records(tmp_path / "h5feed-monitor-watched.jsonl")
     assert recs[0]["kind"] == "start" and recs[-1]["kind"] == "end"
     assert "first_batch" in {r["kind"] for r in recs}  # "workers_started" too, unless the first batch came first
-    assert str(small_store.path) in recs[0]["what"] and "2 DataLoader workers starting" in recs[0]["what"]
+    assert str(small_store.path) in recs[0]["what"] and "2 DataLoader workers (" in recs[0]["what"]
     reports = [r for r in recs if r["kind"] == "report"]
     assert reports and all(format_line(r) in caplog.messages for r in reports)
     end = recs[-1]
@@ -173,6 +183,45 @@ def test_stall_verdicts():
     assert classify(None, [2.0, 3.0], stall_after=1.0) == "idle"  # trainer busy elsewhere, queues full
     assert classify(0.5, [], stall_after=1.0) is None  # workers still starting
     assert classify(5.0, None, stall_after=1.0) == "waiting"  # a loader without counters
+
+
+class StutteringDataset(SlowDataset):
+    """Sample STALLED_SAMPLE is read in `pieces` slow pieces, progress counted after each, as a worker on a
+    failing disk reads a chunk now and then."""
+
+    def __init__(self, n: int, pieces: int, piece_s: float) -> None:
+        super().__init__(n, 0.0)
+        self.pieces, self.piece_s = pieces, piece_s
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        counters = self.counters.worker()
+        counters.begin_sample(i)
+        for _ in range(self.pieces if i == STALLED_SAMPLE else 0):
+            time.sleep(self.piece_s)
+            counters.add_read(1_000, self.piece_s)
+        counters.end_sample(i, 100)
+        return torch.zeros(10)
+
+
+def test_a_worker_that_moves_now_and_then_is_reported_once_and_never_flips_between_verdicts(tmp_path):
+    """Quiet for longer than stall_after, then a chunk, then quiet again: the wait is one episode."""
+    loader = DataLoader(StutteringDataset(6, pieces=5, piece_s=0.35), num_workers=1)
+    for _ in h5feed.monitor(loader, every=60.0, stall_after=0.25, log_dir=tmp_path, name="stutter"):
+        pass
+    kinds = [(r["kind"], r.get("verdict")) for r in records(tmp_path / "h5feed-monitor-stutter.jsonl")
+             if r["kind"] in ("stall", "resumed")]
+    assert kinds == [("stall", "stuck"), ("resumed", None)]
+
+
+def test_a_stall_episode_reports_each_verdict_once_and_a_stuck_one_is_not_then_called_a_bottleneck():
+    episode = StallEpisode(waiting_since=10.0, step=3)
+    assert not episode.should_report(None)
+    assert episode.should_report("bottleneck") and not episode.should_report("bottleneck")
+    assert episode.should_report("stuck")  # the workers stopped too: worse, said
+    assert not episode.should_report("bottleneck") and not episode.should_report("stuck")
+    assert episode.reported == ["bottleneck", "stuck"] and episode.held_the_trainer
+    idle = StallEpisode(waiting_since=None, step=3)
+    assert idle.should_report("idle") and not idle.held_the_trainer
 
 
 def test_without_tensorboard(tmp_path, monkeypatch):

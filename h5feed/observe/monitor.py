@@ -41,7 +41,8 @@ from h5feed.observe.renderer import Record, format_line, label, loader_figures, 
 from h5feed.observe.timers import GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
     RECENT_S,
-    Verdict,
+    StallEpisode,
+    advice,
     classify,
     process_state,
     verdict_text,
@@ -201,6 +202,8 @@ class Monitor(Generic[T]):
         self._step_call: float | None = None  # when the trainer asked for the batch it now holds
         self._open_wait = 0.0
         self._open_bytes = 0
+        self._stalled_batch: int | None = None  # the batch (1-based) a stall was reported for, and its wait
+        self._stalled_batch_wait: float | None = None
         self._gpu: GpuTimer | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -240,6 +243,8 @@ class Monitor(Generic[T]):
             self._waiting_since = None
             self._batches += 1
             self._open_wait, self._open_bytes = t_got - t_call, nbytes
+            if self._batches == self._stalled_batch:
+                self._stalled_batch_wait = t_got - t_call
         if self._batches == 1:
             self._first_batch_s = t_got - self._t0
             self._emit({"kind": "first_batch", "first_batch(s)": self._first_batch_s, "batch_bytes": nbytes},
@@ -289,7 +294,7 @@ class Monitor(Generic[T]):
             context = getattr(self.loader, "multiprocessing_context", None)
             method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method(True)
             plural = "s" if workers > 1 else ""
-            parts.append(f"{workers} DataLoader worker{plural} starting ({method or 'default start method'})")
+            parts.append(f"{workers} DataLoader worker{plural} ({method or 'default start method'})")
         else:
             parts.append("reading in this process")
         parts.append(f"batch_size {self._batch_size}")
@@ -334,7 +339,7 @@ class Monitor(Generic[T]):
         last = self._start
         recent: deque[LoaderSnapshot] = deque()
         announced = failed = False
-        stalled: Verdict | None = None
+        episode = StallEpisode(self._waiting_since, 0)
         while not self._stop.wait(tick):
             try:
                 now = time.perf_counter()
@@ -346,7 +351,7 @@ class Monitor(Generic[T]):
                     if not announced and snap.workers and self._batches == 0:
                         self._announce_workers(snap, now)
                         announced = True
-                stalled = self._check_stall(now, snap, recent[0] if recent else None, stalled)
+                episode = self._check_stall(now, snap, recent[0] if recent else None, episode)
                 if now - last.time >= self.every:
                     rec = self._record("report", now, last, snap)
                     self._emit(rec, format_line(rec))
@@ -356,24 +361,26 @@ class Monitor(Generic[T]):
                 if not failed:
                     log.exception("%s monitor thread (reported once)", self._label)
                 failed = True
+        if not failed:
+            self._end_episode(episode)  # the batch came after the last tick
 
     def _totals_copy(self) -> StepTotals:
         with self._lock:
             return self._totals.copy()
 
     def _announce_workers(self, snap: LoaderSnapshot, now: float) -> None:
-        reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({p})" if (p := self._path_of(w.current_sample)) else "")
+        reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({o})" if (o := self._object_of(w.current_sample)) else "")
                    for w in snap.workers if w.current_sample is not None]
         doing = "; reading " + ", ".join(reading) if reading else ""
         self._emit({"kind": "workers_started", "workers": len(snap.workers), "after(s)": now - self._t0},
                    f"{self._label} loader started after {now - self._t0:.1f} s: {len(snap.workers)} "
                    f"worker(s) up{doing}")
 
-    def _path_of(self, index: int | None) -> str | None:
-        """The source file of a store index, for h5feed datasets."""
+    def _object_of(self, index: int | None) -> str | None:
+        """The store object a worker reads for a sample index, for h5feed datasets."""
         if index is None or not isinstance(self._store, Store) or not 0 <= index < len(self._store):
             return None
-        return str(Path(self._store.info.source_root) / self._store.source_paths[index])
+        return self._store.sample_object(index)
 
     def _record(self, kind: str, now: float, since: _Report, snap: LoaderSnapshot | None = None) -> Record:
         """The figures of the window since `since` (a report) or of the whole iteration (`since` = its start)."""
@@ -397,36 +404,57 @@ class Monitor(Generic[T]):
             "cuda": self._gpu is not None,
         }
         if snap is not None:
-            rows = worker_rows(snap, since.snap, self._path_of)
+            rows = worker_rows(snap, since.snap, self._object_of)
             rec["loader"], rec["workers"] = loader_figures(rows), rows
         else:
             rec["loader"], rec["workers"] = None, []
         return rec
 
     def _check_stall(
-        self, now: float, snap: LoaderSnapshot | None, recent: LoaderSnapshot | None, stalled: Verdict | None
-    ) -> Verdict | None:
-        """Report a stall once per episode (again if its kind changes); returns the current verdict."""
-        waiting_since = self._waiting_since
+        self, now: float, snap: LoaderSnapshot | None, recent: LoaderSnapshot | None, episode: StallEpisode
+    ) -> StallEpisode:
+        """Report a stall once per episode and verdict (see `StallEpisode`), and the end of a reported one;
+        returns the episode now under way."""
+        with self._lock:
+            waiting_since, batches = self._waiting_since, self._batches
+        if waiting_since != episode.waiting_since:
+            self._end_episode(episode)
+            episode = StallEpisode(waiting_since, batches)
         wait = now - waiting_since if waiting_since is not None else None
         quiet = None
         if snap is not None:
             quiet = [self._quiet_s(w, now - self._t0) for w in snap.workers]
         verdict = classify(wait, quiet, self.stall_after)
-        if verdict is None or verdict == stalled:
-            return verdict
-        rows = worker_rows(snap, recent, self._path_of) if snap is not None else []
+        if verdict is None or not episode.should_report(verdict):
+            return episode
+        if episode.held_the_trainer:
+            with self._lock:
+                if self._stalled_batch != batches + 1:
+                    self._stalled_batch, self._stalled_batch_wait = batches + 1, None
+        rows = worker_rows(snap, recent, self._object_of) if snap is not None else []
         for row in rows:
             row["state"], row["cpu_s"] = process_state(row["pid"])
-        text = verdict_text(verdict, wait, min(quiet) if quiet else None, self._batches,
+        text = verdict_text(verdict, wait, min(quiet) if quiet else None, batches,
                              loader_figures(rows) if recent is not None else None)
+        what_to_do = advice(verdict, rows)
         lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
-        if snap is not None and not rows:
-            lines.append("  no worker has started: a worker still starting (spawn imports take seconds) or one that died")
-        self._emit({"kind": "stall", "verdict": verdict, "message": text, "epoch": self._epoch, "step": self._batches,
-                    "global_step": self._run.steps_before + self._batches, "waiting(s)": wait,
+        if what_to_do:
+            lines.append(f"  what to do: {what_to_do}")
+        self._emit({"kind": "stall", "verdict": verdict, "message": text, "advice": what_to_do, "epoch": self._epoch,
+                    "step": batches, "global_step": self._run.steps_before + batches, "waiting(s)": wait,
                     "workers": rows}, "\n".join(lines), level=logging.WARNING)
-        return verdict
+        return episode
+
+    def _end_episode(self, episode: StallEpisode) -> None:
+        """Say that a stall the trainer waited through is over, once its batch has come."""
+        with self._lock:
+            batches, waited = self._batches, self._stalled_batch_wait
+        if not episode.held_the_trainer or episode.waiting_since is None or batches <= episode.step:
+            return
+        how_long = f" after {waited:.1f} s" if waited is not None else ""
+        self._emit({"kind": "resumed", "epoch": self._epoch, "step": episode.step,
+                    "global_step": self._run.steps_before + episode.step, "waited(s)": waited},
+                   f"{self._label} resumed: the trainer got batch {episode.step + 1}{how_long}")
 
     @staticmethod
     def _quiet_s(w: WorkerSnapshot, since_start: float) -> float:

@@ -30,9 +30,9 @@ def step_figures(t: StepTotals) -> Record:
 
 
 def worker_rows(
-    snap: LoaderSnapshot, before: LoaderSnapshot | None, path_of: Callable[[int], str | None]
+    snap: LoaderSnapshot, before: LoaderSnapshot | None, object_of: Callable[[int], str | None]
 ) -> list[Record]:
-    """One row per started worker; rates against `before` (None: no rates yet)."""
+    """One row per started worker; rates against `before` (None: no rates yet); `object_of`: where its sample is."""
     old = {w.worker: w for w in before.workers} if before is not None else {}
     dt = snap.time - before.time if before is not None else 0.0
     rows = []
@@ -54,7 +54,7 @@ def worker_rows(
             "cache_hits": w.cache_hits,
             "cache_misses": w.cache_misses,
             "sample": w.current_sample,
-            "path": path_of(w.current_sample) if w.current_sample is not None else None,
+            "object": object_of(w.current_sample) if w.current_sample is not None else None,
             "sample_s": w.current_seconds if w.current_sample is not None else None,
             "sample_MB": w.current_bytes / 1e6 if w.current_sample is not None else None,
             "since_progress_s": w.seconds_since_progress,
@@ -155,13 +155,13 @@ def format_table(columns: list[Column], rows: list[Record], last: tuple[str, str
     if not rows:
         return []
     cells = [[h for h, _, _ in columns] + [last[0]]]
-    cells += [[num(r[key], spec) if r[key] is not None else "-" for _, key, spec in columns] + [r[last[1]] or "-"]
+    cells += [[num(r[key], spec) if r[key] is not None else "-" for _, key, spec in columns] + [r.get(last[1]) or "-"]
               for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     return ["  ".join(c[i].rjust(widths[i]) for i in range(len(columns))) + "  " + c[-1] for c in cells]
 
 
 def format_workers(rows: list[Record]) -> list[str]:
-    """Per-worker rows as an aligned table (the sample's source path last; the rank first if rows have one)."""
+    """Per-worker rows as an aligned table (the store object of its sample last; the rank first if rows have one)."""
     ranked = any("rank" in r for r in rows)
-    return format_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("path", "path"))
+    return format_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("reading", "object"))

@@ -90,8 +90,17 @@ def _figures(records: list[Record]) -> Record | None:
 
 
 def _last_stall(records: list[Record], now: float) -> str | None:
-    stalls = [r for r in records if r.get("kind") == "stall"]
-    return f"last stall ({now - stalls[-1]['time']:.0f} s ago): {stalls[-1]['message']}" if stalls else None
+    """The last stall report, and whether it is over (a `resumed` record after it)."""
+    at = next((i for i in range(len(records) - 1, -1, -1) if records[i].get("kind") == "stall"), None)
+    if at is None:
+        return None
+    stall = records[at]
+    text = f"last stall ({now - stall['time']:.0f} s ago): {stall['message']}"
+    resumed = next((r for r in records[at + 1:] if r.get("kind") == "resumed"), None)
+    if resumed is not None:
+        after = f" after {resumed['waited(s)']:.1f} s" if resumed.get("waited(s)") is not None else ""
+        text += f"; over: the trainer got batch {resumed['step'] + 1}{after}"
+    return text
 
 
 def render(path: Path, records: list[Record], now: float) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
 from typing import Literal
 
 import psutil
@@ -29,6 +31,31 @@ def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, s
     return None
 
 
+@dataclass
+class StallEpisode:
+    """One stretch of the trainer waiting for one batch (`waiting_since` its start), or of not waiting (None),
+    and the verdicts reported in it.
+
+    Each verdict is reported once per episode, and one called STUCK is not called a BOTTLENECK when a
+    worker moves again: a worker reading one chunk now and then must not flip the verdict each second.
+    The episode ends when the batch comes (the monitor says so, and after how long)."""
+
+    waiting_since: float | None
+    step: int  # batches the trainer had when the episode began
+    reported: list[Verdict] = field(default_factory=list)
+
+    def should_report(self, verdict: Verdict | None) -> bool:
+        if verdict is None or verdict in self.reported or (verdict == "bottleneck" and "stuck" in self.reported):
+            return False
+        self.reported.append(verdict)
+        return True
+
+    @property
+    def held_the_trainer(self) -> bool:
+        """Whether a stall of the trainer's wait was reported (an idle loader holds nobody up)."""
+        return any(v != "idle" for v in self.reported)
+
+
 def verdict_text(verdict: Verdict, wait: float | None, quiet: float | None, step: int, recent: Record | None) -> str:
     batch = f"batch {step + 1}"
     if verdict == "stuck":
@@ -48,6 +75,27 @@ def verdict_text(verdict: Verdict, wait: float | None, quiet: float | None, step
             "workers do cannot be seen")
 
 
+def advice(verdict: Verdict, rows: list[Record]) -> str:
+    """What to do about a stall, in one sentence ("" when nothing needs doing)."""
+    in_hand = [r for r in rows if r["sample"] is not None]
+    if verdict == "stuck" and in_hand:
+        pids = " ".join(f"py-spy dump --pid {r['pid']}" for r in in_hand[:2])
+        return (f"to see where a worker is blocked: `{pids}`; a hung network mount or bucket looks like this, and "
+                "a worker that waits on a lock (a second loader over the same files) too")
+    if verdict == "stuck":
+        who = "no worker has started: one still starting (spawn imports take seconds)" if not rows else \
+            "no worker holds a sample: one"
+        return (f"{who} or one that died: its error is in this process's log; DataLoader(timeout=...) turns a "
+                "worker that never answers into an error")
+    if verdict == "bottleneck":
+        return ("loading is slower than the step: more DataLoader workers (num_workers) or reader threads (threads), "
+                "or a faster disk; `h5feed bench STORE` measures the loaders on this machine")
+    if verdict == "waiting":
+        return (f"`py-spy dump --pid {os.getpid()}` shows where the loader is; h5feed's datasets count what their "
+                "workers do, and the monitor then names the one that holds the trainer up")
+    return ""
+
+
 def process_state(pid: int) -> tuple[str, float | None]:
     """The worker's process state (running, sleeping, disk-sleep...) and CPU seconds, as `ps` would say."""
     try:
@@ -61,7 +109,7 @@ def process_state(pid: int) -> tuple[str, float | None]:
 def worker_sentence(row: Record) -> str:
     state = f"pid {row['pid']}, {row['state']}" + (f", {row['cpu_s']:.1f} s CPU" if row.get("cpu_s") is not None else "")
     if row["sample"] is not None:
-        where = f" ({row['path']})" if row["path"] else ""
+        where = f" ({row['object']})" if row["object"] else ""
         doing = (f"sample {row['sample']}{where} for {row['sample_s']:.1f} s, {row['sample_MB']:.1f} MB read so far, "
                  f"no progress for {num(row['since_progress_s'], '.1f', ' s')}")
     else:

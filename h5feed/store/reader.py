@@ -527,6 +527,13 @@ class Store:
             for key, inner, whole in self._objects_of(i, name, chunks):
                 self._source.will_need(key, inner, whole, len(inner) * nbytes)
 
+    def sample_object(self, i: int) -> str:
+        """The file or URL of the object that holds the start of sample i's aux hidden states: where a
+        reader of the sample spends its time, so a stall report names what to look at."""
+        self._check_sample(i)
+        key, _, _ = self._objects_of(i, "aux_hidden_states", range(1))[0]
+        return str(self._source.where(key))
+
     def stored_nbytes(self) -> int:
         """Bytes of the arrays' objects (shards, or chunks in format 1) as stored."""
         names = self.info.array_names
