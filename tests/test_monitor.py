@@ -224,6 +224,32 @@ def test_a_stall_episode_reports_each_verdict_once_and_a_stuck_one_is_not_then_c
     assert idle.should_report("idle") and not idle.held_the_trainer
 
 
+def test_scalars_go_to_the_trainers_wandb_run_against_their_own_step_without_moving_the_runs(tmp_path, monkeypatch):
+    """A real W&B run, offline: the trainer logs with step= of its own each step; h5feed's scalars join its rows."""
+    import wandb
+
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    run = wandb.init(project="h5feed-test", dir=tmp_path)
+    try:
+        loader = DataLoader(SlowDataset(12, 0.03))
+        for step, _ in enumerate(h5feed.monitor(loader, every=0.05, log_dir=tmp_path, name="wb")):
+            run.log({"loss": 1.0 / (step + 1)}, step=step, commit=True)
+        trainers = dict(run.summary)
+        run.log({}, commit=True)  # commits the row h5feed's last scalars joined
+        summary = dict(run.summary)
+    finally:
+        run.finish()
+    last = [r for r in records(tmp_path / "h5feed-monitor-wb.jsonl") if r["kind"] == "report" and r["steps"]][-1]
+    assert trainers["_step"] == 11 and trainers["loss"] == 1 / 12  # no row of the trainer's was dropped
+    assert summary["wb/global_step"] == last["global_step"]
+    assert summary["wb/time_metrics/data_loading(%)"] == pytest.approx(last["data_loading(%)"])
+    assert summary["wb/loader/samples_per_s"] == pytest.approx(last["loader"]["samples_per_s"])
+    assert len(list(h5feed.monitor(loader, name="after"))) == 12  # no active run: "auto" logs nowhere
+    with pytest.raises(ValueError, match=r"call wandb.init\(\) before it"):
+        h5feed.monitor(loader, wandb=True)
+
+
 def test_without_tensorboard(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     loader = DataLoader(SlowDataset(3, 0.0))

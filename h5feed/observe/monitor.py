@@ -8,7 +8,7 @@ and, with CUDA, how long the GPU had no work meanwhile (the stream's `query()` a
 each `next()` call, and CUDA events where the CPU runs ahead of the GPU, read once
 complete: nothing waits on the GPU in the hot path).  A thread adds the workers' shared counters
 (`h5feed.metrics`) and writes a line every `every` seconds, a JSON-lines record
-for `h5feed watch`, TensorBoard scalars if asked, and a stall report that says
+for `h5feed watch`, TensorBoard and Weights & Biases scalars if asked, and a stall report that says
 what every worker is doing when the trainer or the workers stop moving.
 
 A step is the time between two successive `next()` calls; the first batch,
@@ -38,6 +38,7 @@ import torch
 
 from h5feed.metrics import LoaderCounters, LoaderSnapshot, WorkerSnapshot
 from h5feed.observe.renderer import Record, format_line, label, loader_figures, num, step_figures, worker_rows
+from h5feed.observe.scalars import ScalarSink, TensorBoardSink, report_scalars, tensorboard_sink, wandb_sink
 from h5feed.observe.timers import GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
     RECENT_S,
@@ -73,6 +74,7 @@ def monitor(
     jsonl: str | os.PathLike[str] | None = None,
     stall_after: float = 60.0,
     tensorboard: bool | Literal["auto"] = False,
+    wandb: bool | Literal["auto"] = "auto",
     name: str = "train",
 ) -> Monitor[T]:
     """Wrap `loader` so that iterating it reports where the time goes: `for batch in monitor(loader): ...`.
@@ -88,10 +90,13 @@ def monitor(
             before a stall report.
         tensorboard: True writes scalars to `log_dir` (tensorboard must be installed); "auto" does
             when it is installed and `log_dir` is given.
+        wandb: "auto" (the default) logs the same scalars to the trainer's Weights & Biases run when
+            it has called `wandb.init()`, against their own step metric `{name}/global_step` and
+            without moving the run's step; True insists on it; False never.
         name: tells several monitors apart in lines, files and scalars.
     """
     return Monitor(loader, every=every, log_dir=log_dir, jsonl=jsonl, stall_after=stall_after,
-                   tensorboard=tensorboard, name=name)
+                   tensorboard=tensorboard, wandb=wandb, name=name)
 
 
 @dataclass
@@ -100,7 +105,7 @@ class _Run:
 
     steps_before: int = 0  # batches handed over in the passes that ended
     epochs: int = 0  # passes begun
-    tensorboard: Any = None
+    tensorboard: TensorBoardSink | None = None
 
 
 _RUNS: dict[tuple[str, int, str, str], _Run] = {}  # by (name, rank, JSON-lines file, log_dir): one per run
@@ -138,22 +143,6 @@ def _say(level: int, line: str) -> None:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
-def _tensorboard_writer(tensorboard: bool | Literal["auto"], log_dir: Path | None) -> Any:
-    if not tensorboard:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if tensorboard == "auto":
-            return None
-        raise ImportError("h5feed.monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard") from None
-    if log_dir is None:
-        if tensorboard == "auto":
-            return None
-        raise ValueError("h5feed.monitor(tensorboard=True) needs log_dir")
-    return SummaryWriter(log_dir=str(log_dir))
-
-
 class Monitor(Generic[T]):
     """An iterable over `loader`'s batches that measures and reports each step (see `monitor`)."""
 
@@ -166,6 +155,7 @@ class Monitor(Generic[T]):
         jsonl: str | os.PathLike[str] | None,
         stall_after: float,
         tensorboard: bool | Literal["auto"],
+        wandb: bool | Literal["auto"],
         name: str,
     ) -> None:
         if every <= 0 or stall_after <= 0:
@@ -186,8 +176,9 @@ class Monitor(Generic[T]):
             self.jsonl_path = log_path / f"{JSONL_PREFIX}-{name}{suffix}.jsonl" if log_path is not None else None
         self._run = _RUNS.setdefault((name, self.rank, str(self.jsonl_path), str(log_path)), _Run())
         if self._run.tensorboard is None:
-            self._run.tensorboard = _tensorboard_writer(tensorboard, log_path)
-        self._tb = self._run.tensorboard if tensorboard else None
+            self._run.tensorboard = tensorboard_sink(tensorboard, log_path)
+        sinks = [self._run.tensorboard if tensorboard else None, wandb_sink(wandb)]
+        self._sinks: list[ScalarSink] = [sink for sink in sinks if sink is not None]
         self._batch_size = getattr(loader, "batch_size", None) or 1
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -324,8 +315,8 @@ class Monitor(Generic[T]):
             line += (f" | the step waited for data {wait:.1f}% of the time: loading held training back; more "
                      "DataLoader workers or reader threads may help (`h5feed bench` measures the loaders here)")
         self._emit(rec, line)
-        if self._tb is not None:
-            self._tb.flush()
+        for sink in self._sinks:
+            sink.flush()
 
     def summary(self) -> Record:
         """The step figures over the iteration so far (from the second batch on), plus the first batch's wait."""
@@ -476,21 +467,9 @@ class Monitor(Generic[T]):
                 f.write(json.dumps(rec) + "\n")
 
     def _scalars(self, rec: Record) -> None:
-        if self._tb is None or not rec["steps"]:
+        if not self._sinks or not rec["steps"]:
             return
-        step = rec["global_step"]
         prefix = self.name if self.world_size == 1 else f"{self.name}/rank{self.rank}"
-        names = {"time_metrics/data_loading(s)": "data_loading(s)", "time_metrics/data_loading(%)": "data_loading(%)",
-                 "time_metrics/step_time(s)": "step_time(s)", "time_metrics/gpu_idle(%)": "gpu_idle(%)",
-                 "throughput(steps/s)": "throughput(steps/s)", "throughput(samples/s)": "throughput(samples/s)"}
-        for tag, key in names.items():
-            if rec[key] is not None:
-                self._tb.add_scalar(f"{prefix}/{tag}", rec[key], step)
-        if rec["loader"] is not None:
-            for key in ("samples_per_s", "read_GBps", "decoded_GBps", "queue_depth"):
-                if rec["loader"][key] is not None:
-                    self._tb.add_scalar(f"{prefix}/loader/{key}", rec["loader"][key], step)
-            for row in rec["workers"]:
-                if row["samples_per_s"] is not None:
-                    self._tb.add_scalar(f"{prefix}/loader/worker{row['worker']}/samples_per_s", row["samples_per_s"], step)
-
+        scalars = report_scalars(rec)
+        for sink in self._sinks:
+            sink.write(prefix, scalars, rec["global_step"])
