@@ -10,6 +10,8 @@ import gzip
 import io
 import json
 import logging
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +123,24 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
             logger.setLevel(level)
         out = capsys.readouterr()
         return CliResult(status, out.out, out.out + out.err + stream.getvalue())
+
+    return run
+
+
+@pytest.fixture
+def chromium(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run headless Chromium with ARGS (e.g. `--dump-dom`, a page's URI), to see a page as a browser shows it.
+
+    Skips the test where Debian's chromium is not installed (`apt install chromium`; .ci/run installs it)."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.skip("needs Debian's chromium (apt install chromium); .ci/run installs it")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([path, *flags, *args], capture_output=True, text=True, timeout=120, check=False)
 
     return run
 

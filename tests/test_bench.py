@@ -4,9 +4,14 @@ No timings are asserted: the loaders' batches, the counts and the report's shape
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,7 +129,8 @@ def test_digests_compare_batch_for_batch() -> None:
                            [digest(batch)]) == "DIFFER: batch 0 (lengths)"  # same value, other dtype
 
 
-def test_cli_json(tiny, capsys) -> None:
+def test_cli_json(tiny, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: only --html needs it
     rc = main(["-q", "bench", str(tiny.path), "--workers", "2", "--max-len", str(MAX_LEN), "--no-cold", "--json",
                "--loaders", "pt-baseline,BatchLoader-threads"])
     assert rc == 0
@@ -136,6 +142,71 @@ def test_cli_json(tiny, capsys) -> None:
     assert out["passes"][1]["ratio"] == pytest.approx(out["passes"][1]["samples_per_s"] /
                                                       out["passes"][0]["samples_per_s"])
     assert out["machine"]["load_average"].keys() == {"start", "end"}
+
+
+HTML_LOADERS = (BASELINE, "BatchLoader-threads", "StreamLoader")
+
+
+@pytest.fixture(scope="module")
+def html_bench(tiny, tmp_path_factory):
+    """`h5feed bench --html PAGE` on the tiny store: the page, and the result it was made from (run_bench spied on)."""
+    page = tmp_path_factory.mktemp("bench-html") / "bench.html"
+    results = []
+
+    def spy(*args, **kwargs):
+        results.append(run_bench(*args, **kwargs))
+        return results[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench.cli, "run_bench", spy)
+        rc = main(["-q", "bench", str(tiny.path), "--workers", "2", "--max-len", str(MAX_LEN), "--no-cold",
+                   "--loaders", ",".join(HTML_LOADERS), "--html", str(page)])
+    assert rc == 0 and len(results) == 1
+    return page, results[0]
+
+
+def test_html_page_holds_the_settings_the_advice_every_column_and_the_plots(html_bench) -> None:
+    from PIL import Image
+
+    page, result = html_bench
+    text = page.read_text()
+    passes = re.search(r'<table id="passes">(.*?)</table>', text, re.DOTALL).group(1)
+    cells = [[html.unescape(c) for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row)]
+             for row in re.findall(r"<tr>(.*?)</tr>", passes)]
+    assert cells == result.rows(verbose=True)  # every pass, every column, its figures as the table prints them
+    assert [row[0] for row in cells[1:]] == [LOADER_LABELS[name] for name in HTML_LOADERS]
+    advice = result.recommendation()
+    assert advice.startswith("Fastest here: ") and f'<pre id="recommendation">{html.escape(advice)}</pre>' in text
+    assert all(html.escape(line) in text for line in [*result.settings_lines(), *result.notes])
+    assert f"H={H}, K={K}" in text and f"max_len={MAX_LEN}" in text and "cores" in text
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
+    assert len(images) == 1
+    png = base64.b64decode(images[0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(io.BytesIO(png)).size[0] == 990  # it decodes: 11 in at 90 dpi
+
+
+def test_html_page_renders_in_headless_chromium(html_bench, chromium) -> None:
+    page, _ = html_bench
+    dom = chromium("--dump-dom", page.as_uri())
+    assert dom.returncode == 0, dom.stderr
+    assert 'data-plot-width="990"' in dom.stdout  # the browser decoded the embedded plots
+    assert all(html.escape(LOADER_LABELS[name]) in dom.stdout for name in HTML_LOADERS)
+
+
+def test_html_fails_before_the_bench_without_matplotlib_or_a_folder_for_the_page(tiny, tmp_path, monkeypatch,
+                                                                                 cli) -> None:
+    monkeypatch.setattr(bench.cli, "run_bench", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    nowhere = tmp_path / "nowhere" / "bench.html"
+    r = cli("bench", tiny.path, "--html", nowhere)
+    assert r.status == 1 and f"h5feed bench: error: {nowhere}: no folder {nowhere.parent} to write the page in" \
+        in r.output
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: `import matplotlib` fails
+    page = tmp_path / "bench.html"
+    r = cli("bench", tiny.path, "--html", page)
+    assert r.status == 1 and not page.exists()
+    assert ("h5feed bench: error: h5feed bench --html draws its plots with matplotlib: "
+            "pip install 'h5feed[report]'") in r.output
 
 
 def test_max_len_must_be_given(tiny, capsys) -> None:
@@ -164,6 +235,7 @@ def test_non_pt_store_benches_h5feed_alone(synthetic_store) -> None:
     assert any("no baseline" in note and "specforge-ckpt" in note for note in result.notes)
     assert all(p.samples == 3 and p.ratio is None for p in result.passes)
     assert result.fastest() is None and "Fastest here" not in result.table()  # no baseline, no ratio: no advice
+    assert '<pre id="recommendation">No advice: it needs the .pt baseline measured' in result.html(b"")
 
 
 def test_default_set_built_once_and_rebuilt_when_incomplete(tmp_path: Path) -> None:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +10,6 @@ from torch.utils.data import DataLoader, Dataset
 
 import h5feed
 from h5feed.observe.report import write_report
-
-CHROMIUM = shutil.which("chromium")
 
 
 class Timed(Dataset):
@@ -46,13 +41,6 @@ def two_rank_run(tmp_path_factory):
     return folder
 
 
-def chromium(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp / 'profile'}"]
-    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120)
-
-
 def test_the_report_sums_up_the_run_and_draws_it(two_rank_run, tmp_path, cli):
     page, png = tmp_path / "run.html", tmp_path / "run.png"
     result = cli("report", two_rank_run, "-o", page, "--png", png)
@@ -66,17 +54,16 @@ def test_the_report_sums_up_the_run_and_draws_it(two_rank_run, tmp_path, cli):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt install chromium); .ci/run installs it")
-def test_the_report_renders_in_headless_chromium_with_its_plots(two_rank_run, tmp_path):
+def test_the_report_renders_in_headless_chromium_with_its_plots(two_rank_run, tmp_path, chromium):
     from PIL import Image
 
     page = write_report(two_rank_run, tmp_path / "run.html")
-    dom = chromium("--dump-dom", page.as_uri(), tmp=tmp_path)
+    dom = chromium("--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr
     assert 'data-plot-width="990"' in dom.stdout  # the embedded plots decoded: 11 in at 90 dpi
     assert "slowest rank: rank 1" in dom.stdout
     shot = tmp_path / "shot.png"
-    taken = chromium(f"--screenshot={shot}", "--window-size=1200,1400", page.as_uri(), tmp=tmp_path)
+    taken = chromium(f"--screenshot={shot}", "--window-size=1200,1400", page.as_uri())
     assert taken.returncode == 0, taken.stderr
     image = Image.open(shot).convert("L")
     assert image.size == (1200, 1400)

@@ -3,7 +3,7 @@
 - `synthetic_set`: the embedded default data set (built once, reused) and dropping the page cache;
 - `loaders`: the loaders timed, their per-worker figures, and the digest their batches are compared by;
 - `runner`: the passes, cold and warm, with memory and CPU sampled;
-- `report`: the results, as a table or JSON;
+- `report`: the results, as a table, JSON or an HTML page with plots;
 - `cli`: `h5feed bench`.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,16 @@ from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS
 from h5feed.bench.runner import run_bench
 from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec
 from h5feed.cli.options import add_location_options, location_options
+from h5feed.errors import H5feedError
+from h5feed.observe.page import pyplot
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     where = location_options(args)
+    if args.html is not None:  # what the page needs is checked now, not after minutes of passes
+        pyplot("h5feed bench --html")
+        if not args.html.parent.is_dir():
+            raise H5feedError(f"{args.html}: no folder {args.html.parent} to write the page in")
     spec = SyntheticSpec(num_samples=args.num_samples)
     result = run_bench(
         args.store,
@@ -33,6 +40,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         read_cache_limit=where["cache_limit"],
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(verbose=args.verbose))
+    if args.html is not None:
+        page = result.write_html(args.html)
+        if not args.quiet:
+            print(f"[h5feed bench] the page with plots: {page}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -62,7 +73,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.", 100),
         epilog="loaders:\n" + "\n".join(f"  {name} = {label}" for name, label in LOADER_LABELS.items())
         + "\n\nexamples:\n  h5feed bench --workers 4                  # the embedded synthetic set, built once"
-        "\n  h5feed bench /data/hs.zarr --workers 8    # your store (its source .pt files are the baseline)",
+        "\n  h5feed bench /data/hs.zarr --workers 8    # your store (its source .pt files are the baseline)"
+        "\n  h5feed bench --html bench.html            # also a page with plots (pip install 'h5feed[report]')",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("store", nargs="?", help="an h5feed store (its source files are the baseline's input); "
@@ -82,6 +94,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where the embedded default set is kept (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--html", type=Path, metavar="FILE",
+                   help="also write one self-contained HTML page: the settings, the advice, samples/s, CPU s/sample "
+                        "and peak memory per loader as plots, every column of the table, the notes (needs "
+                        "matplotlib: pip install 'h5feed[report]')")
     p.add_argument("--verbose", action="store_true",
                    help="the table with every column: CPU cores, GB/s, each worker's samples/s, the other processes' CPU")
     add_location_options(p, cache_flag="--read-cache-dir")  # --cache-dir is where the default set is kept

@@ -1,17 +1,21 @@
-"""What `h5feed bench` reports: one result per pass, the whole run, and its plain-text table."""
+"""What `h5feed bench` reports: one result per pass, the whole run, its plain-text table and its HTML page."""
 
 from __future__ import annotations
 
 import dataclasses
 import textwrap
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, WorkerStats
+from h5feed.observe.page import Section, bullets, figure_png, image, page_html, preformatted, pyplot, table
 
 TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "x baseline", "CPU s/sample", "CPU cores", "GB/s",
                  "peak mem", "per-worker samples/s", "batches", "other CPU")  # --verbose
 SHORT_COLUMNS = ("loader", "cache", "samples/s", "x baseline", "CPU s/sample", "peak mem", "batches")  # the default
+TEXT_COLUMNS = ("loader", "cache", "per-worker samples/s", "batches")  # aligned left; the figures align right
+CACHES = ("cold", "warm")  # the cache states, in the order they are measured
 WIDTH = 120  # the report's lines, but for paths and the code to copy
 
 
@@ -115,32 +119,40 @@ class BenchResult:
             rows.append([cells[c] for c in columns])
         return rows
 
-    def table(self, verbose: bool = False) -> str:
-        """The plain-text report: the settings, one row per pass, notes, and last what to use here."""
+    def settings_lines(self) -> list[str]:
+        """What was measured and where, for the table's head and the page: the store, its source, the trainer's
+        settings, the machine and its load."""
         load = self.machine.get("load_average", {})
-        settings = (f"trainer path: batch_size=1, num_workers (or threads)={self.workers}, collate={self.collate}, "
-                    f"pin_memory=True, max_len={self.max_len}, flavor={self.flavor}, "
-                    f"hidden_states_dtype={self.hidden_states_dtype}, store order")
-        rows = self.rows(verbose)
-        columns = TABLE_COLUMNS if verbose else SHORT_COLUMNS
-        right = {i for i, c in enumerate(columns) if c not in ("loader", "cache", "per-worker samples/s", "batches")}
-        out = [
+        return [
             (f"store  {self.store} ({self.num_samples} samples, {self.num_tokens} tokens, H={self.hidden_size}, "
              f"K={self.num_aux_layers}, {self.store_bytes / 1e9:.2f} GB)"),
             f"source {self.source_root} ({self.source_format}"
             + (f", {self.source_bytes / 1e9:.2f} GB)" if self.source_bytes else ")"),
-            *textwrap.wrap(settings, WIDTH, subsequent_indent="  "),
+            (f"trainer path: batch_size=1, num_workers (or threads)={self.workers}, collate={self.collate}, "
+             f"pin_memory=True, max_len={self.max_len}, flavor={self.flavor}, "
+             f"hidden_states_dtype={self.hidden_states_dtype}, store order"),
             (f"machine: {self.machine.get('cpus')} cores, {self.machine.get('memory_bytes', 0) / 2**30:.0f} GiB, "
              f"CUDA {'yes' if self.machine.get('cuda') else 'no'}; load average (1 min) "
              f"{load.get('start', float('nan')):.2f} at the start, {load.get('end', float('nan')):.2f} at the end"),
-            "",
-            *format_table(rows, right),
         ]
+
+    def loader_names(self) -> list[str]:
+        """Each loader benched, as "short name = full name": the short names are the table's and the plots'."""
+        names = dict.fromkeys(p.loader for p in self.passes)
+        return [f"{SHORT_LABELS.get(name, name)} = {LOADER_LABELS.get(name, name)}" for name in names]
+
+    def table(self, verbose: bool = False) -> str:
+        """The plain-text report: the settings, one row per pass, notes, and last what to use here."""
+        store, source, settings, machine = self.settings_lines()
+        rows = self.rows(verbose)
+        columns = TABLE_COLUMNS if verbose else SHORT_COLUMNS
+        right = {i for i, c in enumerate(columns) if c not in TEXT_COLUMNS}
+        out = [store, source, *textwrap.wrap(settings, WIDTH, subsequent_indent="  "), machine, "",
+               *format_table(rows, right)]
         if not verbose:
             out += ["", "loaders:"]
-            out += [line for p in dict.fromkeys(p.loader for p in self.passes)
-                    for line in textwrap.wrap(f"{SHORT_LABELS.get(p, p)} = {LOADER_LABELS.get(p, p)}", WIDTH,
-                                              initial_indent="  ", subsequent_indent="    ")]
+            out += [line for name in self.loader_names()
+                    for line in textwrap.wrap(name, WIDTH, initial_indent="  ", subsequent_indent="    ")]
             out.append("  (--verbose: CPU cores, GB/s, each worker's samples/s and the other processes' CPU; "
                        "--json: everything)")
         for note in self.notes:
@@ -149,6 +161,66 @@ class BenchResult:
         if advice:
             out += ["", advice]
         return "\n".join(out)
+
+    def plot_png(self) -> bytes:
+        """Samples/s, CPU s/sample and peak memory per loader as one PNG: bars, cold and warm side by side,
+        the `.pt` baseline's bars hatched and its samples/s drawn across, so each loader reads against it."""
+        plt = pyplot("h5feed bench --html")
+        loaders = list(dict.fromkeys(p.loader for p in self.passes))
+        caches = [c for c in CACHES if any(p.cache == c for p in self.passes)]
+        colors = {"cold": "tab:blue", "warm": "tab:orange"}
+        width = 0.8 / max(len(caches), 1)
+        fig, axes = plt.subplots(3, 1, figsize=(11, 10), sharex=True, constrained_layout=True)
+        figures = (("samples/s (higher is better)", lambda p: p.samples_per_s, "%.2f"),
+                   ("CPU s per sample (lower is better)", lambda p: p.cpu_per_sample, "%.3f"),
+                   (f"peak memory, GB ({self.memory_metric.upper()})", lambda p: p.peak_memory_bytes / 1e9, "%.2f"))
+        for ax, (ylabel, value, fmt) in zip(axes, figures):
+            for k, cache in enumerate(caches):
+                at = [(i, p) for i, name in enumerate(loaders) if (p := self.get(name, cache)) is not None]
+                bars = ax.bar([i + (k - (len(caches) - 1) / 2) * width for i, _ in at], [value(p) for _, p in at],
+                              width, color=colors[cache])
+                for bar, (_, p) in zip(bars, at):
+                    if p.loader == BASELINE:
+                        bar.set_hatch("//")
+                ax.bar_label(bars, fmt=fmt, fontsize="small")
+            ax.set_ylabel(ylabel)
+            ax.grid(axis="y", alpha=0.3)
+        keys = [plt.Rectangle((0, 0), 1, 1, facecolor=colors[cache], label=cache) for cache in caches]
+        for cache in caches:
+            base = self.get(BASELINE, cache)
+            if base is not None:
+                keys.append(axes[0].axhline(base.samples_per_s, color=colors[cache], linestyle="--", alpha=0.7,
+                                            label=f".pt baseline, {cache}"))
+        axes[0].legend(handles=keys, loc="upper left", fontsize="small")  # plain keys: the first bar may be hatched
+        axes[-1].set_xticks(range(len(loaders)), [textwrap.fill(SHORT_LABELS.get(n, n), 16) for n in loaders])
+        axes[0].set_title(f"{self.num_samples} samples, {self.workers} worker(s), max_len {self.max_len}, "
+                          f"flavor {self.flavor} (hatched: the .pt baseline)")
+        return figure_png(fig)
+
+    def html(self, png: bytes) -> str:
+        """The page: the settings, what to use here, the plots (`png`, from `plot_png`), every pass with every
+        column, and the notes; one self-contained file to keep beside the run or attach to an issue."""
+        machine = self.machine
+        software = f"{machine.get('platform')}, Python {machine.get('python')}, torch {machine.get('torch')}"
+        advice = self.recommendation() or ("No advice: it needs the .pt baseline measured and a trainer-path loader "
+                                           "whose batches equal the baseline's (the notes say what was missing).")
+        text_columns = [i for i, c in enumerate(TABLE_COLUMNS) if c in TEXT_COLUMNS]
+        sections = [
+            Section("Settings", bullets([*self.settings_lines(), software], "settings")),
+            Section("What to use here", preformatted(advice, "recommendation")),
+            Section("Plots", image(png, "plots", "samples/s, CPU s per sample and peak memory per loader, cold and "
+                                                 "warm") + "\n" + bullets(self.loader_names(), "loaders")),
+            Section("Every pass", table(self.rows(verbose=True), "passes", text_columns)),
+        ]
+        if self.notes:
+            sections.append(Section("Notes", bullets(self.notes, "notes")))
+        return page_html(f"h5feed bench: {self.store}", sections)
+
+    def write_html(self, path: str | Path) -> Path:
+        """Draw the plots and write the page to `path` (needs matplotlib: `pip install 'h5feed[report]'`)."""
+        page = Path(path)
+        page.write_text(self.html(self.plot_png()))
+        return page
 
 
 def format_table(rows: list[list[str]], right: set[int]) -> list[str]:

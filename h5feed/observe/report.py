@@ -10,15 +10,13 @@ and embedded, so the page is one file to copy or attach.
 from __future__ import annotations
 
 import argparse
-import base64
-import html
-import io
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from h5feed.errors import H5feedError
+from h5feed.observe.page import Section, bullets, figure_png, image, page_html, pyplot, table
 from h5feed.observe.renderer import Record, num
 from h5feed.observe.watch import monitor_files, parse_records
 
@@ -108,13 +106,7 @@ def _slowest_worker(tracks: list[Track]) -> str | None:
 
 def plot_png(tracks: list[Track]) -> bytes:
     """The run's time series as one PNG: data wait % and samples/s per rank, samples/s per worker; stalls marked."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise H5feedError("h5feed report draws its plots with matplotlib: pip install 'h5feed[report]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("h5feed report")
     t0 = min(r["time"] for t in tracks for r in t.records if "time" in r)
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True, constrained_layout=True)
     wait_ax, rate_ax, worker_ax = axes
@@ -145,46 +137,22 @@ def plot_png(tracks: list[Track]) -> bytes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper right", fontsize="small")
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=90)
-    plt.close(fig)
-    return out.getvalue()
+    return figure_png(fig)
 
 
 def report_html(tracks: list[Track], png: bytes) -> str:
     """The page: the summary, the plots (embedded), and a table of every pass's end figures."""
-    rows = []
+    rows = [["rank", "epoch", "steps", "step", "data wait", "GPU idle", "samples/s"]]
     for t in tracks:
         for r in t.of("end"):
-            rows.append(f"<tr><td>{t.rank}</td><td>{r.get('epoch', '')}</td><td>{r.get('step', '')}</td>"
-                        f"<td>{num(r.get('step_time(s)'), '.3f', ' s')}</td>"
-                        f"<td>{num(r.get('data_loading(%)'), '.1f', '%')}</td>"
-                        f"<td>{num(r.get('gpu_idle(%)'), '.1f', '%')}</td>"
-                        f"<td>{num(r.get('throughput(samples/s)'), '.2f')}</td></tr>")
-    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(tracks))
-    title = html.escape(f"h5feed run {tracks[0].name}: {tracks[0].path.parent}")
-    image = base64.b64encode(png).decode()
-    return textwrap.dedent(f"""\
-        <!doctype html>
-        <html><head><meta charset="utf-8"><title>{title}</title>
-        <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}td,th{{padding:2px 10px;text-align:right}}
-        </style></head>
-        <body>
-        <h1>{title}</h1>
-        <ul id="summary">{summary}</ul>
-        <img id="plots" alt="data wait, samples/s per rank and per worker over time"
-             src="data:image/png;base64,{image}">
-        <h2>Each pass</h2>
-        <table id="passes"><tr><th>rank</th><th>epoch</th><th>steps</th><th>step</th><th>data wait</th>
-        <th>GPU idle</th><th>samples/s</th></tr>{"".join(rows)}</table>
-        <script>
-        window.addEventListener("load", () => {{
-          const img = document.getElementById("plots");
-          document.body.dataset.plotWidth = img.naturalWidth;  // 0 if the image did not decode
-        }});
-        </script>
-        </body></html>
-        """)
+            rows.append([str(t.rank), str(r.get("epoch", "")), str(r.get("step", "")),
+                         num(r.get("step_time(s)"), ".3f", " s"), num(r.get("data_loading(%)"), ".1f", "%"),
+                         num(r.get("gpu_idle(%)"), ".1f", "%"), num(r.get("throughput(samples/s)"), ".2f")])
+    return page_html(f"h5feed run {tracks[0].name}: {tracks[0].path.parent}", [
+        Section(None, bullets(summary_lines(tracks), "summary")),
+        Section(None, image(png, "plots", "data wait, samples/s per rank and per worker over time")),
+        Section("Each pass", table(rows, "passes")),
+    ])
 
 
 def write_report(folder: str | Path, out: str | Path | None = None, png: str | Path | None = None) -> Path:
