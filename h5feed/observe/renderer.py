@@ -38,11 +38,16 @@ def worker_rows(
     rows = []
     for w in snap.workers:
         o = old.get(w.worker)
+        done = w.samples - (o.samples if o else 0)
+        busy = w.read_seconds + w.decode_seconds - ((o.read_seconds + o.decode_seconds) if o else 0.0)
         rows.append({
             "worker": w.worker,
             "pid": w.pid,
             "samples": w.samples,
-            "samples_per_s": (w.samples - (o.samples if o else 0)) / dt if dt > 0 else None,
+            "samples_per_s": done / dt if dt > 0 else None,
+            # a worker's own pace: under DataLoader's round robin every worker hands over at the slowest one's
+            # rate, so samples/s cannot tell a slow worker from one waiting for a free slot
+            "busy_s_per_sample": busy / done if done > 0 else None,
             "read_MBps": (w.bytes_read - (o.bytes_read if o else 0)) / dt / 1e6 if dt > 0 else None,
             "decoded_MBps": (w.bytes_delivered - (o.bytes_delivered if o else 0)) / dt / 1e6 if dt > 0 else None,
             "queue_depth": w.queue_depth,

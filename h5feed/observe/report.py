@@ -89,19 +89,48 @@ def _wait_share(t: Track) -> float | None:
     return 100 * waited / stepped if stepped else None
 
 
-def _slowest_worker(tracks: list[Track]) -> str | None:
-    rates: dict[tuple[int, int], list[float]] = {}
+@dataclass
+class WorkerFigures:
+    """One DataLoader worker of one rank over the run: its reports' mean rates and the samples it read."""
+
+    rank: int
+    worker: int
+    samples_per_s: float
+    busy_s_per_sample: float | None  # reading and decoding seconds per sample: the worker's own pace
+    read_MBps: float | None
+    samples: int
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def worker_figures(tracks: list[Track]) -> list[WorkerFigures]:
+    """Each worker's mean rates over the reports that had them, by rank and worker."""
+    rows: dict[tuple[int, int], list[Record]] = {}
     for t in tracks:
         for r in t.of("report"):
             for w in r.get("workers") or []:
                 if w.get("samples_per_s") is not None:
-                    rates.setdefault((t.rank, int(w["worker"])), []).append(float(w["samples_per_s"]))
-    if len(rates) < 2:
+                    rows.setdefault((t.rank, int(w["worker"])), []).append(w)
+
+    def mean(seen: list[Record], key: str) -> float | None:
+        return _mean([float(w[key]) for w in seen if w.get(key) is not None])
+
+    return [WorkerFigures(rank, worker, mean(seen, "samples_per_s") or 0.0, mean(seen, "busy_s_per_sample"),
+                          mean(seen, "read_MBps"), max(int(w["samples"]) for w in seen))
+            for (rank, worker), seen in sorted(rows.items())]
+
+
+def _slowest_worker(tracks: list[Track]) -> str | None:
+    """The worker that takes longest per sample (its busy seconds: under round robin all hand over alike)."""
+    figures = [f for f in worker_figures(tracks) if f.busy_s_per_sample is not None]
+    if len(figures) < 2:
         return None
-    means = {key: sum(v) / len(v) for key, v in rates.items()}
-    (rank, worker), slow = min(means.items(), key=lambda item: item[1])
-    fast = max(means.values())
-    return f"slowest worker: rank {rank} worker {worker}, {slow:.2f} samples/s on average (the fastest: {fast:.2f})"
+    slow = max(figures, key=lambda f: f.busy_s_per_sample or 0.0)
+    fast = min(f.busy_s_per_sample or 0.0 for f in figures)
+    return (f"slowest worker: rank {slow.rank} worker {slow.worker}, {slow.busy_s_per_sample:.3f} s reading per "
+            f"sample (the fastest: {fast:.3f} s)")
 
 
 def plot_png(tracks: list[Track]) -> bytes:
@@ -148,11 +177,17 @@ def report_html(tracks: list[Track], png: bytes) -> str:
             rows.append([str(t.rank), str(r.get("epoch", "")), str(r.get("step", "")),
                          num(r.get("step_time(s)"), ".3f", " s"), num(r.get("data_loading(%)"), ".1f", "%"),
                          num(r.get("gpu_idle(%)"), ".1f", "%"), num(r.get("throughput(samples/s)"), ".2f")])
-    return page_html(f"h5feed run {tracks[0].name}: {tracks[0].path.parent}", [
+    workers = [["rank", "worker", "samples", "samples/s", "s reading per sample", "read MB/s"]]
+    workers += [[str(f.rank), str(f.worker), str(f.samples), f"{f.samples_per_s:.2f}", num(f.busy_s_per_sample, ".3f"),
+                 num(f.read_MBps, ".1f")] for f in worker_figures(tracks)]
+    sections = [
         Section(None, bullets(summary_lines(tracks), "summary")),
         Section(None, image(png, "plots", "data wait, samples/s per rank and per worker over time")),
         Section("Each pass", table(rows, "passes")),
-    ])
+    ]
+    if len(workers) > 1:  # h5feed's loaders count what each worker does
+        sections.append(Section("Each worker (mean over the reports)", table(workers, "workers")))
+    return page_html(f"h5feed run {tracks[0].name}: {tracks[0].path.parent}", sections)
 
 
 def write_report(folder: str | Path, out: str | Path | None = None, png: str | Path | None = None) -> Path:
