@@ -542,6 +542,34 @@ def test_every_command_help_says_what_it_does_and_shows_examples(capsys, command
     assert examples and all(line.startswith((f"  h5feed {command} ", "  (")) for line in examples)
 
 
+def test_a_file_skipped_while_converting_is_retried_once_repaired(tmp_path, cli, interrupted_convert,
+                                                                 assert_sample_matches_source):
+    """Damaged after it was planned (here: while the conversion was stopped), it is skipped while converting,
+    not while planning; repaired, --retry-skipped plans it again after the last sample, and it is no longer
+    reported as skipped."""
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = make_source(src)
+    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    good = files[3].read_bytes()
+    BAD["truncated-pt"][0](files[3])
+    resumed = cli(*convert_args(src, dst, "--skip-bad"))
+    assert resumed.status == 0, resumed.output
+    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name] and len(Store(dst)) == len(files) - 1
+
+    files[3].write_bytes(good)
+    retried = cli(*convert_args(src, dst, "--retry-skipped"))
+    assert retried.status == 0, retried.output
+    assert "trying the 1 file(s) skipped before again" in retried.output
+    store = Store(dst)
+    assert len(store) == len(files) and store.info.skipped == []
+    assert store.source_paths == [f.name for i, f in enumerate(files) if i != 3] + [files[3].name]
+    for i in range(len(store)):
+        assert_sample_matches_source(store, i, LEGACY, src)
+
+    again = cli(*convert_args(src, dst, "--retry-skipped"))  # nothing skipped is left: nothing to do
+    assert again.status == 0 and "nothing to do" in again.output and len(Store(dst)) == len(files)
+
+
 def test_a_skipped_file_repaired_later_is_converted_by_retry_skipped(tmp_path, cli, assert_sample_matches_source):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)

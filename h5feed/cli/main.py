@@ -225,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long to wait for files vLLM is still writing (their .lock held); then an error, or with "
                    "--skip-bad a recorded skip that a rerun appends (default: %(default)g)")
     p.add_argument("--retry-skipped", action="store_true",
-                   help="on a complete DST, try the files it skipped as unreadable again (repaired since): those that "
-                   "load now are appended; with --skip-bad the others stay recorded")
+                   help="on a complete DST, try the files it skipped, while planning or converting, again (repaired "
+                   "since): those that load now are appended; with --skip-bad the others stay recorded")
     p.add_argument("--overwrite", action="store_true", help="delete DST first")
     add_storage_option(p)
     p.add_argument("--staging-dir", metavar="DIR",

@@ -176,13 +176,15 @@ class _Plan:
     total_rows: int  # the token arrays' rows, to the last sample's last shard
     append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
     unfinished: tuple[dict[str, str], ...] = ()  # skipped while their writer wrote them: the next run tries them again
+    retried: tuple[int, ...] = ()  # positions skipped while converting whose files --retry-skipped planned again
 
     @classmethod
     def read(cls, dst: Path) -> _Plan:
         """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
         plan = json.loads((dst / PLAN_FILE).read_text())
         return cls(_Options(**plan["options"]), tuple(_PlannedSample(**s) for s in plan["samples"]),
-                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"), tuple(plan.get("unfinished", ())))
+                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"), tuple(plan.get("unfinished", ())),
+                   tuple(plan.get("retried", ())))
 
     def write(self, dst: Path, durable: bool) -> None:
         plan = {"options": self.options.to_json(), "samples": [s.to_json() for s in self.samples],
@@ -191,6 +193,8 @@ class _Plan:
             plan["append_from"] = self.append_from
         if self.unfinished:
             plan["unfinished"] = list(self.unfinished)
+        if self.retried:
+            plan["retried"] = list(self.retried)
         write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
 
     @property
@@ -262,7 +266,7 @@ def convert(
         precision: "exact" keeps the source's hidden states bit for bit; "fp8" quantizes them (lossy) as
             hs-connectors' fp8 backend does (float8_e4m3fn, one float32 scale per token; `h5feed.store.fp8`),
             about half the size, read back in bfloat16 as its FP8Transfer returns them.
-        retry_skipped: on a complete store, try the files its conversion skipped as unreadable again (repaired
+        retry_skipped: on a complete store, try the files it skipped (planning or converting) again (repaired
             since): those that load now are appended, the others stay recorded as skipped (with skip_bad; else
             the first is an error).  Without it, a rerun leaves them as they were.
     """
@@ -875,6 +879,7 @@ class _Append:
     skipped: list[dict[str, str]]
     published: int  # plan positions that a finished run published (an unfinished append's stay after it)
     unfinished: list[dict[str, str]]  # what this run found still being written (replaces the plan's)
+    retried: list[int] = field(default_factory=list)  # positions whose conversion-time skip `new` supersedes
 
 
 def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_Plan, _Append | None] | None:
@@ -896,13 +901,16 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
     journal_sound = all(i in done for i in range(published))
     kept = sum("checksum" in r for r in done.values())
     finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
-    if job.settings.retry_skipped and plan.skipped:
+    failed = _failed_while_converting(plan, done) if job.settings.retry_skipped else {}
+    if job.settings.retry_skipped and (plan.skipped or failed):
         retried = [s for s in plan.skipped if s["path"] not in {p.relpath for p in samples}]
-        log.info("%s: trying the %d file(s) skipped before again", dst, len(retried))
+        log.info("%s: trying the %d file(s) skipped before again", dst, len(retried) + len(failed))
         plan = dataclasses.replace(plan, skipped=tuple(s for s in plan.skipped if s not in retried))
-    known = plan.known()
+    known = plan.known() - set(failed)
     new_skips = [s for s in listing.unreadable if s["path"] not in known]
     for changed, problem in _changed_since_planned(src, plan):
+        if changed in failed:
+            continue  # none of its samples is in the store: it is planned again below
         if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
@@ -917,10 +925,22 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
                              "an append rewrites the index from it; convert into another DST, or pass --overwrite")
         log.info("%s: appending %d new sample file(s) after its %d samples", dst, len(new), info.num_samples)
-        return plan, _Append(new, new_skips, len(samples) if finished else published, listing.unfinished)
+        retried_positions = sorted(i for relpath in failed for i in failed[relpath] if relpath in {f.relpath for f in new})
+        return plan, _Append(new, new_skips, len(samples) if finished else published, listing.unfinished,
+                             retried_positions)
     if finished or not journal_sound:
         return None  # done, or a damaged journal: the index is checked (and rebuilt from the journal if need be)
     return plan, None  # an append killed before it published its index: finish it
+
+
+def _failed_while_converting(plan: _Plan, done: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
+    """The files none of whose samples converted (each skipped while converting, not while planning), with
+    their plan positions: planned again after the last sample, they can be retried whole."""
+    positions: dict[str, list[int]] = {}
+    for i, sample in enumerate(plan.samples):
+        positions.setdefault(sample.relpath, []).append(i)
+    return {relpath: found for relpath, found in positions.items()
+            if all(i not in plan.retried and "skipped" in done.get(i, {}) for i in found)}
 
 
 def _changed_since_planned(src: Path, plan: _Plan) -> list[tuple[str, str]]:
@@ -954,7 +974,8 @@ def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: 
     planned, row = _lay_out(probed, plan.total_rows, info.shard_tokens)
     plan = dataclasses.replace(plan, samples=plan.samples + tuple(planned),
                                skipped=plan.skipped + tuple(append.skipped + skipped), total_rows=row,
-                               append_from=append.published, unfinished=tuple(append.unfinished))
+                               append_from=append.published, unfinished=tuple(append.unfinished),
+                               retried=plan.retried + tuple(append.retried))
     plan.write(job.dst, job.settings.durable)  # from here a rerun resumes it
     return plan
 
@@ -1221,7 +1242,8 @@ def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str
     """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
     to convert, in plan order."""
     return list(plan.skipped) + list(plan.unfinished) + [
-        {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items()) if "skipped" in r
+        {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items())
+        if "skipped" in r and i not in plan.retried
     ]
 
 
