@@ -169,7 +169,7 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
                 module.convert(src, dst, workers=0, progress=False, **kwargs)
         finally:
             monkeypatch.setattr(module, "_convert_one", original)
-        return module._read_journal(Path(dst))
+        return module.read_journal(Path(dst))
 
     return run
 

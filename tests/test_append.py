@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from h5feed import HiddenStatesDataset
-from h5feed.conversion.converter import PLAN_FILE, _read_journal, convert
+from h5feed.conversion.converter import convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.store import Store
+from h5feed.store.writer_state import PLAN_FILE, read_journal
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import verify_store
 
@@ -199,14 +200,14 @@ def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120
-    while len(_read_journal(dst)) < 8 + 4:  # four of the sixteen new samples journaled
+    while len(read_journal(dst)) < 8 + 4:  # four of the sixteen new samples journaled
         assert proc.poll() is None, "the append ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     assert len(Store(dst)) == 8  # killed mid-append: readers still get the samples before it
-    assert 12 <= len(_read_journal(dst)) < 24
+    assert 12 <= len(read_journal(dst)) < 24
 
     done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

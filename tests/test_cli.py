@@ -19,9 +19,10 @@ import pytest
 import torch
 from conftest import inner_chunk_span
 
-from h5feed.conversion.converter import _read_journal, convert
+from h5feed.conversion.converter import convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
+from h5feed.store.writer_state import read_journal
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -124,7 +125,7 @@ def test_bad_file_met_while_resuming_keeps_what_was_converted(
     assert f"h5feed convert: error: {files[3].resolve()}: {problem}" in r.output
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)
-    done = _read_journal(dst)
+    done = read_journal(dst)
     assert {0, 1, 2} <= set(done) and 3 not in done
 
     files[3].write_bytes(good)
@@ -370,7 +371,7 @@ def test_disk_full_names_the_sample_and_the_same_command_resumes(tmp_path, small
     m = re.search(rf"h5feed convert: error: {re.escape(str(dst))}: disk full while writing data_(\d+)\.pt: "
                   "free space and run the same command to resume", r.output)
     assert m, r.output
-    done = _read_journal(dst)
+    done = read_journal(dst)
     assert 0 < len(done) < 20 and int(m[1]) not in done
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)

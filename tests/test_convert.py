@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from h5feed.conversion.converter import JOURNAL_FILE, PLAN_FILE, _read_journal, convert
+from h5feed.conversion.converter import convert
 from h5feed.errors import StoreError
 from h5feed.store import ReadStats, Store
 from h5feed.store.layout import EMPTY, decode_shard_index
+from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, read_journal
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -326,7 +327,7 @@ def test_a_journal_line_cut_short_loses_no_sample(tmp_path, interrupted_convert,
 
 
 def _journaled(dst: Path) -> int:
-    return len(_read_journal(dst))
+    return len(read_journal(dst))
 
 
 def _kill_group_when(proc: subprocess.Popen, ready, what: str, log: Path) -> None:

@@ -22,10 +22,11 @@ import torch
 from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 import h5feed
-from h5feed.conversion.lock import LOCK_FILE, BucketLock
+from h5feed.conversion.lock import BucketLock
 from h5feed.conversion.publish import UPLOADS_FILE, is_shard
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import AccessDenied, open_url
+from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic
 
 N = 8

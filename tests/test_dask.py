@@ -17,9 +17,10 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-from h5feed.conversion.converter import _read_journal, convert
+from h5feed.conversion.converter import convert
 from h5feed.errors import H5feedError, StoreError
 from h5feed.store import Store
+from h5feed.store.writer_state import read_journal
 from h5feed.synthetic import write_synthetic
 
 H = 64
@@ -108,7 +109,7 @@ def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluste
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120
-    while len(_read_journal(dst)) < 3:
+    while len(read_journal(dst)) < 3:
         assert proc.poll() is None, "the conversion ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.002)
@@ -116,7 +117,7 @@ def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluste
     proc.wait(timeout=60)
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)
-    journaled = len(_read_journal(dst))
+    journaled = len(read_journal(dst))
 
     done = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 

@@ -17,10 +17,10 @@ import torch
 
 import h5feed
 from h5feed import HiddenStatesDataset, HiddenStatesStream, StreamLoader, TrainerCollate, trainer_collate
-from h5feed.conversion.lock import LOCK_FILE
 from h5feed.errors import SourceError, StoreError
 from h5feed.flavors import FLAVORS
 from h5feed.store import Store
+from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 

@@ -19,8 +19,8 @@ from conftest import bits
 
 from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, StreamLoader, convert
 from h5feed.conversion.converter import JOURNAL_FILE
-from h5feed.conversion.lock import LOCK_FILE
 from h5feed.errors import CorruptSampleError, SourceError, StoreError
+from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import verify_store
 

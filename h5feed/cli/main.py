@@ -70,8 +70,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _refuse_while_converting(store: str) -> None:
     """A local store a running `h5feed convert` holds is refused with who converts it and how far it is."""
-    from h5feed.conversion.converter import being_converted
     from h5feed.io import is_remote
+    from h5feed.store.writer_state import being_converted
 
     state = None if is_remote(store) else being_converted(store)
     if state is not None:

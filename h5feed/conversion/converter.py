@@ -58,7 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from h5feed.conversion.bucket_sources import BucketSources, SourceFetcher, naming
-from h5feed.conversion.lock import LOCK_FILE, WriterLock, current_writer
+from h5feed.conversion.lock import WriterLock
 from h5feed.conversion.publish import BucketPublisher
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import (
@@ -94,11 +94,10 @@ from h5feed.store.layout import (
     read_info,
     write_info,
 )
+from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, PLAN_FILE, read_journal
 
 log = logging.getLogger(__name__)
 
-PLAN_FILE = "h5feed-plan.json"
-JOURNAL_FILE = "h5feed-journal.jsonl"
 INDEX_CHUNK_ROWS = 16384  # samples per chunk of an index column: an append rewrites the last chunk only
 
 
@@ -440,7 +439,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     if job.publisher is not None:
         job.publisher.publish_start()
     samples = plan.samples
-    done = _read_journal(dst_path)
+    done = read_journal(dst_path)
     pending = [i for i in range(len(samples)) if i not in done]
     if info is not None and info.status != "complete":
         log.info("%s: resuming an unfinished conversion: %d of %d samples were done by an earlier run; %d to go",
@@ -453,7 +452,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
         t0 = time.perf_counter()
         _convert_pending(job, pool(), samples, pending, by_relpath, report)
         report.seconds_converting = time.perf_counter() - t0
-        done = _read_journal(dst_path)
+        done = read_journal(dst_path)
     skipped = _skipped(plan, done)
     if not any("checksum" in r for r in done.values()):
         raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
@@ -464,22 +463,6 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     report.num_samples, report.num_tokens, report.skipped = info.num_samples, info.num_tokens, skipped
     report.seconds = time.perf_counter() - started
     return report
-
-
-def being_converted(dst: str | os.PathLike[str]) -> str | None:
-    """What a running `h5feed convert` of this local store is at ("being converted now by ...: 12 of 40 samples
-    done"), or None when no conversion holds it."""
-    path = Path(dst)
-    writer = current_writer(path)
-    if writer is None:
-        return None
-    who = f"host {writer.get('host', '?')}, pid {writer.get('pid', '?')}, started at {writer.get('started_at', '?')}"
-    try:
-        total = len(_Plan.read(path).samples)
-        progress = f": {len(_read_journal(path))} of {total} samples done"
-    except (OSError, ValueError, KeyError, TypeError):  # still planning
-        progress = ": planning"
-    return f"is being converted now by `h5feed convert` ({who}){progress}; wait for it to finish"
 
 
 def _planned_format(dst: Path) -> str | None:
@@ -510,7 +493,7 @@ def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> Conver
             raise StoreError(dst, f"is complete but damaged ({exc.problem}), and has no plan and journal to rebuild "
                              "its index from: pass --overwrite to convert again") from exc
         log.warning("%s: rebuilding the damaged sample index from the plan and journal (%s)", dst, exc.problem)
-        _finalize(dst, _Plan.read(dst).samples, _read_journal(dst), info.skipped, durable, rebuild=True)
+        _finalize(dst, _Plan.read(dst).samples, read_journal(dst), info.skipped, durable, rebuild=True)
         Store(dst)  # the rebuilt index must open
         info = read_info(dst)
     return ConvertReport(dst, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
@@ -896,7 +879,7 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
         raise StoreError(dst, f"was converted from {info.source_root}, not {source_root}: run the command with that SRC "
                          "(new files there are appended), or convert into another DST")
     samples = plan.samples
-    done = _read_journal(dst)
+    done = read_journal(dst)
     published = plan.published
     journal_sound = all(i in done for i in range(published))
     kept = sum("checksum" in r for r in done.values())
@@ -1220,22 +1203,6 @@ def _write_shards(
 
 
 # --- journal and finalize ----------------------------------------------------------------
-
-
-def _read_journal(dst: Path) -> dict[int, dict[str, Any]]:
-    """Finished samples by plan position; a line cut short by a kill is ignored (its sample is redone)."""
-    done: dict[int, dict[str, Any]] = {}
-    try:
-        lines = (dst / JOURNAL_FILE).read_text().splitlines()
-    except FileNotFoundError:
-        return done
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[record.pop("i")] = record
-    return done
 
 
 def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:

@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from h5feed.errors import StoreError
+from h5feed.store.writer_state import LOCK_FILE, describe_writer, read_holder
 
 if TYPE_CHECKING:
     from h5feed.io import FsspecStore
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "h5feed-writer.lock"
 HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
 STALE_AFTER_S = 300.0  # a bucket lock not rewritten for this long is taken over
 _SHM = Path("/dev/shm")
@@ -65,10 +65,8 @@ class WriterLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read(fd)
+                who = describe_writer(read_holder(fd))
                 os.close(fd)
-                who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-                       f"started at {holder.get('started_at', '?')}")
                 raise StoreError(
                     store, f"another `h5feed convert` ({who}) is writing this store; wait for it to finish, "
                     "or stop it and run this command again"
@@ -77,7 +75,7 @@ class WriterLock:
                 break
             os.close(fd)  # locked a file its holder removed on release: lock the one now at `path`
         lock = cls(path, fd)
-        remove_orphaned_semaphores(_read(fd).get("semaphores", []))  # a killed writer's leftovers
+        remove_orphaned_semaphores(read_holder(fd).get("semaphores", []))  # a killed writer's leftovers
         lock._write({"host": socket.gethostname(), "pid": os.getpid(),
                      "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "semaphores": []})
         return lock
@@ -210,8 +208,7 @@ def _takeover_reason(holder: dict[str, Any], modified_ns: int | None) -> str | N
 def _describe(holder: dict[str, Any], modified_ns: int | None) -> str:
     beat = "?" if modified_ns is None else datetime.fromtimestamp(modified_ns / 1e9, timezone.utc).isoformat(
         timespec="seconds")
-    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started at {holder.get('started_at', '?')}, "
-            f"last heartbeat {beat}")
+    return f"{describe_writer(holder)}, last heartbeat {beat}"
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -221,36 +218,6 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
-def current_writer(store: Path) -> dict[str, Any] | None:
-    """Who holds a local store's writer lock now (host, pid, started_at), or None when nobody does.
-
-    Probed with a shared lock that is let go at once: a writer starting in that instant is refused,
-    as a second writer would be, and can be started again."""
-    try:
-        fd = os.open(store / LOCK_FILE, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read(fd)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read(fd: int) -> dict[str, Any]:
-    """The holder's description; a file being written this instant may be empty: ask again briefly."""
-    for _ in range(20):
-        try:
-            return json.loads(os.pread(fd, 1 << 16, 0) or b"null") or {}
-        except json.JSONDecodeError:
-            time.sleep(0.01)
-    return {}
 
 
 def _mapped_shm_inodes(pid: int | str) -> set[int]:

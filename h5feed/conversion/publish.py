@@ -37,12 +37,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from h5feed.conversion.lock import LOCK_FILE, BucketLock
+from h5feed.conversion.lock import BucketLock
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 from h5feed.store.layout import StoreInfo, object_key, read_info
+from h5feed.store.writer_state import LOCK_FILE
 
 log = logging.getLogger(__name__)
 

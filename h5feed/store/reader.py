@@ -61,6 +61,7 @@ from h5feed.store.sources import (
     read_ahead,
     zarr_store,
 )
+from h5feed.store.writer_state import being_converted
 
 log = logging.getLogger(__name__)
 _BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
@@ -151,11 +152,9 @@ class Store:
             self.path = Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
             self.info = read_info(self.path)
         if self.info.status != "complete":
-            raise StoreError(
-                self.path,
-                "conversion has not finished (status "
-                f"{self.info.status!r}); run the same `h5feed convert` command again to resume it",
-            )
+            running = None if self.remote else being_converted(self.path)
+            raise StoreError(self.path, f"conversion has not finished (status {self.info.status!r}); "
+                             + (running or "run the same `h5feed convert` command again to resume it"))
         if num_samples is not None and not 0 <= num_samples <= self.info.num_samples:
             raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
         self._load_index(self.info.num_samples if num_samples is None else num_samples)
