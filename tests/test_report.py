@@ -3,6 +3,7 @@ workers counted by h5feed's counters, rendered in headless Chromium."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
@@ -161,3 +162,13 @@ def test_a_stall_names_how_long_the_trainer_waited_to_a_tenth_of_a_second(two_ra
     for stall in stalls:
         shown = f"the trainer has waited {stall['waiting(s)']:.1f} s for batch 11"
         assert shown in stall["message"] and stall["waiting(s)"] >= 0.4  # not "0 s"
+
+
+def test_the_monitors_last_line_names_the_slowest_worker_by_its_own_pace(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="h5feed")
+    monitored_run(tmp_path, Timed(10, 0.01, worker_delay=0.05), epochs=1)
+    [line] = [r.getMessage() for r in caplog.records if "batches in" in r.getMessage()]
+    pace = re.search(r"slowest worker: worker 1, ([0-9.]+) s reading per sample \(the fastest: ([0-9.]+) s\)", line)
+    assert pace is not None, line
+    assert float(pace.group(1)) == pytest.approx(0.05, abs=0.005)
+    assert float(pace.group(2)) == pytest.approx(0.01, abs=0.005)

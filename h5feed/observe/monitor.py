@@ -37,7 +37,16 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from h5feed.metrics import LoaderCounters, LoaderSnapshot, WorkerSnapshot
-from h5feed.observe.renderer import Record, format_line, label, loader_figures, num, step_figures, worker_rows
+from h5feed.observe.renderer import (
+    Record,
+    format_line,
+    label,
+    loader_figures,
+    num,
+    slowest_worker,
+    step_figures,
+    worker_rows,
+)
 from h5feed.observe.scalars import ScalarSink, TensorBoardSink, report_scalars, tensorboard_sink, wandb_sink
 from h5feed.observe.timers import GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
@@ -310,6 +319,10 @@ class Monitor(Generic[T]):
         how = "finished" if self._ran_out else "stopped before the loader's end (interrupted, or the loop was left)"
         line = (f"{format_line(rec)} | {how}: {self._batches} batches in {rec['elapsed(s)']:.1f} s, "
                 f"first batch after {num(self._first_batch_s, '.2f', ' s')}")
+        slowest = slowest_worker({f"worker {row['worker']}": row["busy_s_per_sample"] for row in rec["workers"]
+                                  if row["busy_s_per_sample"] is not None})
+        if slowest is not None:
+            line += f" | {slowest}"
         wait = rec.get("data_loading(%)")
         if wait is not None and wait >= BOTTLENECK_PCT:
             line += (f" | the step waited for data {wait:.1f}% of the time: loading held training back; more "

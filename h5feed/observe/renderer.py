@@ -170,3 +170,13 @@ def format_workers(rows: list[Record]) -> list[str]:
     """Per-worker rows as an aligned table (the store object of its sample last; the rank first if rows have one)."""
     ranked = any("rank" in r for r in rows)
     return format_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("reading", "object"))
+
+
+def slowest_worker(paces: dict[str, float]) -> str | None:
+    """The sentence naming the worker that takes longest per sample, from {who: seconds reading per sample};
+    None with fewer than two.  Its own pace, not samples/s: under DataLoader's round robin every worker
+    hands over at the slowest one's rate."""
+    if len(paces) < 2:
+        return None
+    slow = max(paces, key=lambda who: paces[who])
+    return f"slowest worker: {slow}, {paces[slow]:.3f} s reading per sample (the fastest: {min(paces.values()):.3f} s)"

@@ -17,7 +17,7 @@ from typing import Any
 
 from h5feed.errors import H5feedError
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, pyplot, table
-from h5feed.observe.renderer import Record, num
+from h5feed.observe.renderer import Record, num, slowest_worker
 from h5feed.observe.watch import monitor_files, parse_records
 
 
@@ -123,14 +123,8 @@ def worker_figures(tracks: list[Track]) -> list[WorkerFigures]:
 
 
 def _slowest_worker(tracks: list[Track]) -> str | None:
-    """The worker that takes longest per sample (its busy seconds: under round robin all hand over alike)."""
-    figures = [f for f in worker_figures(tracks) if f.busy_s_per_sample is not None]
-    if len(figures) < 2:
-        return None
-    slow = max(figures, key=lambda f: f.busy_s_per_sample or 0.0)
-    fast = min(f.busy_s_per_sample or 0.0 for f in figures)
-    return (f"slowest worker: rank {slow.rank} worker {slow.worker}, {slow.busy_s_per_sample:.3f} s reading per "
-            f"sample (the fastest: {fast:.3f} s)")
+    return slowest_worker({f"rank {f.rank} worker {f.worker}": f.busy_s_per_sample for f in worker_figures(tracks)
+                           if f.busy_s_per_sample is not None})
 
 
 def plot_png(tracks: list[Track]) -> bytes:
