@@ -125,14 +125,16 @@ def test_a_run_without_h5feed_counters_has_no_worker_table_and_says_so_in_its_pl
     assert 'id="workers"' not in page.read_text() and worker_pixels(png) < 10
 
 
-def test_the_report_renders_in_headless_chromium_with_its_plots(two_rank_run, tmp_path, chromium):
+@pytest.mark.parametrize(("run", "named"), [("two_rank_run", "slowest rank: rank 1"),
+                                            ("one_rank_run", "slowest worker: rank 0 worker 1")])
+def test_the_report_renders_in_headless_chromium_with_its_plots(run, named, tmp_path, chromium, request):
     from PIL import Image
 
-    page = write_report(two_rank_run, tmp_path / "run.html")
+    page = write_report(request.getfixturevalue(run), tmp_path / "run.html")
     dom = chromium("--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr
     assert 'data-plot-width="990"' in dom.stdout  # the embedded plots decoded: 11 in at 90 dpi
-    assert "slowest rank: rank 1" in dom.stdout
+    assert named in dom.stdout and '<table id="workers">' in dom.stdout
     shot = tmp_path / "shot.png"
     taken = chromium(f"--screenshot={shot}", "--window-size=1200,1400", page.as_uri())
     assert taken.returncode == 0, taken.stderr
