@@ -146,7 +146,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)  # an uninterrupted append
     module = sys.modules["h5feed.conversion.converter"]
     if where == "planned":  # the plan holds the new samples; the arrays are not resized yet
-        monkeypatch.setattr(module, "_grow_arrays", _raise_interrupt)
+        monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)
     elif where == "converting":  # two of the four new samples converted
         original, calls = module._convert_one, []
 
@@ -158,15 +158,16 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
 
         monkeypatch.setattr(module, "_convert_one", convert_one)
     elif where == "index written":  # every index column written with eight rows, then killed
-        original_publish = module._publish_index
+        samples = sys.modules["h5feed.conversion.samples"]
+        original_publish = samples.publish_index
 
         def publish(*args):
             original_publish(*args)
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(module, "_publish_index", publish)
+        monkeypatch.setattr(samples, "publish_index", publish)
     else:  # index and journal written: the status and sample count not flipped yet
-        monkeypatch.setattr(module, "write_info", _raise_interrupt)
+        monkeypatch.setattr(sys.modules["h5feed.conversion.samples"], "write_info", _raise_interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
     monkeypatch.undo()
@@ -268,7 +269,7 @@ def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypa
     shutil.copytree(staging / "rows_4-8", src / "rows_4-8")
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
     module = sys.modules["h5feed.conversion.converter"]
-    monkeypatch.setattr(module, "_grow_arrays", _raise_interrupt)  # planned, then killed
+    monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)  # planned, then killed
     with pytest.raises(KeyboardInterrupt):
         convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
     monkeypatch.undo()

@@ -279,12 +279,11 @@ def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, asser
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    module = sys.modules["h5feed.conversion.converter"]
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(module, "write_info", killed)  # index and journal written, status still "converting"
+    monkeypatch.setattr(sys.modules["h5feed.conversion.samples"], "write_info", killed)  # index and journal written, status still "converting"
     with pytest.raises(KeyboardInterrupt):
         convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
     monkeypatch.undo()

@@ -26,7 +26,7 @@ again.  Existing samples keep their index and their shard files, untouched.
 Files already in the plan are recognised by their path; one whose size or mtime
 changed since it was converted is refused (or, with --skip-bad, recorded as
 skipped), never silently converted again.  The status stays "complete" all
-along, so readers keep working; see `_publish_index` for why a reader opening
+along, so readers keep working; see `h5feed.conversion.samples.publish_index` for why a reader opening
 the store in the middle of an append sees the samples before it, consistently.
 """
 
@@ -53,13 +53,20 @@ from multiprocessing.context import SpawnContext, SpawnProcess, set_spawning_pop
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from h5feed.conversion.bucket_sources import BucketSources, SourceFetcher, naming
 from h5feed.conversion.lock import WriterLock
 from h5feed.conversion.publish import BucketPublisher
+from h5feed.conversion.samples import (
+    IndexRow,
+    fsync_tree,
+    grow_arrays,
+    new_store_info,
+    publish_samples,
+    write_sample,
+)
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import (
     DEFAULT_LOCK_TIMEOUT_S,
@@ -71,34 +78,25 @@ from h5feed.formats import (
     last_state_norm_of,
 )
 from h5feed.io import ObjectError, is_remote
-from h5feed.io.local import PARTIAL_SUFFIX, fsync_dir, write_atomically
+from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import contained_path
 from h5feed.store import Store, read_ahead
-from h5feed.store.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, quantize, token_scales
 from h5feed.store.layout import (
     COMPANIONS_DIR,
     DEFAULT_CHUNK_TOKENS,
-    HIDDEN_SCALES,
     MAX_DEFAULT_SHARD_TOKENS,
-    IndexDigest,
     LastStateNorm,
     Precision,
     StoreInfo,
     chunk_codec,
-    chunk_encoder,
     crc32c,
     create_arrays,
-    dtype_name,
-    encode_shard,
-    object_key,
     read_info,
-    write_info,
 )
 from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, PLAN_FILE, read_journal
 
 log = logging.getLogger(__name__)
 
-INDEX_CHUNK_ROWS = 16384  # samples per chunk of an index column: an append rewrites the last chunk only
 
 
 @dataclass
@@ -435,7 +433,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     elif append is not None and info is not None:
         plan = _extend_plan(job, pool(), plan, append, info)
     _remove_partial_writes(dst_path)
-    _grow_arrays(dst_path, plan.total_rows, durable)  # an append's new rows (a no-op otherwise)
+    grow_arrays(dst_path, plan.total_rows, durable)  # an append's new rows (a no-op otherwise)
     if job.publisher is not None:
         job.publisher.publish_start()
     samples = plan.samples
@@ -668,31 +666,15 @@ def _make_plan(job: _Job, pool: TaskPool, listing: _Listing) -> _Plan:
     chunk_tokens = options.chunk_tokens
     shard_tokens = options.shard_tokens or _default_shard_tokens([shape for _, shape, _ in probed], chunk_tokens)
     planned, row = _lay_out(probed, 0, shard_tokens)
-    source_dtype = dtype_name(reference.dtype)
-    fp8_source = reference.dtype == FP8_DTYPE  # kept as it is, whatever precision was asked
-    fp8 = options.precision == "fp8" or fp8_source
-    info = StoreInfo(
-        source_format=fmt.name,
-        hidden_size=reference.hidden_size,
-        num_aux_layers=reference.num_aux_layers,
-        dtype=dtype_name(DEQUANTIZED_DTYPE) if fp8 else source_dtype,
-        last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.last_state_norm),
-        codec=chunk_codec(options.codec),
-        chunk_tokens=chunk_tokens,
-        shard_tokens=shard_tokens,
-        source_root=job.source_root,
-        has_last_state=fmt.has_last_state,
-        ids_shifted=fmt.ids_shifted,
-        extra_arrays={extra.name: extra.record() for extra in reference.extras},
-        source_info={**fmt.source_info(src_root), **({"layout": reference.layout} if reference.layout else {})},
-        precision="fp8" if fp8 else "exact",
-        quantized_from=source_dtype if fp8 and not fp8_source else "",
-    )
+    info = new_store_info(fmt, reference, codec=options.codec, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens,
+                          source_root=job.source_root, precision=options.precision,
+                          last_state_norm=last_state_norm_of(fmt, src_root, shapes, options.last_state_norm),
+                          source_info=fmt.source_info(src_root))
     info = dataclasses.replace(info, companions=_keep_companions(fmt, src_root, dst, durable))
     info = dataclasses.replace(info, format_version=info.format_version_needed)
     create_arrays(dst, info, total_rows=row)
     if durable:
-        _fsync_tree(dst)
+        fsync_tree(dst)
     plan = _Plan(options, tuple(planned), tuple(listing.unreadable + skipped), row, unfinished=tuple(listing.unfinished))
     plan.write(dst, durable)
     return plan
@@ -963,23 +945,6 @@ def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: 
     return plan
 
 
-def _grow_arrays(dst: Path, rows: int, durable: bool) -> None:
-    """Resize the token arrays to `rows` (an append's).  zarr rewrites each array's metadata atomically
-    (temporary file, rename); readers that opened the store earlier never read it again."""
-    import zarr
-
-    for meta in sorted(dst.glob("*/zarr.json")):
-        if json.loads(meta.read_text())["node_type"] != "array":
-            continue
-        name = meta.parent.name
-        array = zarr.open_array(dst / name, mode="r+")
-        if array.shape[0] < rows:
-            array.resize((rows, *array.shape[1:]))
-            if durable:
-                _fsync_file(dst / name / "zarr.json")
-                fsync_dir(dst / name)
-
-
 # --- convert ------------------------------------------------------------------------------
 
 
@@ -1124,82 +1089,8 @@ def _convert_one(
     if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")
-    loss_mask = sample.stored_loss_mask()
-    c = info.chunk_tokens
-    rows = range(0, num_tokens, c)
-
-    def chunks(tensor: torch.Tensor, name: str) -> Iterable[torch.Tensor]:  # one chunk's rows at a time
-        return (tensor[r : r + c].view(info.storage_dtype(name)) for r in rows)
-
-    last, scales = sample.last_hidden_state, sample.hidden_scales  # an FP8 source's scales, kept as they are
-    quantizing = info.lossy  # quantized here, as hs-connectors' fp8 backend does (the aux states one chunk at a time)
-    if quantizing:
-        scales = token_scales([*sample.aux_parts, *([last] if last is not None else [])])
-        last = None if last is None else quantize(last, scales)
-    blocks: dict[str, Iterable[torch.Tensor]] = {}
-    if scales is not None:
-        blocks[HIDDEN_SCALES] = chunks(scales, HIDDEN_SCALES)
-
-    def aux_rows(r: int) -> torch.Tensor:
-        aux = sample.aux_rows(r, r + c)
-        return quantize(aux, scales[r : r + c]) if quantizing else aux
-
-    blocks.update({  # no copy of a whole sample
-        "aux_hidden_states": (aux_rows(r).view(info.storage_dtype("aux_hidden_states")) for r in rows),
-        "input_ids": chunks(sample.input_ids, "input_ids"),
-        "loss_mask": chunks(loss_mask, "loss_mask"),
-        **{name: chunks(extra, name) for name, extra in sample.extras.items()},
-    })
-    if last is not None:
-        blocks["last_hidden_states"] = chunks(last, "last_hidden_states")
-    written = {name: _write_shards(Path(dst), info, name, blocks[name], start, durable) for name in info.array_names}
-    return {
-        "checksum": [crc for _, crc in written.values()],
-        "has_loss_mask": sample.loss_mask is not None,
-        "bytes_in": fmt.source_nbytes(source),
-        "bytes_out": sum(nbytes for nbytes, _ in written.values()),
-    }
-
-
-def _write_shards(
-    dst: Path, info: StoreInfo, name: str, blocks: Iterable[torch.Tensor], start: int, durable: bool
-) -> tuple[int, int]:
-    """Encode and write one sample's shards of array `name`, each atomically.
-
-    `blocks` are the sample's rows, one chunk's worth each (the last may be short:
-    zeros follow the sample).  The inner chunks are the bytes zarr's own pipeline
-    writes (tests compare them), without its per-chunk copies and fill buffers,
-    which cost as much as the encoding itself.  Returns the bytes written and the
-    crc32c of the sample's rows.
-    """
-    written, crc = 0, 0
-    encode: Callable[[np.ndarray], bytes] | None = None
-    per_shard = info.chunks_per_shard
-    shard: list[bytes | None] = []
-    first_shard = start // info.shard_tokens
-
-    def flush() -> None:
-        nonlocal written
-        data = encode_shard(shard + [None] * (per_shard - len(shard)))
-        path = dst / object_key(info, name, first_shard + (j // per_shard))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, data, durable=durable)
-        written += len(data)
-        shard.clear()
-
-    j = -1
-    for j, block in enumerate(blocks):
-        array = block.contiguous().numpy()
-        crc = crc32c(array, crc)
-        if len(array) < info.chunk_tokens:
-            array = np.concatenate((array, np.zeros((info.chunk_tokens - len(array), *array.shape[1:]), array.dtype)))
-        encode = encode or chunk_encoder(info.codec, array.itemsize)
-        shard.append(encode(array))
-        if len(shard) == per_shard:
-            flush()
-    if shard:
-        flush()
-    return written, crc
+    record = write_sample(Path(dst), info, sample, start, durable)
+    return {**record, "bytes_in": fmt.source_nbytes(source)}
 
 
 # --- journal and finalize ----------------------------------------------------------------
@@ -1218,82 +1109,13 @@ def _finalize(
     dst: Path, samples: Sequence[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
     durable: bool, rebuild: bool = False,
 ) -> None:
-    """Write the index (checksummed by zarr's crc32c codec) and the journal in plan order, then flip the
-    status and the sample count in one atomic write."""
-    kept = [i for i in range(len(samples)) if "checksum" in done.get(i, {})]
-    info = read_info(dst)
-    n = len(kept)
-    columns: dict[str, np.ndarray] = {
-        "sample_start": np.array([samples[i].start for i in kept], dtype=np.int64),
-        "sample_length": np.array([samples[i].num_tokens for i in kept], dtype=np.int64),
-        "source_index": np.array([samples[i].sample_index for i in kept], dtype=np.int64),
-        "checksum": np.array([done[i]["checksum"] for i in kept], dtype=np.uint32).reshape(n, len(info.array_names)),
-        "has_loss_mask": np.array([done[i]["has_loss_mask"] for i in kept], dtype=bool),
-        "source_path": np.array([samples[i].relpath for i in kept], dtype=str),
-    }
-    _publish_index(dst, columns, rebuild)
+    """Rewrite the journal in plan order, then publish the samples it holds (index, then status)."""
     journal = "".join(json.dumps({"i": i, **done[i]}) + "\n" for i in sorted(done))
     write_atomically(dst / JOURNAL_FILE, journal.encode(), durable=durable)  # the same bytes however the run went
-    if durable:
-        _fsync_tree(dst / "index")
-    complete = {**info.to_json(), "status": "complete", "num_samples": n,
-                "num_tokens": int(columns["sample_length"].sum()), "skipped": skipped}
-    write_info(dst, StoreInfo.from_json(complete), durable=durable)
-
-
-def _publish_index(dst: Path, columns: dict[str, np.ndarray], rebuild: bool) -> None:
-    """Write the index columns so that a reader opening the store meanwhile sees a consistent index.
-
-    The index only grows (an append adds rows after the last; no row changes), and a
-    reader takes the number of samples from the group attributes, read first, and
-    reads that many rows of each column (`Store`).  Each column is resized and
-    written through zarr, whose every file write is atomic (temporary file,
-    rename): a column's metadata and chunks hold, at any moment, the old rows or
-    the old and the new, never a part of a file.  So a reader that read the
-    attributes before `_finalize` flips them reads exactly the old samples, and one
-    that read them after reads all.  Readers that opened the store earlier hold
-    their index in memory and never read it again.  `rebuild` recreates columns
-    from scratch (a damaged index: no reader can open that store anyway).
-    """
-    import zarr
-    from zarr.codecs import Crc32cCodec, ZstdCodec
-
-    index = zarr.open_group(dst, mode="r+").require_group("index")
-    for name, values in columns.items():
-        array = None if rebuild else _open_column(index, name)
-        if array is None:
-            array = index.create_array(name, shape=values.shape, chunks=(INDEX_CHUNK_ROWS, *values.shape[1:]),
-                                       dtype=values.dtype if name != "source_path" else str,
-                                       compressors=[ZstdCodec(level=3), Crc32cCodec()], overwrite=True)
-        elif array.shape != values.shape:
-            array.resize(values.shape)
-        if len(values):
-            array[...] = values
-    index.update_attributes(IndexDigest.of(columns).to_attributes())  # after the rows it covers
-
-
-def _open_column(index: Any, name: str) -> Any:
-    """An index column, or None before the first finalize wrote it."""
-    try:
-        return index[name]
-    except KeyError:
-        return None
-
-
-def _fsync_tree(top: Path) -> None:
-    """Flush every file and folder under `top` (metadata and index: small) to the disk."""
-    for dirpath, _, filenames in os.walk(top):
-        for name in filenames:
-            _fsync_file(Path(dirpath) / name)
-        fsync_dir(Path(dirpath))
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    rows = [IndexRow(samples[i].start, samples[i].num_tokens, samples[i].sample_index, samples[i].relpath,
+                     done[i]["checksum"], done[i]["has_loss_mask"])
+            for i in range(len(samples)) if "checksum" in done.get(i, {})]
+    publish_samples(dst, rows, skipped, durable, rebuild)
 
 
 def _remove_partial_writes(dst: Path) -> None:
