@@ -1,7 +1,7 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
 from h5feed.collate import TrainerCollate, trainer_collate
-from h5feed.conversion import ConvertReport, convert
+from h5feed.conversion import ConvertReport, StoreWriter, WriterReport, convert, open_writer
 from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.cuda_loader import CudaBatchLoader
@@ -29,12 +29,15 @@ __all__ = [
     "SourceError",
     "Store",
     "StoreError",
+    "StoreWriter",
     "StreamLoader",
     "TrainerCollate",
     "WorkerDiedError",
+    "WriterReport",
     "convert",
     "describe_store",
     "monitor",
+    "open_writer",
     "pipeline_collate",
     "select_samples",
     "split_samples",

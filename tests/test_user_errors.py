@@ -137,13 +137,13 @@ def test_inspect_and_verify_of_a_store_being_converted_name_the_writer_and_its_p
         for command in ("inspect", "verify"):
             r = cli(command, dst)
             assert r.status == 1
-            assert f"{dst}: it is being converted now by `h5feed convert` (host " in r.output
+            assert f"{dst}: it is being written now by `h5feed convert` (host " in r.output
             assert f", pid {holder.pid}, started at " in r.output
             assert "): 2 of 5 samples done; wait for it to finish" in r.output
         with pytest.raises(StoreError) as opened:  # and so does a trainer opening it in Python
             h5feed.Store(dst)
         message = str(opened.value)
-        assert "conversion has not finished (status 'converting'); it is being converted now by `h5feed convert`" in message
+        assert "conversion has not finished (status 'converting'); it is being written now by `h5feed convert`" in message
         assert f", pid {holder.pid}, " in message and "2 of 5 samples done; wait for it to finish" in message
     finally:
         holder.kill()

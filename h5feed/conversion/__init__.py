@@ -1,6 +1,8 @@
 """`h5feed convert` (`h5feed.convert`): per-sample source files into one store, bit for bit, crash-safe and resumable.
 
 - `converter`: plan, journal, shards, index, status flip (the local conversion, run by a pool);
+- `samples`: a sample's shards, the arrays' growth and the index publication, shared with the writer;
+- `writer`: `open_writer`, extraction code appending samples straight into a store;
 - `cluster`: the same per-sample tasks on a Dask cluster (`--scheduler`, `--dask`);
 - `bucket_sources`: sources listed and fetched from a bucket;
 - `publish`: a store in a bucket, converted in a local staging folder and published object by object;
@@ -8,5 +10,6 @@
 """
 
 from h5feed.conversion.converter import ConvertReport, convert
+from h5feed.conversion.writer import StoreWriter, WriterReport, open_writer
 
-__all__ = ["ConvertReport", "convert"]
+__all__ = ["ConvertReport", "StoreWriter", "WriterReport", "convert", "open_writer"]

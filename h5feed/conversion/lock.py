@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from h5feed.errors import StoreError
-from h5feed.store.writer_state import LOCK_FILE, describe_writer, read_holder
+from h5feed.store.writer_state import CONVERTER, LOCK_FILE, describe_writer, read_holder
 
 if TYPE_CHECKING:
     from h5feed.io import FsspecStore
@@ -56,8 +56,9 @@ class WriterLock:
         self._info: dict[str, Any] = {}
 
     @classmethod
-    def acquire(cls, store: Path) -> WriterLock:
-        """Take the store's lock or raise StoreError naming the writer that holds it."""
+    def acquire(cls, store: Path, by: str = CONVERTER) -> WriterLock:
+        """Take the store's lock for the writer `by` (what errors call it), or raise StoreError naming the
+        writer that holds it."""
         store.mkdir(parents=True, exist_ok=True)
         path = store / LOCK_FILE
         while True:
@@ -65,18 +66,18 @@ class WriterLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                who = describe_writer(read_holder(fd))
+                holder = read_holder(fd)
                 os.close(fd)
                 raise StoreError(
-                    store, f"another `h5feed convert` ({who}) is writing this store; wait for it to finish, "
-                    "or stop it and run this command again"
+                    store, f"another {holder.get('by', CONVERTER)} ({describe_writer(holder)}) is writing this store; "
+                    "wait for it to finish, or stop it and run this command again"
                 ) from None
             if _same_file(fd, path):
                 break
             os.close(fd)  # locked a file its holder removed on release: lock the one now at `path`
         lock = cls(path, fd)
         remove_orphaned_semaphores(read_holder(fd).get("semaphores", []))  # a killed writer's leftovers
-        lock._write({"host": socket.gethostname(), "pid": os.getpid(),
+        lock._write({"by": by, "host": socket.gethostname(), "pid": os.getpid(),
                      "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "semaphores": []})
         return lock
 

@@ -27,4 +27,9 @@ class TorchDictFormat(SourceFormat):
         return self._check(source.path, head if head is not None else self._read(source.path)).shape
 
     def load(self, source: SourceFile) -> SourceSample:
-        return self._check(source.path, self._read(source.path)).materialize(source.path)
+        return self.sample_from(self._read(source.path), source.path)
+
+    def sample_from(self, d: dict, where: Path) -> SourceSample:
+        """The sample of a dict as the format's files hold it (what the pipeline would `torch.save`), checked
+        as a file's would be; `where` names it in errors.  `h5feed.open_writer` appends samples this way."""
+        return self._check(where, d).materialize(where)

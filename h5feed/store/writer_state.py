@@ -19,6 +19,8 @@ from typing import Any
 LOCK_FILE = "h5feed-writer.lock"  # held with flock by the one writer (host, pid, start time inside)
 PLAN_FILE = "h5feed-plan.json"  # every sample's place, decided before the first is converted
 JOURNAL_FILE = "h5feed-journal.jsonl"  # one line per finished sample, by plan position
+CONVERTER = "`h5feed convert`"  # the writers, as messages name them (the lock records which holds it)
+WRITER_API = "`h5feed.open_writer`"
 
 
 def current_writer(store: Path) -> dict[str, Any] | None:
@@ -73,8 +75,8 @@ def read_journal(store: Path) -> dict[int, dict[str, Any]]:
 
 
 def being_converted(store: str | os.PathLike[str]) -> str | None:
-    """What a running `h5feed convert` of this local store is at ("it is being converted now by ...: 12 of 40
-    samples done; wait for it to finish"), or None when no conversion holds it."""
+    """What the writer holding this local store is at ("it is being written now by `h5feed convert` (...): 12 of
+    40 samples done; wait for it to finish"), or None when no writer holds it."""
     path = Path(store)
     writer = current_writer(path)
     if writer is None:
@@ -83,6 +85,7 @@ def being_converted(store: str | os.PathLike[str]) -> str | None:
     try:
         total = len(json.loads((path / PLAN_FILE).read_text())["samples"])
         progress = f": {len(read_journal(path))} of {total} samples done"
-    except (OSError, ValueError, KeyError, TypeError):  # still planning
-        progress = ": planning"
-    return f"it is being converted now by `h5feed convert` ({who}){progress}; wait for it to finish"
+    except (OSError, ValueError, KeyError, TypeError):  # still planning, or a writer that has no plan
+        written = len(read_journal(path))
+        progress = f": {written} samples written so far" if written else ": planning"
+    return f"it is being written now by {writer.get('by', CONVERTER)} ({who}){progress}; wait for it to finish"

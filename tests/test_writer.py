@@ -1,0 +1,162 @@
+"""h5feed.open_writer: samples appended by extraction code, equal byte for byte to what `h5feed convert` makes of
+the same samples saved as files; crash-safe under kill -9; readers see only published, whole samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import h5feed
+from h5feed import HiddenStatesDataset, SourceError, Store, StoreError, convert, open_writer
+from h5feed.synthetic import write_synthetic
+
+H, N, CHUNK, SHARD = 32, 12, 16, 64
+LENGTHS = (10, 90)  # some samples span two shards
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> tuple[Path, list[Path]]:
+    root = tmp_path_factory.mktemp("src")
+    return root, write_synthetic(root, "speculators-legacy-pt", N, H, lengths=LENGTHS, seed=4)
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("converted") / "store"
+    convert(source[0], dst, workers=0, chunk_tokens=CHUNK, shard_tokens=SHARD, progress=False)
+    return dst
+
+
+def samples_of(files: list[Path]) -> list[dict]:
+    return [torch.load(f, weights_only=True) for f in files]
+
+
+def array_files(store: Path) -> dict[str, bytes]:
+    """Every object of the arrays (shards and their metadata aside): what holds the samples' bytes."""
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.glob("*/c/**/*")) if p.is_file()}
+
+
+def write(dst: Path, samples: list[dict], **options) -> h5feed.WriterReport:
+    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, **options) as writer:
+        for i, sample in enumerate(samples):
+            assert writer.append(sample, name=f"data_{i}.pt") == i
+    return writer.report
+
+
+def test_appended_samples_are_the_bytes_convert_writes_from_the_same_samples_as_files(source, converted, tmp_path):
+    dst = tmp_path / "written"
+    report = write(dst, samples_of(source[1]))
+    assert (report.samples, report.published) == (N, N) and report.bytes_out > 0
+    assert array_files(dst) == array_files(converted)  # every shard, byte for byte
+    written, reference = Store(dst), Store(converted)
+    assert written.source_paths == reference.source_paths
+    assert (written.sample_starts == reference.sample_starts).all() and (written.checksums == reference.checksums).all()
+    items, want = HiddenStatesDataset(dst, max_len=128), HiddenStatesDataset(converted, max_len=128)
+    for i in range(N):  # the trainer's items
+        assert all(torch.equal(items[i][k], want[i][k]) for k in want[i])
+    assert h5feed.verify_store(dst).ok
+
+
+def test_a_sample_given_as_keywords_is_the_sample_given_as_a_dict(source, tmp_path):
+    sample = samples_of(source[1][:1])[0]
+    with open_writer(tmp_path / "kw", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+        writer.append(**sample)
+    with open_writer(tmp_path / "dict", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+        writer.append(sample)
+    assert array_files(tmp_path / "kw") == array_files(tmp_path / "dict")
+
+
+def test_a_sample_that_does_not_fit_is_refused_naming_it_and_the_store_keeps_the_others(source, tmp_path):
+    samples = samples_of(source[1][:3])
+    dst = tmp_path / "store"
+    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+        writer.append(samples[0], name="first")
+        other = dict(samples[1], hidden_states=[h[:, :16] for h in samples[1]["hidden_states"]])
+        with pytest.raises(SourceError, match=r"extraction-7: hidden size 16 differs from 32 of the store's samples"):
+            writer.append(other, name="extraction-7")
+        with pytest.raises(SourceError, match=r"missing key\(s\) 'input_ids'"):
+            writer.append(hidden_states=samples[1]["hidden_states"])
+        writer.append(samples[2], name="third")
+    assert Store(dst).source_paths == ["first", "third"]
+
+
+def test_settings_and_stores_that_cannot_be_written_are_refused(converted, tmp_path):
+    with pytest.raises(ValueError, match="samples are given as the dict of one of speculators-legacy-pt"):
+        open_writer(tmp_path / "a", format="speculators-safetensors")
+    with pytest.raises(ValueError, match="must be a positive multiple of chunk_tokens"):
+        open_writer(tmp_path / "b", chunk_tokens=16, shard_tokens=40)
+    with pytest.raises(StoreError, match="was made by `h5feed convert`, not by open_writer"):
+        open_writer(converted)
+    with open_writer(tmp_path / "c"), pytest.raises(StoreError, match=r"another `h5feed.open_writer` \(host .*, pid \d+, .*\) is writing this store"):
+        open_writer(tmp_path / "c")  # one writer at a time
+    with open_writer(tmp_path / "c"):  # the first let it go
+        pass
+
+
+def test_a_reader_sees_whole_published_samples_while_the_writer_appends(source, converted, tmp_path):
+    dst, samples = tmp_path / "store", samples_of(source[1])
+    reference = Store(converted)
+    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=4) as writer:
+        seen = []
+        for i, sample in enumerate(samples):
+            writer.append(sample, name=f"data_{i}.pt")
+            if (dst / "zarr.json").exists():
+                try:
+                    store = Store(dst)
+                except StoreError as err:  # nothing published yet: the writer is named, and how far it is
+                    assert i < 3
+                    assert "it is being written now by `h5feed.open_writer` (host " in str(err)
+                    assert f"): {i + 1} samples written so far; wait for it to finish" in str(err)
+                    continue
+                seen.append(len(store))
+                for j in range(len(store)):
+                    assert torch.equal(store.read_sample(j).aux_hidden_states, reference.read_sample(j).aux_hidden_states)
+    assert seen == [4] * 4 + [8] * 4 + [12]  # published every 4 samples, each time whole
+    assert len(Store(dst)) == N
+
+
+KILLED_WRITER = """
+import sys, time, torch, h5feed
+from pathlib import Path
+files = sorted(Path(sys.argv[2]).glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+with h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64, publish_every=5) as w:
+    for i, f in enumerate(files):
+        w.append(torch.load(f, weights_only=True), name=f.name)
+        time.sleep(0.05)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("journaled", [2, 7])
+def test_kill_9_loses_only_unjournaled_samples_and_the_next_writer_resumes(source, converted, tmp_path, journaled,
+                                                                          caplog):
+    dst, (src, files) = tmp_path / "store", source
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(src)])
+    try:
+        deadline = time.monotonic() + 120
+        while not (dst / "h5feed-journal.jsonl").exists() or \
+                len((dst / "h5feed-journal.jsonl").read_text().splitlines()) < journaled:
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.005)
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    kept = len([json.loads(line) for line in (dst / "h5feed-journal.jsonl").read_text().splitlines()])
+    assert journaled <= kept < N
+
+    caplog.set_level("INFO", logger="h5feed")
+    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD) as resumed:  # publishes what was journaled
+        assert len(Store(dst)) == kept
+        assert f"resuming: {kept} samples kept, the last one 'data_{kept - 1}.pt'" in caplog.text
+        for i, sample in enumerate(samples_of(files[kept:]), kept):
+            resumed.append(sample, name=f"data_{i}.pt")
+    assert array_files(dst) == array_files(converted)  # as if never killed
+    assert Store(dst).source_paths == Store(converted).source_paths and h5feed.verify_store(dst).ok
