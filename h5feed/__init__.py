@@ -6,6 +6,7 @@ from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreErr
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.cuda_loader import CudaBatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
+from h5feed.loading.follow import Follow
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
 from h5feed.pipeline_collates import pipeline_collate
@@ -19,6 +20,7 @@ __all__ = [
     "ConvertReport",
     "CorruptSampleError",
     "CudaBatchLoader",
+    "Follow",
     "H5feedError",
     "HiddenStatesDataset",
     "HiddenStatesStream",

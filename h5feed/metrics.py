@@ -44,6 +44,8 @@ class Field(IntEnum):
     RETRIES = 18  # transient failures retried (resets, timeouts, 5xx, throttling)
     CACHE_HITS = 19  # objects found in the node cache (cache_dir)
     CACHE_MISSES = 20  # objects downloaded into it
+    WRITER_WAIT_SECONDS = 21  # time spent waiting for a writer to publish the next sample (a following stream)
+    WRITER_WAIT_SINCE = 22  # wall time the current such wait began, 0 when none
 
 
 NUM_FIELDS = len(Field)
@@ -124,6 +126,14 @@ class WorkerCounters:
     def add_wait(self, seconds: float) -> None:
         self._add((Field.WAIT_SECONDS, seconds))
 
+    def begin_writer_wait(self) -> None:
+        """The worker has read every published sample and waits for the writer to publish more."""
+        self._set((Field.WRITER_WAIT_SINCE, time.time()))
+
+    def end_writer_wait(self, seconds: float) -> None:
+        self._add((Field.WRITER_WAIT_SECONDS, seconds))
+        self._set((Field.WRITER_WAIT_SINCE, 0), (Field.LAST_PROGRESS, time.time()))
+
     def set_queue_depth(self, depth: int) -> None:
         self._set((Field.QUEUE_DEPTH, depth))
 
@@ -151,6 +161,8 @@ class WorkerSnapshot:
     current_seconds: float  # how long the current read has taken so far
     current_bytes: int
     seconds_since_progress: float | None
+    writer_wait_seconds: float = 0.0  # waiting for a writer to publish (a following stream), in all
+    waiting_for_writer_s: float | None = None  # how long the current such wait has lasted; None: not waiting
 
 
 @dataclass
@@ -166,7 +178,7 @@ class LoaderSnapshot:
             name: self.total(name)
             for name in ("samples", "tokens", "bytes_read", "bytes_delivered", "read_seconds", "decode_seconds",
                          "wait_seconds", "queue_depth", "corrupt", "requests", "network_bytes", "network_seconds",
-                         "retries", "cache_hits", "cache_misses")
+                         "retries", "cache_hits", "cache_misses", "writer_wait_seconds")
         }
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
 
@@ -234,6 +246,8 @@ class LoaderCounters:
                     current_seconds=now - row[Field.CURRENT_SINCE] if current >= 0 else 0.0,
                     current_bytes=int(row[Field.CURRENT_BYTES]) if current >= 0 else 0,
                     seconds_since_progress=now - row[Field.LAST_PROGRESS] if row[Field.LAST_PROGRESS] else None,
+                    writer_wait_seconds=row[Field.WRITER_WAIT_SECONDS],
+                    waiting_for_writer_s=now - row[Field.WRITER_WAIT_SINCE] if row[Field.WRITER_WAIT_SINCE] else None,
                 )
             )
         return LoaderSnapshot(now, workers)

@@ -160,3 +160,71 @@ def test_kill_9_loses_only_unjournaled_samples_and_the_next_writer_resumes(sourc
             resumed.append(sample, name=f"data_{i}.pt")
     assert array_files(dst) == array_files(converted)  # as if never killed
     assert Store(dst).source_paths == Store(converted).source_paths and h5feed.verify_store(dst).ok
+
+
+# =========================================================================== readers that follow the writer
+
+SLOW_WRITER = """
+import sys, time, torch, h5feed
+from pathlib import Path
+files = sorted(Path(sys.argv[2]).glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+with h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64, publish_every=1) as w:
+    for i, f in enumerate(files):
+        w.append(torch.load(f, weights_only=True), name=f.name)
+        time.sleep(float(sys.argv[3]))
+    time.sleep(float(sys.argv[4]))  # holds the store, publishing nothing more
+"""
+
+
+def start_writer(dst: Path, src: Path, pause: float, hold: float = 0.0) -> subprocess.Popen:
+    writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(dst), str(src), str(pause), str(hold)])
+    deadline = time.monotonic() + 120
+    while True:  # the trainer starts on the first published sample
+        try:
+            Store(dst)
+            return writer
+        except (StoreError, FileNotFoundError):
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.02)
+
+
+def stream_items(loader) -> list[dict]:
+    return [{k: v.clone() for k, v in item.items()} for item in loader]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_follower_reads_every_sample_once_in_publication_order_while_the_writer_appends(
+        source, converted, tmp_path, workers):
+    dst = tmp_path / "store"
+    writer = start_writer(dst, source[0], pause=0.15)
+    try:
+        stream = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False, follow=h5feed.Follow(poll_s=0.02))
+        got = stream_items(h5feed.StreamLoader(stream, batch_size=None, num_workers=workers))
+    finally:
+        assert writer.wait(120) == 0
+    want = stream_items(h5feed.HiddenStatesStream(converted, max_len=128, shuffle=False))
+    assert len(got) == len(want) == N
+    for g, w in zip(got, want):
+        assert all(torch.equal(g[k], w[k]) for k in w)
+    snapshot = stream.counters.snapshot()
+    assert snapshot.total("samples") == N and snapshot.total("writer_wait_seconds") > 0.5  # it outran the writer
+
+
+def test_a_follower_stops_at_its_bounds(source, tmp_path):
+    dst = tmp_path / "store"
+    writer = start_writer(dst, source[0], pause=0.02, hold=30)
+    try:
+        bounded = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False, follow=h5feed.Follow(samples=5))
+        assert len(stream_items(bounded)) == 5
+        waited = time.monotonic()
+        idle = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False,
+                                         follow=h5feed.Follow(idle_timeout=1.0, poll_s=0.05))
+        assert len(stream_items(idle)) == N  # all published, then a second without a new one
+        assert time.monotonic() - waited >= 1.0
+        with pytest.raises(TypeError, match="follows its writer has no length"):
+            len(idle)
+        with pytest.raises(ValueError, match="pass shuffle=False"):
+            h5feed.HiddenStatesStream(dst, follow=h5feed.Follow())
+    finally:
+        writer.kill()
+        writer.wait()

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
+from h5feed.loading.follow import Follow, followed_positions
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
@@ -302,6 +303,9 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         threads: reader threads per worker.  With num_workers=0 and threads = cores, items are
             decoded straight into the trainer's memory: no process hand-off at all.
         rank, world_size: default from torch.distributed when it is initialised, else 0 and 1.
+        follow: read the store while its writer appends (`h5feed.open_writer`): the samples in the order
+            they were published, waiting for more until a bound (`Follow`); needs shuffle=False and a local
+            store, and the stream has no length.
     """
 
     def __init__(
@@ -328,11 +332,17 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
+        follow: Follow | None = None,
     ) -> None:
         super().__init__(
             store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
             on_corrupt, storage_options, cache_dir, cache_limit,
         )
+        if follow is not None and (shuffle or samples is not None or self.store.remote):
+            raise ValueError("follow= reads every sample of a local store in the order they were published: "
+                             "pass shuffle=False and no samples= (a store in a bucket cannot be followed)")
+        self.follow = follow
+        self._missing_loss_mask = missing_loss_mask
         disk_order = None
         if shuffle == "locality":
             chosen = np.asarray(self.indices)
@@ -372,6 +382,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         return self.schedule.rank_sequence()
 
     def __len__(self) -> int:
+        if self.follow is not None:
+            raise TypeError("a stream that follows its writer has no length: it reads what the writer publishes")
         return len(self.schedule)
 
     def set_epoch(self, epoch: int) -> None:
@@ -392,7 +404,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     # --- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item | SkippedSample]:
         schedule = self.schedule
-        sequence = schedule.worker_sequence(*current_worker())
+        sequence: Iterable[int] = self._followed() if self.follow is not None else \
+            schedule.worker_sequence(*current_worker())
         counting = get_worker_info() is None and not schedule.counted_by_loader
         if counting:
             schedule.begin_pass()
@@ -401,7 +414,19 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
                 schedule.note_consumed(1)  # before the yield: the item is the trainer's once it has it
             yield item
 
-    def _prefetched(self, sequence: list[int]) -> Iterator[Item | SkippedSample]:
+    def _followed(self) -> Iterator[int]:
+        """This worker's samples as the writer publishes them (see `h5feed.loading.follow`), each checked for a
+        loss mask as the samples present at the start were."""
+        assert self.follow is not None
+        rank, world = self.schedule.rank_and_world_size()
+        for index in followed_positions(self.store, self.follow, rank, world, *current_worker(), self.batch_size,
+                                        self.counters.worker()):
+            if self.flavor.reads_loss_mask and self._missing_loss_mask == "error" and not self.store.has_loss_mask[index]:
+                raise StoreError(self.store.path, f"sample {index} ({self.store.source_paths[index]}) has no loss_mask; "
+                                 "the trainer would fail on it: pass missing_loss_mask='ones' to train on all its tokens")
+            yield index
+
+    def _prefetched(self, sequence: Iterable[int]) -> Iterator[Item | SkippedSample]:
         """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead.
 
         Reads release the GIL (file I/O, mmap, blosc), so threads decode in parallel: in

@@ -224,8 +224,8 @@ class Store:
                              f"fewer than the {n} the store's attributes publish; {_REBUILD_HINT}")
 
     def _check_arrays(self, group: Any) -> int:
-        """The arrays' rows, once each array's metadata agrees with the attributes (width, dtype, shards and
-        chunks) and all hold the same rows.  An array whose metadata zarr cannot parse is left to `h5feed verify`
+        """The rows every array holds, once each array's metadata agrees with the attributes (width, dtype,
+        shards and chunks).  An array whose metadata zarr cannot parse is left to `h5feed verify`
         (reads do not use it, and check every chunk's decoded size against the attributes)."""
         info, rows = self.info, {}
         for name in info.array_names:
@@ -248,10 +248,7 @@ class Store:
                                      f"{what} {_plain(value)}, but {name}/zarr.json says "
                                      f"{_plain(stored[what])}; {edited_hint(self.path)}")
             rows[name] = shape[0]
-        if len(set(rows.values())) > 1:
-            raise StoreError(self.path, f"the arrays hold different numbers of rows ({_plain(rows)}); "
-                             f"{edited_hint(self.path)}")
-        return rows["aux_hidden_states"]
+        return min(rows.values())  # a writer grows the arrays one after another: the smallest bounds the samples
 
     def _sizes_claimed(self) -> str:
         info = self.info
@@ -368,6 +365,24 @@ class Store:
 
     def __len__(self) -> int:
         return len(self.sample_lengths)
+
+    def reload(self) -> int:
+        """Take up the samples a writer published since the store was opened (`h5feed.open_writer`, or
+        `h5feed convert` appending); returns the count now.  Earlier samples stay as they were: the index
+        only grows.  A store in a bucket is not followed (its index objects are fetched once)."""
+        if self.remote:
+            raise StoreError(self.path, "following a store in a bucket is not supported: read it once it is written")
+        info = read_info(self.path)
+        if info.status != "complete" or info.num_samples <= len(self):
+            return len(self)
+        sizes = ("hidden_size", "num_aux_layers", "dtype", "chunk_tokens", "shard_tokens", "codec", "precision")
+        if any(getattr(info, name) != getattr(self.info, name) for name in sizes):
+            raise StoreError(self.path, "was rewritten with other settings while it was read: open it again")
+        self.info = info
+        self._load_index(info.num_samples)
+        self._check_index()
+        self._check_index_digest()
+        return len(self)
 
     @property
     def max_sample_tokens(self) -> int:
