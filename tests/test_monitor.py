@@ -183,6 +183,8 @@ def test_stall_verdicts():
     assert classify(None, [2.0, 3.0], stall_after=1.0) == "idle"  # trainer busy elsewhere, queues full
     assert classify(0.5, [], stall_after=1.0) is None  # workers still starting
     assert classify(5.0, None, stall_after=1.0) == "waiting"  # a loader without counters
+    assert classify(5.0, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) == "writer"  # a following stream
+    assert classify(None, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) is None  # not idle: waits for samples
 
 
 class StutteringDataset(SlowDataset):

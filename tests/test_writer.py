@@ -228,3 +228,23 @@ def test_a_follower_stops_at_its_bounds(source, tmp_path):
     finally:
         writer.kill()
         writer.wait()
+
+
+def test_the_monitor_says_the_trainer_waits_for_the_writer_not_for_the_disk(source, tmp_path, caplog):
+    dst = tmp_path / "store"
+    writer = start_writer(dst, source[0], pause=0.5)
+    caplog.set_level("INFO", logger="h5feed")
+    try:
+        stream = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False, follow=h5feed.Follow(poll_s=0.02))
+        loader = h5feed.StreamLoader(stream, batch_size=None, num_workers=1)
+        monitored = h5feed.monitor(loader, every=0.5, stall_after=0.25, log_dir=tmp_path / "log", name="follow")
+        assert len([item for item in monitored]) == N
+    finally:
+        assert writer.wait(120) == 0
+    records = [json.loads(line) for line in (tmp_path / "log" / "h5feed-monitor-follow.jsonl").read_text().splitlines()]
+    verdicts = {r["verdict"] for r in records if r["kind"] == "stall"}
+    assert verdicts == {"writer"}  # not stuck, not a bottleneck: the loader waits for samples to exist
+    assert "WAITS FOR THE WRITER to publish more" in caplog.text and "extraction is slower than training" in caplog.text
+    end = records[-1]
+    assert end["kind"] == "end" and end["loader"]["writer_wait_s"] > 1.0
+    assert "workers waited " in caplog.text and " s for the writer to publish samples" in caplog.text

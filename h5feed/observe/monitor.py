@@ -428,7 +428,8 @@ class Monitor(Generic[T]):
         quiet = None
         if snap is not None:
             quiet = [self._quiet_s(w, now - self._t0) for w in snap.workers]
-        verdict = classify(wait, quiet, self.stall_after)
+        for_writer = snap is not None and any(w.waiting_for_writer_s is not None for w in snap.workers)
+        verdict = classify(wait, quiet, self.stall_after, for_writer)
         if verdict is None or not episode.should_report(verdict):
             return episode
         if episode.held_the_trainer:

@@ -63,6 +63,8 @@ def worker_rows(
             "sample_s": w.current_seconds if w.current_sample is not None else None,
             "sample_MB": w.current_bytes / 1e6 if w.current_sample is not None else None,
             "since_progress_s": w.seconds_since_progress,
+            "writer_wait_s": w.writer_wait_seconds - (o.writer_wait_seconds if o else 0.0),
+            "waiting_for_writer_s": w.waiting_for_writer_s,
         })
     return rows
 
@@ -87,6 +89,8 @@ def loader_figures(rows: list[Record]) -> Record:
         "cache_misses": sum(r["cache_misses"] for r in rows),
         "workers": len(rows),
         "reading": sum(r["sample"] is not None for r in rows),
+        "writer_wait_s": sum(r.get("writer_wait_s") or 0.0 for r in rows),  # a following stream's, summed
+        "waiting_for_writer": sum(r.get("waiting_for_writer_s") is not None for r in rows),
     }
 
 
@@ -127,6 +131,9 @@ def format_line(rec: Record) -> str:
         )
         if loader.get("requests") or loader.get("cache_hits") or loader.get("cache_misses"):
             line += network_text(loader)
+        if loader.get("writer_wait_s"):
+            line += (f" | workers waited {loader['writer_wait_s']:.1f} s for the writer to publish samples"
+                     f"{' (waiting now)' if loader.get('waiting_for_writer') else ''}")
         if loader.get("corrupt"):
             line += f" | {loader['corrupt']} DAMAGED sample(s) skipped (on_corrupt='skip'; run `h5feed verify`)"
     elif rec["steps"]:

@@ -12,15 +12,20 @@ from h5feed.observe.renderer import Record, num
 
 RECENT_S = 10.0  # the window of a stall report's "recent" throughput
 
-Verdict = Literal["bottleneck", "stuck", "idle", "waiting"]
+Verdict = Literal["bottleneck", "stuck", "idle", "waiting", "writer"]
 
 
-def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float) -> Verdict | None:
+def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float,
+             waiting_for_writer: bool = False) -> Verdict | None:
     """What a stall is, from how long the trainer has waited and how long each worker has gone without progress.
 
-    `worker_quiet_s` is None when the loader has no counters.  None: no stall.
+    `worker_quiet_s` is None when the loader has no counters; `waiting_for_writer`: a worker of a following
+    stream has read every published sample and waits for the writer (then the writer sets the pace, not the
+    disk).  None: no stall.
     """
     waited = trainer_wait_s is not None and trainer_wait_s > stall_after
+    if waiting_for_writer:  # quiet workers are not idle then: they wait for samples to exist
+        return "writer" if waited else None
     if worker_quiet_s is None:
         return "waiting" if waited else None
     quiet = all(q > stall_after for q in worker_quiet_s)  # no worker started counts as quiet
@@ -68,6 +73,9 @@ def verdict_text(verdict: Verdict, wait: float | None, quiet: float | None, step
                      f"over the last {RECENT_S:.0f} s)")
         return (f"the input pipeline is the BOTTLENECK: the trainer has waited {wait:.1f} s for {batch} while "
                 f"workers are still reading{rates}")
+    if verdict == "writer":
+        return (f"the trainer has waited {wait:.1f} s for {batch}: the loader has read every sample published so far "
+                "and WAITS FOR THE WRITER to publish more")
     if verdict == "idle":
         return (f"the input pipeline is IDLE: no worker has made progress for {quiet:.1f} s and the trainer is not "
                 "asking for batches (queues full or workers done: the trainer is busy elsewhere)")
@@ -90,6 +98,9 @@ def advice(verdict: Verdict, rows: list[Record]) -> str:
     if verdict == "bottleneck":
         return ("loading is slower than the step: more DataLoader workers (num_workers) or reader threads (threads), "
                 "or a faster disk; `h5feed bench STORE` measures the loaders on this machine")
+    if verdict == "writer":
+        return ("extraction is slower than training: the trainer goes at the writer's pace (more extraction "
+                "servers, or start training later); nothing is wrong with the loader")
     if verdict == "waiting":
         return (f"`py-spy dump --pid {os.getpid()}` shows where the loader is; h5feed's datasets count what their "
                 "workers do, and the monitor then names the one that holds the trainer up")
