@@ -25,6 +25,7 @@ LENGTHS = [9, 40, 3, 25, 60, 17, 1]  # 7 samples: the last batch of each epoch i
 def example(name: str):
     spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -97,3 +98,31 @@ def test_the_readmes_quickstart_runs_as_written(tmp_path, cli, monkeypatch):
     ends = [line for line in (tmp_path / "runs" / "h5feed-monitor-train.jsonl").read_text().splitlines()
             if '"kind": "end"' in line]
     assert len(ends) == 2  # one run, two epochs
+
+
+def test_extraction_writes_straight_into_a_store_that_a_drafter_trains_on_meanwhile(tmp_path):
+    """examples/extract_and_train.py: a Llama made here runs over prompts; each sample's stored states are the
+    model's own (recomputed from the stored input_ids, bit for bit), and the drafter trained on every one."""
+    import torch
+
+    import h5feed
+
+    module = example("extract_and_train")
+    model = module.tiny_llama(32, 4, seed=1)
+    done, losses = module.run(tmp_path / "hs.zarr", prompts=6, tokens=(8, 40), model=model, max_len=64)
+    assert done.samples == 6 and len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    assert done.writer_seconds > 0 and done.model_seconds > 0
+    store = h5feed.Store(tmp_path / "hs.zarr")
+    assert len(store) == 6 and store.source_paths == [f"prompt-{i}" for i in range(6)]
+    assert (store.info.hidden_size, store.info.num_aux_layers, store.info.last_state_norm) == (32, 3, "pre")
+    captured = []
+    hook = model.model.layers[-1].register_forward_hook(lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        for i in range(len(store)):
+            sample = store.read_sample(i)
+            with torch.no_grad():
+                out = model(input_ids=sample.input_ids[None], output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[layer][0] for layer in module.AUX_LAYERS], dim=-1)
+            assert torch.equal(sample.aux_hidden_states, aux) and torch.equal(sample.last_hidden_state, captured.pop()[0])
+    finally:
+        hook.remove()
