@@ -88,13 +88,18 @@ def test_a_sample_that_does_not_fit_is_refused_naming_it_and_the_store_keeps_the
     assert Store(dst).source_paths == ["first", "third"]
 
 
-def test_settings_and_stores_that_cannot_be_written_are_refused(converted, tmp_path):
+def test_settings_and_stores_that_cannot_be_written_are_refused(source, converted, tmp_path):
     with pytest.raises(ValueError, match="samples are given as the dict of one of speculators-legacy-pt"):
         open_writer(tmp_path / "a", format="speculators-safetensors")
     with pytest.raises(ValueError, match="must be a positive multiple of chunk_tokens"):
         open_writer(tmp_path / "b", chunk_tokens=16, shard_tokens=40)
     with pytest.raises(StoreError, match="was made by `h5feed convert`, not by open_writer"):
         open_writer(converted)
+    write(tmp_path / "written", [])  # an empty writer makes nothing to refuse; one sample does:
+    with open_writer(tmp_path / "written") as writer:
+        writer.append(input_ids=torch.arange(3), hidden_states=[torch.zeros(3, 8, dtype=torch.bfloat16)] * 2)
+    with pytest.raises(StoreError, match="was written by `h5feed.open_writer`, not converted: append to it with"):
+        convert(source[0], tmp_path / "written", workers=0, progress=False)
     with open_writer(tmp_path / "c"), pytest.raises(StoreError, match=r"another `h5feed.open_writer` \(host .*, pid \d+, .*\) is writing this store"):
         open_writer(tmp_path / "c")  # one writer at a time
     with open_writer(tmp_path / "c"):  # the first let it go

@@ -93,7 +93,7 @@ from h5feed.store.layout import (
     create_arrays,
     read_info,
 )
-from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, PLAN_FILE, read_journal
+from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +419,9 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
         info = None
     plan: _Plan | None = None
     append: _Append | None = None
+    if info is not None and info.source_root == WRITER_SOURCE:
+        raise StoreError(dst_path, f"was written by {WRITER_API}, not converted: append to it with open_writer, or "
+                         "convert into another DST")
     if info is not None and info.status == "complete":
         _check_complete_matches(dst_path, info, job.options)
         rerun = _plan_of_complete(job, info, listing)

@@ -43,12 +43,9 @@ from h5feed.store.layout import (
     create_arrays,
     read_info,
 )
-from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, WRITER_API, read_journal
+from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
 
 log = logging.getLogger(__name__)
-
-WRITER_SOURCE = "h5feed.open_writer"  # the store's source_root: its samples came from no folder
-
 
 @dataclass(frozen=True)
 class WriterReport:

@@ -21,6 +21,7 @@ PLAN_FILE = "h5feed-plan.json"  # every sample's place, decided before the first
 JOURNAL_FILE = "h5feed-journal.jsonl"  # one line per finished sample, by plan position
 CONVERTER = "`h5feed convert`"  # the writers, as messages name them (the lock records which holds it)
 WRITER_API = "`h5feed.open_writer`"
+WRITER_SOURCE = "h5feed.open_writer"  # the source_root of a store open_writer made: its samples came from no folder
 
 
 def current_writer(store: Path) -> dict[str, Any] | None:
