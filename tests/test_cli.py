@@ -335,8 +335,8 @@ def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupte
     assert "(0 converted now, 5 from an earlier run, 0 skipped)" in r.output
     r = cli(*convert_args(src, dst, "--codec", "lz4"))
     assert r.status == 1
-    assert f"h5feed convert: error: {dst}: is complete but was converted with " in r.output
-    assert "'codec': 'lz4'" in r.output and "choose another DST or pass --overwrite" in r.output
+    assert f"h5feed convert: error: {dst}: is complete but was converted with codec zstd, not codec lz4: " in r.output
+    assert "choose another DST or pass --overwrite" in r.output
     assert Store(dst).info.codec == ZSTD
 
 

@@ -219,7 +219,8 @@ def test_rerun_with_other_options_is_refused(tmp_path, interrupted_convert, asse
     assert_same_tree(dst, ref)
 
     # a complete store is not silently kept when another one is asked for
-    refused = r"is complete but was converted with .*'cname': 'zstd'.*'codec': 'lz4'.*--overwrite"
+    refused = (r"is complete but was converted with codec zstd, not codec lz4: run the command with the store's "
+               r"settings to append to it, or choose another DST or pass --overwrite")
     with pytest.raises(StoreError, match=refused):
         convert(src, dst, workers=0, codec="lz4", chunk_tokens=CHUNK, progress=False)
     assert_same_tree(dst, ref)

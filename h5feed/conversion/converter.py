@@ -810,10 +810,15 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> No
     asked = {**options.to_json(), "codec": chunk_codec(options.codec),
              "shard_tokens": options.shard_tokens or info.shard_tokens}
     if have != asked:
-        raise StoreError(
-            dst, f"is complete but was converted with {have}, not {options.to_json()}: choose another DST or pass "
-            "--overwrite"
-        )
+        def shown(key: str, value: Any) -> str:
+            if key == "codec":  # by its option name where it is one
+                value = next((name for name in ("zstd", "lz4", "none") if chunk_codec(name) == value), value)
+            return f"{key.replace('_', ' ')} {value}"
+
+        differ = [key for key in asked if have.get(key) != asked[key]]
+        raise StoreError(dst, "is complete but was converted with " + ", ".join(shown(k, have.get(k)) for k in differ)
+                         + ", not " + ", ".join(shown(k, asked[k]) for k in differ) + ": run the command with the "
+                         "store's settings to append to it, or choose another DST or pass --overwrite")
 
 
 def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:
