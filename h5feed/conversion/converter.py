@@ -61,6 +61,7 @@ from h5feed.conversion.lock import WriterLock
 from h5feed.conversion.publish import BucketPublisher
 from h5feed.conversion.samples import (
     IndexRow,
+    check_same_shape,
     fsync_tree,
     grow_arrays,
     new_store_info,
@@ -729,7 +730,7 @@ def _probe(
                 raise result
             shape, stat = result
             reference = reference or shape
-            _check_same_shape(source, shape, reference)
+            check_same_shape(source.path, shape, reference, "the first sample")
             _check_same_layout(source, shape, reference)
             probed.append((source, shape, stat))
         except SourceError as exc:
@@ -757,16 +758,6 @@ def _default_shard_tokens(shapes: list[SampleShape], chunk_tokens: int) -> int:
     longest = max(s.num_tokens for s in shapes)
     cap = max(chunk_tokens, MAX_DEFAULT_SHARD_TOKENS // chunk_tokens * chunk_tokens)
     return min(math.ceil(longest / chunk_tokens) * chunk_tokens, cap)
-
-
-def _check_same_shape(source: SourceFile, shape: SampleShape, reference: SampleShape) -> None:
-    for what, got, want in (
-        ("hidden size", shape.hidden_size, reference.hidden_size),
-        ("number of aux layers", shape.num_aux_layers, reference.num_aux_layers),
-        ("dtype", shape.dtype, reference.dtype),
-    ):
-        if got != want:
-            raise SourceError(source.path, f"{what} {got} differs from {want} of the first sample")
 
 
 def _check_same_layout(source: SourceFile, shape: SampleShape, reference: SampleShape) -> None:
@@ -1093,7 +1084,7 @@ def _convert_one(
     num_tokens = expected.num_tokens
     if sample.shape.num_tokens != num_tokens:
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
-    _check_same_shape(source, sample.shape, expected)
+    check_same_shape(source.path, sample.shape, expected, "the first sample")
     if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")

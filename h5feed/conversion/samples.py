@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from h5feed.errors import SourceError
 from h5feed.formats import SampleShape, SourceFormat, SourceSample
 from h5feed.io.local import fsync_dir, write_atomically
 from h5feed.store.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, quantize, token_scales
@@ -67,6 +68,18 @@ def new_store_info(fmt: SourceFormat, reference: SampleShape, *, codec: str, chu
         quantized_from=source_dtype if fp8 and not fp8_source else "",
     )
     return dataclasses.replace(info, format_version=info.format_version_needed)
+
+
+def check_same_shape(where: Path, shape: SampleShape, reference: SampleShape, whose: str) -> None:
+    """One store holds one H, K and dtype: a sample that differs from `reference` (`whose`: "the first sample")
+    raises SourceError naming it."""
+    for what, got, want in (
+        ("hidden size", shape.hidden_size, reference.hidden_size),
+        ("number of aux layers", shape.num_aux_layers, reference.num_aux_layers),
+        ("dtype", shape.dtype, reference.dtype),
+    ):
+        if got != want:
+            raise SourceError(where, f"{what} {got} differs from {want} of {whose}")
 
 
 def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, durable: bool) -> dict[str, Any]:

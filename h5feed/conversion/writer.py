@@ -29,7 +29,15 @@ from typing import Any, Self
 import torch
 
 from h5feed.conversion.lock import WriterLock
-from h5feed.conversion.samples import IndexRow, fsync_tree, grow_arrays, new_store_info, publish_samples, write_sample
+from h5feed.conversion.samples import (
+    IndexRow,
+    check_same_shape,
+    fsync_tree,
+    grow_arrays,
+    new_store_info,
+    publish_samples,
+    write_sample,
+)
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape
 from h5feed.formats.torch_dict import TorchDictFormat
@@ -186,11 +194,7 @@ class StoreWriter:
         if self._reference is None:
             self.info, self._reference = self._create(shape), shape
         assert self.info is not None
-        for what, got, want in (("hidden size", shape.hidden_size, self._reference.hidden_size),
-                                ("number of aux layers", shape.num_aux_layers, self._reference.num_aux_layers),
-                                ("dtype", shape.dtype, self._reference.dtype)):
-            if got != want:
-                raise SourceError(where, f"{what} {got} differs from {want} of the store's samples")
+        check_same_shape(where, shape, self._reference, "the store's samples")
         if {e.name: e.record() for e in shape.extras} != self.info.extra_arrays:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
