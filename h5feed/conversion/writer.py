@@ -146,7 +146,7 @@ class StoreWriter:
         for partial in self.path.rglob(f"*{PARTIAL_SUFFIX}"):
             partial.unlink()  # what a kill mid-write left
         self.info = info
-        self._array_rows = _array_rows(self.path)
+        self._array_rows = _rows_of_arrays(self.path)
         self._reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
         for i, record in sorted(read_journal(self.path).items()):
             self._rows.append(IndexRow(record["start"], record["num_tokens"], i, record["name"], record["checksum"],
@@ -259,7 +259,7 @@ class StoreWriter:
         self.close()  # on an error too: the journaled samples are sound, and published
 
 
-def _array_rows(path: Path) -> int:
+def _rows_of_arrays(path: Path) -> int:
     """The rows of the store's token arrays (input_ids has as many as every other)."""
     return int(json.loads((path / "input_ids" / "zarr.json").read_text())["shape"][0])
 
