@@ -360,7 +360,8 @@ def test_a_rerun_must_ask_for_the_same_precision_and_an_append_is_quantized_too(
     h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")
     with pytest.raises(StoreError) as refused:
         h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False)
-    assert "'precision': 'fp8'" in refused.value.problem and "pass --overwrite" in refused.value.problem
+    assert "converted with precision fp8, not precision exact: " in refused.value.problem
+    assert "pass --overwrite" in refused.value.problem
     for i in (4, 5):
         (tmp_path / "later" / f"data_{i}.pt").rename(src / f"data_{i}.pt")
     report = h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")

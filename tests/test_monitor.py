@@ -335,7 +335,8 @@ def test_watch_waits_for_a_run_folder_not_made_yet_and_finds_runs_below_a_parent
     assert frame.startswith(f"== below  {runs / 'drafter' / 'h5feed-monitor-below.jsonl'}  (finished;")
     assert "   epoch 0, " in frame and " min into the pass" in frame
     history = next(line for line in frame.splitlines() if "data wait over the last" in line)
-    reports = [r for r in records(runs / "drafter" / "h5feed-monitor-below.jsonl") if r["kind"] == "report"]
+    reports = [r for r in records(runs / "drafter" / "h5feed-monitor-below.jsonl")  # those in which a step finished
+               if r["kind"] == "report" and r["data_loading(%)"] is not None]
     assert f"over the last {len(reports)} reports: " in history
     sparks = history.split("reports: ")[1].split(" ")[0]
     assert len(sparks) == len(reports) and set(sparks) <= set("▁▂▃▄▅▆▇█")

@@ -804,11 +804,13 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> No
         def shown(key: str, value: Any) -> str:
             if key == "codec":  # by its option name where it is one
                 value = next((name for name in ("zstd", "lz4", "none") if chunk_codec(name) == value), value)
+            if key == "precision" and value is None:  # left out of the options when exact
+                value = "exact"
             return f"{key.replace('_', ' ')} {value}"
 
-        differ = [key for key in asked if have.get(key) != asked[key]]
+        differ = [key for key in {**asked, **have} if have.get(key) != asked.get(key)]
         raise StoreError(dst, "is complete but was converted with " + ", ".join(shown(k, have.get(k)) for k in differ)
-                         + ", not " + ", ".join(shown(k, asked[k]) for k in differ) + ": run the command with the "
+                         + ", not " + ", ".join(shown(k, asked.get(k)) for k in differ) + ": run the command with the "
                          "store's settings to append to it, or choose another DST or pass --overwrite")
 
 
