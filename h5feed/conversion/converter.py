@@ -66,6 +66,7 @@ from h5feed.conversion.samples import (
     grow_arrays,
     new_store_info,
     publish_samples,
+    rows_taken,
     write_sample,
 )
 from h5feed.errors import H5feedError, SourceError, StoreError
@@ -749,7 +750,7 @@ def _lay_out(
     for source, shape, stat in probed:
         planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row, stat.st_size,
                                       stat.st_mtime_ns))
-        row += math.ceil(shape.num_tokens / shard_tokens) * shard_tokens
+        row += rows_taken(shape.num_tokens, shard_tokens)
     return planned, row
 
 

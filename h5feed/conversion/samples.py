@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -162,14 +163,27 @@ def write_shards(
     return written, crc
 
 
+def rows_taken(num_tokens: int, shard_tokens: int) -> int:
+    """The rows a sample of `num_tokens` takes: it starts on a shard boundary, and the next one after its last shard."""
+    return math.ceil(num_tokens / shard_tokens) * shard_tokens
+
+
+def _token_array_metadata(dst: Path) -> list[Path]:
+    """The zarr.json of each token array (the group's and the index's are not)."""
+    return [meta for meta in sorted(dst.glob("*/zarr.json")) if json.loads(meta.read_text())["node_type"] == "array"]
+
+
+def array_rows(dst: Path) -> int:
+    """The rows every token array holds: a kill while `grow_arrays` runs may leave some grown, some not."""
+    return min(int(json.loads(meta.read_text())["shape"][0]) for meta in _token_array_metadata(dst))
+
+
 def grow_arrays(dst: Path, rows: int, durable: bool) -> None:
     """Resize the token arrays to `rows` (an append's).  zarr rewrites each array's metadata atomically
     (temporary file, rename); readers that opened the store earlier never read it again."""
     import zarr
 
-    for meta in sorted(dst.glob("*/zarr.json")):
-        if json.loads(meta.read_text())["node_type"] != "array":
-            continue
+    for meta in _token_array_metadata(dst):
         name = meta.parent.name
         array = zarr.open_array(dst / name, mode="r+")
         if array.shape[0] < rows:

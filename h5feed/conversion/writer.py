@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -31,11 +30,13 @@ import torch
 from h5feed.conversion.lock import WriterLock
 from h5feed.conversion.samples import (
     IndexRow,
+    array_rows,
     check_same_shape,
     fsync_tree,
     grow_arrays,
     new_store_info,
     publish_samples,
+    rows_taken,
     write_sample,
 )
 from h5feed.errors import SourceError, StoreError
@@ -146,12 +147,12 @@ class StoreWriter:
         for partial in self.path.rglob(f"*{PARTIAL_SUFFIX}"):
             partial.unlink()  # what a kill mid-write left
         self.info = info
-        self._array_rows = _rows_of_arrays(self.path)
+        self._array_rows = array_rows(self.path)
         self._reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
         for i, record in sorted(read_journal(self.path).items()):
             self._rows.append(IndexRow(record["start"], record["num_tokens"], i, record["name"], record["checksum"],
                                        record["has_loss_mask"]))
-            self._next_row = record["start"] + self._rows_taken(record["num_tokens"])
+            self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
         if self._rows:
             log.info("%s: resuming: %d samples kept, the last one %r; samples appended after it were lost", self.path,
                      len(self._rows), self._rows[-1].source_path)
@@ -199,7 +200,7 @@ class StoreWriter:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
         start = self._next_row
-        taken = self._rows_taken(shape.num_tokens)
+        taken = rows_taken(shape.num_tokens, self.shard_tokens)
         if start + taken > self._array_rows:  # doubled when outgrown: appends resize the arrays rarely
             self._array_rows = max(start + taken, 2 * self._array_rows)
             grow_arrays(self.path, self._array_rows, self.durable)
@@ -213,9 +214,6 @@ class StoreWriter:
             self._publish()
         self._seconds += time.perf_counter() - t0
         return index
-
-    def _rows_taken(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.shard_tokens) * self.shard_tokens
 
     def _journal(self, record: dict[str, Any]) -> None:
         with open(self.path / JOURNAL_FILE, "a") as journal:
@@ -257,11 +255,6 @@ class StoreWriter:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.close()  # on an error too: the journaled samples are sound, and published
-
-
-def _rows_of_arrays(path: Path) -> int:
-    """The rows of the store's token arrays (input_ids has as many as every other)."""
-    return int(json.loads((path / "input_ids" / "zarr.json").read_text())["shape"][0])
 
 
 def _to_host(value: Any) -> Any:

@@ -146,10 +146,11 @@ class _FlavoredReader:
         self._check_loss_masks(missing_loss_mask)
         self.counters = LoaderCounters()
 
-    def _check_loss_masks(self, policy: str) -> None:
+    def _check_loss_masks(self, policy: str, indices: Sequence[int] | None = None) -> None:
+        """Refuse samples (the selected ones, or `indices`) without a loss mask when the flavor reads one."""
         if not self.flavor.reads_loss_mask:
             return
-        missing = [i for i in self.indices if not self.store.has_loss_mask[i]]
+        missing = [i for i in (self.indices if indices is None else indices) if not self.store.has_loss_mask[i]]
         if missing and policy == "error":
             names = ", ".join(self.store.source_paths[i] for i in missing[:3])
             raise StoreError(
@@ -421,9 +422,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         rank, world = self.schedule.rank_and_world_size()
         for index in followed_positions(self.store, self.follow, rank, world, *current_worker(), self.batch_size,
                                         self.counters.worker()):
-            if self.flavor.reads_loss_mask and self._missing_loss_mask == "error" and not self.store.has_loss_mask[index]:
-                raise StoreError(self.store.path, f"sample {index} ({self.store.source_paths[index]}) has no loss_mask; "
-                                 "the trainer would fail on it: pass missing_loss_mask='ones' to train on all its tokens")
+            self._check_loss_masks(self._missing_loss_mask, [index])
             yield index
 
     def _prefetched(self, sequence: Iterable[int]) -> Iterator[Item | SkippedSample]:
