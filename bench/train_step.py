@@ -295,6 +295,24 @@ def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, conv
     return Store(folder / "store")
 
 
+def fp8_store(exact: Store, convert_workers: int) -> Store:
+    """The same source files converted with `--precision fp8` beside `exact` (reused when complete): the loaders
+    then read FP8 hidden states, dequantized to bf16 (the baseline still reads the bf16 `.pt` files)."""
+    path = exact.path.parent / f"{exact.path.name}-fp8"
+    try:
+        store = Store(path)
+        if len(store) == len(exact):
+            log.info("reusing the FP8 store %s", path)
+            return store
+    except h5feed.H5feedError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+    log.info("converting %s again with --precision fp8 (%d workers)", exact.info.source_root, convert_workers)
+    h5feed.convert(exact.info.source_root, path, workers=convert_workers, progress=False, precision="fp8",
+                   last_state_norm=exact.info.last_state_norm)
+    return Store(path)
+
+
 class ModelOptFiles(torch.utils.data.Dataset):
     """Model-Optimizer 0.46's `OfflineSupervisedDataset` (modelopt/torch/speculative/eagle/utils.py), re-stated:
     one `torch.load` per item, labels the ids one on, attention and loss masks of ones."""
@@ -466,6 +484,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--flavor", choices=("speculators-legacy", "modelopt"), default="speculators-legacy",
                    help="the trainer whose files, dataset and collate are measured (default %(default)s)")
+    p.add_argument("--precision", choices=("exact", "fp8"), default="exact",
+                   help="fp8: the h5feed loaders read a --precision fp8 conversion of the same files (lossy; the "
+                   "baseline reads the bf16 files)")
     p.add_argument("--workers", default="4",
                    help="comma-separated worker (or thread) counts, each loader at each (default %(default)s)")
     p.add_argument("--step-ms", type=float, help="pick the draft vocabulary whose step is closest to this (GPU)")
@@ -490,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = (int(x) for x in args.tokens.split(":"))
         hidden = args.hidden_size or (7168 if device.type == "cuda" else 64)
         store = make_data(args.make_data, hidden, (lo, hi), args.data_dir, args.convert_workers, args.flavor)
+        if args.precision == "fp8":
+            store = fp8_store(store, args.convert_workers)
     else:
         store = Store(args.data)
         if args.hidden_size not in (None, store.hidden_size):

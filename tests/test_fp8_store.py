@@ -16,6 +16,7 @@ import pytest
 import torch
 from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor, quantize_tensor_to_fp8
 from hs_connectors.transfer import FP8Transfer
+from numcodecs import Blosc
 from s3_server import bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from safetensors.torch import save_file
 
@@ -23,6 +24,7 @@ import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
+from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store, plain_allocator
 from h5feed.store import layout as store_layout
@@ -246,17 +248,23 @@ def test_a_window_of_max_len_dequantizes_only_its_rows(pairs, assert_same_batch)
         assert_same_batch(dataset[i], fp8transfer_item(pair, i, "speculators", max_len=10))
 
 
+@pytest.mark.parametrize("decode", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}"))])
 @pytest.mark.parametrize(("flavor", "num_workers", "max_len"), [
     ("speculators", 0, 24), ("speculators-legacy", 2, 24), ("specforge", 0, 20), ("specforge-shifted", 2, 64),
     ("modelopt", 0, 32), ("modelopt-answer-only", 2, 32), ("angelslim", 2, None), ("nemo-eagle3", 0, None),
 ])
-def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, flavor, num_workers, max_len):
-    """Threads and worker processes decode FP8 rows and their scales straight into the batch: the trainer's collate
-    of FP8Transfer's items, bit for bit."""
+def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, decode, flavor, num_workers, max_len):
+    """Threads and worker processes (decode="cpu") decode FP8 rows and their scales straight into the batch, and
+    the GPU backend decodes both on the GPU and dequantizes there: the trainer's collate of FP8Transfer's items,
+    bit for bit."""
     pair = pairs(FLAVOR_SOURCES[flavor])
-    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, num_workers=num_workers, threads=2,
-                         shuffle=False)
-    got = [flat(batch) for batch in loader]
+    workers = {"num_workers": num_workers} if decode == "cpu" else {}
+    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, decode=decode, threads=2,
+                         shuffle=False, **workers)
+    assert type(loader).__name__ == ("BatchLoader" if decode == "cpu" else "CudaBatchLoader")
+    got = [{key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in flat(batch).items()}
+           for batch in loader]
     collate = h5feed.trainer_collate(flavor, max_len,
                                      hidden_states_dtype=get_flavor(flavor).default_hidden_states_dtype)
     items = [fp8transfer_item(pair, i, flavor, max_len) for i in range(N)]
@@ -266,23 +274,21 @@ def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, flavo
         assert_same_batch(g, w)
 
 
-def test_decode_on_the_gpu_refuses_an_fp8_store(pairs, monkeypatch):
-    """Where the GPU backend is available (here: said to be), "cuda" refuses an FP8 store and "auto" reads it on
-    the CPU; what that backend reads (the compressed frames) refuses FP8 hidden states, whoever asks."""
-    from h5feed.loading import batch_loader
-
-    monkeypatch.setattr(batch_loader, "why_unavailable", lambda: None)
+def test_the_compressed_frames_of_an_fp8_store_are_its_fp8_bytes(pairs):
+    """What the GPU backend reads: an FP8 store's hidden-state frames decode (here with numcodecs, as the GPU
+    decodes them) to the FP8 bytes the rows hold, and the scales' frames to their float32 scales."""
     path = pairs("speculators-safetensors").fp8
-    with pytest.raises(StoreError) as refused:
-        BatchLoader(path, decode="cuda", flavor="speculators", max_len=64)
-    assert refused.value.problem == ("holds FP8 hidden states, which decode='cuda' cannot dequantize yet: use "
-                                     "decode='cpu' (or 'auto'), whose batches hold them dequantized")
-    with BatchLoader(path, decode="auto", flavor="speculators", max_len=64) as loader:
-        assert type(loader) is BatchLoader
-    with pytest.raises(StoreError) as refused:  # what the GPU backend reads: no FP8 frame leaves without its scales
-        Store(path).copy_frames_into(4, "aux_hidden_states", 40, np.empty(1 << 20, dtype=np.uint8))
-    assert refused.value.problem == ("holds FP8 hidden states, which decode on the GPU cannot dequantize yet: read it "
-                                     "with BatchLoader(decode='cpu')")
+    store = Store(path)
+    buffer = np.empty(1 << 20, dtype=np.uint8)
+    for array, dtype in (("aux_hidden_states", torch.float8_e4m3fn), ("hidden_states_scales", torch.float32)):
+        rows = int(store.sample_lengths[4])
+        want = torch.empty((rows, store.info.width(array)) if store.info.is_matrix(array) else (rows,),
+                           dtype=store.info.storage_dtype(array))
+        store.read_rows_into(4, array, 0, rows, want)
+        placed = store.copy_frames_into(4, array, rows, buffer)
+        decoded = b"".join(bytes(Blosc().decode(buffer[offset : offset + length])) for _, offset, length in placed)
+        assert decoded[: want.numel() * want.element_size()] == want.numpy().tobytes()
+        assert want.view(dtype).dtype == dtype
 
 
 # =========================================================================== damage

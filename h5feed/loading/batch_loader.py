@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
-from h5feed.errors import CorruptSampleError, StoreError
+from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
@@ -277,11 +277,6 @@ class BatchLoader(LoaderControls):
         taken = {name: kwargs.pop(name) for name in _GPU_DECODE_TAKES if kwargs.get(name) is not None}
         stream = stream_of(data, kwargs.pop("flavor", None), kwargs.pop("max_len", None),
                            kwargs.pop("hidden_states_dtype", None), kwargs)
-        if stream.store.info.fp8:  # dequantization on the GPU is not there yet
-            if decode == "cuda":
-                raise StoreError(stream.store.path, "holds FP8 hidden states, which decode='cuda' cannot dequantize "
-                                 "yet: use decode='cpu' (or 'auto'), whose batches hold them dequantized")
-            return super().__new__(cls)
         if decode == "auto" and store_refusal(stream.store) is not None:
             return super().__new__(cls)
         return CudaBatchLoader(stream, **taken)

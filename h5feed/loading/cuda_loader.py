@@ -17,10 +17,11 @@ event recorded after its copy to the GPU has completed.  Without CUDA or nvCOMP,
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ from h5feed.loading.delivery import Delivery, trainer_stream_waits
 from h5feed.loading.readahead import ReadAhead
 from h5feed.placement import place_items
 from h5feed.store import Store
+from h5feed.store.fp8 import dequantize_into
+from h5feed.store.layout import HIDDEN_ARRAYS, HIDDEN_SCALES
 
 _FRAME_SLACK = 4096  # bytes a Blosc frame of incompressible data may exceed its chunk by
 
@@ -62,9 +65,7 @@ class _Decoded:
 
 def store_refusal(store: Store) -> str | None:
     """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2
-    or later, exact hidden states)."""
-    if store.info.fp8:
-        return "it holds FP8 hidden states, which decode on the GPU cannot dequantize yet"
+    or later; exact or FP8 hidden states)."""
     codec = store.info.codec
     if codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded:
         return None
@@ -129,7 +130,8 @@ class CudaBatchLoader(LoaderControls):
                                        ).for_store(store.info)
         info = store.info
         self._trailing: dict[str, TensorSpec] = self.collate.trailing()
-        self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None})
+        self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None}
+                              | ({HIDDEN_SCALES} if info.fp8 else set()))  # an FP8 store's states need their scales
         longest = max((stream.tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
@@ -257,12 +259,12 @@ class CudaBatchLoader(LoaderControls):
         """Queue the group's decode on the decode stream, each frame's rows straight into their place in its batch."""
         side = self._decoder.stream
         placements: list[Placement] = []
-        casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (batch rows, decoded rows) of another dtype
+        conversions: list[Callable[[], object]] = []  # rows decoded into a temporary, then written into the batch
         results: list[_Decoded] = []
         with torch.cuda.stream(side):
             batches, first_frame = [], 0  # frames are numbered across the group, as the spans are
             for staged in group:
-                batches.append(self._placed(staged, first_frame, placements, casts) if staged.indices else None)
+                batches.append(self._placed(staged, first_frame, placements, conversions) if staged.indices else None)
                 first_frame += len(staged.spans)
             sound = [staged for staged in group if staged.indices]
             if sound:
@@ -271,8 +273,8 @@ class CudaBatchLoader(LoaderControls):
                 self._pending_timings.append(timing)
                 for staged in sound:
                     self._copied[staged.region] = timing.copy_done
-            for dest, rows in casts:
-                dest.copy_(rows)
+            for convert in conversions:
+                convert()
             for staged, placed in zip(group, batches):
                 ready = torch.cuda.Event()
                 if placed is not None:
@@ -287,11 +289,12 @@ class CudaBatchLoader(LoaderControls):
         return results
 
     def _placed(self, staged: _Staged, first_frame: int, placements: list[Placement],
-                casts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Batch, BatchPlan]:
+                conversions: list[Callable[[], object]]) -> tuple[Batch, BatchPlan]:
         """The staged batch's tensors, pads zeroed, with a placement for every decoded chunk's rows.
 
         The batch's frames are frames `first_frame`, ... of the group's decode.  Rows whose batch dtype is
-        not the stored one are decoded into a temporary and cast afterwards (`casts`)."""
+        not the stored one are decoded into a temporary and cast afterwards, and an FP8 store's hidden states
+        into temporaries with their tokens' scales, dequantized afterwards (`conversions`, on the decode stream)."""
         store, collate, info = self.dataset.store, self.collate, self.dataset.store.info
         c = info.chunk_tokens
         frame_of = {target: first_frame + f for f, target in enumerate(staged.targets)}
@@ -299,20 +302,31 @@ class CudaBatchLoader(LoaderControls):
         batch = {key: torch.empty(shape, dtype=dtype, device=self.device)
                  for key, (shape, dtype) in collate.specs(plan, self._trailing).items()}
 
+        def decode_to(n: int, array: str, lo: int, into: torch.Tensor) -> None:
+            """Stored rows [lo, lo + len(into)) of the batch's sample n's `array` decoded into `into`."""
+            row_bytes, hi = info.row_nbytes(array), lo + into.shape[0]
+            for chunk in range(lo // c, -(-hi // c)):
+                first, last = max(lo, chunk * c), min(hi, (chunk + 1) * c)
+                placements.append(Placement(frame_of[(n, array, chunk)], (first - chunk * c) * row_bytes,
+                                            into[first - lo : last - lo]))
+
         def place_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
             for rk, dest in rows.items():
                 if rk.array is None:
                     continue  # derive_rows writes these
                 stored = info.logical_dtype(rk.array)
-                into = dest if dest.dtype == stored else torch.empty(dest.shape, dtype=stored, device=self.device)
-                if into is not dest:
-                    casts.append((dest, into))
-                row_bytes = info.row_nbytes(rk.array)
-                lo, hi = rk.shift, rk.shift + dest.shape[0]  # the stored rows that land here
-                for chunk in range(lo // c, -(-hi // c)):
-                    first, last = max(lo, chunk * c), min(hi, (chunk + 1) * c)
-                    placements.append(Placement(frame_of[(n, rk.array, chunk)], (first - chunk * c) * row_bytes,
-                                                into[first - lo : last - lo]))
+                if info.fp8 and rk.array in HIDDEN_ARRAYS:
+                    fp8 = torch.empty((dest.shape[0], info.width(rk.array)), dtype=stored, device=self.device)
+                    scales = torch.empty(dest.shape[0], dtype=torch.float32, device=self.device)
+                    decode_to(n, rk.array, rk.shift, fp8)
+                    decode_to(n, HIDDEN_SCALES, rk.shift, scales)
+                    conversions.append(functools.partial(dequantize_into, fp8, scales, dest.view(fp8.shape)))
+                elif dest.dtype == stored:
+                    decode_to(n, rk.array, rk.shift, dest)
+                else:
+                    into = torch.empty(dest.shape, dtype=stored, device=self.device)
+                    decode_to(n, rk.array, rk.shift, into)
+                    conversions.append(functools.partial(dest.copy_, into))
 
         place_items(collate.row_keys, plan, batch, place_rows, windows=staged.windows)
         return batch, plan

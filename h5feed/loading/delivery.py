@@ -46,7 +46,10 @@ class Delivery(Generic[Delivered]):
     def __init__(self, source: Callable[[], Iterator[Delivered]], *,
                  on_take: Callable[[Delivered], None] | None = None, name: str = "h5feed-delivery") -> None:
         self._on_take = on_take
-        self._room = threading.Semaphore(1)  # taken by the thread for each result, given back as the trainer takes it
+        # one token: taken by the thread for each result, given back as the trainer takes it (a SimpleQueue rather
+        # than a Semaphore: its put runs in C, with no Python-level lock, on the trainer's thread)
+        self._room: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._room.put(None)
         self._ready: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=_deliver, args=(source, self._room, self._ready, self._stop),
@@ -65,35 +68,39 @@ class Delivery(Generic[Delivered]):
                 if self._on_take is not None:
                     self._on_take(delivered)  # type: ignore[arg-type]
             finally:
-                self._room.release()  # the thread goes on to the next while the trainer uses this one
+                self._room.put(None)  # the thread goes on to the next while the trainer uses this one
             yield delivered  # type: ignore[misc]
 
     def close(self) -> None:
         """Stop the thread and wait for it (it closes the source)."""
         self._stop.set()
-        self._room.release()
+        self._room.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join()
 
 
 def trainer_stream_waits(batch: Mapping[str, Any], ready: torch.cuda.Event, device: torch.device | None) -> None:
     """The trainer's current stream waits for `ready` (the batch's copy or decode; no wait here), and the batch's
-    GPU memory, made on another stream, is kept for the trainer's stream's work.  Call it on the trainer's thread."""
+    GPU memory, made on another stream, is kept for the trainer's stream's work.  Call it on the trainer's thread.
+
+    An event that has completed needs no wait (what it follows is done): the query keeps the GIL, where a wait
+    lets it go, and the trainer's thread could then wait for a reader thread to give it back."""
     consumer = torch.cuda.current_stream(device)
-    consumer.wait_event(ready)
+    if not ready.query():
+        consumer.wait_event(ready)
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.is_cuda:
             value.record_stream(consumer)
 
 
-def _deliver(source: Callable[[], Iterator[Delivered]], room: threading.Semaphore, ready: queue.SimpleQueue[object],
-             stop: threading.Event) -> None:
+def _deliver(source: Callable[[], Iterator[Delivered]], room: queue.SimpleQueue[None],
+             ready: queue.SimpleQueue[object], stop: threading.Event) -> None:
     """The thread: one result of the source per free place, until the source ends, fails or is stopped."""
     try:
         results = source()
         try:
             while True:
-                room.acquire()
+                room.get()
                 if stop.is_set():
                     return
                 result = next(results, _END)

@@ -36,7 +36,6 @@ from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
     EMPTY,
-    HIDDEN_ARRAYS,
     HIDDEN_SCALES,
     INDEX_COLUMNS,
     TOKEN_ARRAYS,
@@ -502,13 +501,10 @@ class Store:
         elsewhere (on the GPU: `h5feed.gpu_decode`).  Returns (chunk, offset in `out`, length) of each.
 
         Raises `CorruptSampleError` like the reads that decode, and ValueError when `out` is too small.
-        An FP8 store's hidden states are refused (StoreError): decoded elsewhere without their scales, they would
-        be read as other numbers.
+        An FP8 store's hidden states decode to their FP8 bytes: the numbers are those bytes times their tokens'
+        scales (`HIDDEN_SCALES`, copied the same way; `h5feed.store.fp8.dequantize_into`).
         """
         self._check_sample(i)
-        if self.info.fp8 and array in HIDDEN_ARRAYS:
-            raise StoreError(self.path, "holds FP8 hidden states, which decode on the GPU cannot dequantize yet: read "
-                             "it with BatchLoader(decode='cpu')")
         if not 0 < stop <= int(self.sample_lengths[i]):
             raise IndexError(f"rows [0, {stop}) out of range for sample {i} of {int(self.sample_lengths[i])} tokens")
         stats = stats if stats is not None else ReadStats()
