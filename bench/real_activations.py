@@ -172,7 +172,7 @@ def llama_config(hidden_size: int, layers: int, max_len: int) -> Any:
     heads = max(2, hidden_size // 64)
     return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=max(64, 8 * hidden_size // 3 // 64 * 64),
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=max_len, tie_word_embeddings=False)
+                       max_position_embeddings=max_len, tie_word_embeddings=False, use_cache=False)
 
 
 def aux_layer_indices(layers: int) -> tuple[int, int, int]:
