@@ -24,16 +24,52 @@ import torch
 
 import h5feed
 from h5feed.bench.synthetic_set import DEFAULT_SPEC
-from h5feed.store import Store, plain_allocator
+from h5feed.store import RawSample, Store, plain_allocator
 from h5feed.store.fp8 import dequantized
 from h5feed.synthetic import write_synthetic
 
 NOISE_STD = 0.05  # speculators 0.4's AddUniformNoise (examples/speculators_04.py): uniform in [-std, std]
+NOISE_RMS = NOISE_STD / 3**0.5  # the RMS of that uniform noise: 0.029
+HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
+FP8_SCALES_ARRAY = "hidden_states_scales"
 
 
-def _figures(values: torch.Tensor) -> dict[str, float]:
+def figures(values: torch.Tensor) -> dict[str, float]:
+    """Median, p99 and max of a 1-d tensor: an error's typical size and its tail."""
+    values = values.float()
     return {"median": round(float(values.median()), 5), "p99": round(float(values.quantile(0.99)), 5),
             "max": round(float(values.max()), 5)}
+
+
+def hidden_rows(raw: RawSample) -> torch.Tensor:
+    """[T, (K+1)*H]: a sample's hidden states side by side, the aux layers then the last state."""
+    return torch.cat([raw.aux_hidden_states, raw.last_hidden_state], dim=1)
+
+
+def token_errors(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of rows [T, W] (all of a token's hidden states side by side): the RMS of got - want, and that
+    RMS over want's own RMS (what the error is to the activations, whatever their scale)."""
+    want, got = want.float(), got.float()
+    squared = ((got - want) ** 2).mean(dim=1)
+    return squared.sqrt(), (squared / (want**2).mean(dim=1)).sqrt()
+
+
+def store_token_errors(exact: Store, fp8: Store) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_errors` of every token of an FP8 store (read dequantized, as loaders deliver it) against the
+    exact store of the same samples."""
+    absolute, relative = [], []
+    for i in range(len(exact)):
+        a, r = token_errors(hidden_rows(exact.read_sample(i)),
+                            hidden_rows(dequantized(fp8.read_sample(i), plain_allocator)))
+        absolute.append(a)
+        relative.append(r)
+    return torch.cat(absolute), torch.cat(relative)
+
+
+def hidden_state_bytes(store: Store) -> int:
+    """Bytes on disk of a store's hidden states (an FP8 store's with its per-token scales)."""
+    names = (*HIDDEN_ARRAYS, FP8_SCALES_ARRAY) if store.info.fp8 else HIDDEN_ARRAYS
+    return sum(f.stat().st_size for n in names for f in (Path(store.path) / n).rglob("*") if f.is_file())
 
 
 def _read_cpu_s_per_sample(store: Store, rounds: int = 3) -> float:
@@ -71,33 +107,21 @@ def main() -> None:
     tokens = int(exact.sample_lengths.sum())
     values = (exact.info.num_aux_layers + 1) * exact.info.hidden_size
     raw_bf16 = tokens * values * 2
-    abs_rms, rel_rms = [], []  # per token, over all its hidden states
-    for i in range(len(exact)):
-        want, got = exact.read_sample(i), dequantized(fp8.read_sample(i), plain_allocator)
-        w = torch.cat([want.aux_hidden_states, want.last_hidden_state], dim=1).float()
-        g = torch.cat([got.aux_hidden_states, got.last_hidden_state], dim=1).float()
-        squared = ((g - w) ** 2).mean(dim=1)
-        abs_rms.append(squared.sqrt())
-        rel_rms.append((squared / (w**2).mean(dim=1)).sqrt())
-    absolute, relative = torch.cat(abs_rms), torch.cat(rel_rms)
-    hidden = ("aux_hidden_states", "last_hidden_states")
+    absolute, relative = store_token_errors(exact, fp8)  # per token, over all its hidden states
     read_cpu = {name: _read_cpu_s_per_sample(store) for name, store in stores.items()}
-
-    def stored(store: Store, names: tuple[str, ...]) -> int:
-        return sum(f.stat().st_size for n in names for f in (Path(store.path) / n).rglob("*") if f.is_file())
-
+    exact_hidden, fp8_hidden = hidden_state_bytes(exact), hidden_state_bytes(fp8)
     print(json.dumps({
         "samples": len(exact), "tokens": tokens, "hidden_size": exact.info.hidden_size,
         "num_aux_layers": exact.info.num_aux_layers, "source": str(src), "synthetic": args.src is None,
         "raw_bf16_hidden_bytes": raw_bf16,
-        "exact_hidden_bytes": stored(exact, hidden),
-        "fp8_hidden_and_scale_bytes": stored(fp8, (*hidden, "hidden_states_scales")),
+        "exact_hidden_bytes": exact_hidden,
+        "fp8_hidden_and_scale_bytes": fp8_hidden,
         "exact_store_bytes": exact.stored_nbytes(), "fp8_store_bytes": fp8.stored_nbytes(),
-        "raw_bf16_over_exact_hidden": round(raw_bf16 / stored(exact, hidden), 3),
-        "raw_bf16_over_fp8_hidden": round(raw_bf16 / stored(fp8, (*hidden, "hidden_states_scales")), 3),
+        "raw_bf16_over_exact_hidden": round(raw_bf16 / exact_hidden, 3),
+        "raw_bf16_over_fp8_hidden": round(raw_bf16 / fp8_hidden, 3),
         "fp8_over_exact_store": round(fp8.stored_nbytes() / exact.stored_nbytes(), 3),
-        "rms_error_per_token": _figures(absolute), "relative_rms_error_per_token": _figures(relative),
-        "speculators_04_noise_rms": round(NOISE_STD / 3**0.5, 4),  # uniform in [-0.05, 0.05]
+        "rms_error_per_token": figures(absolute), "relative_rms_error_per_token": figures(relative),
+        "speculators_04_noise_rms": round(NOISE_RMS, 4),
         "read_cpu_s_per_sample": read_cpu,
     }, indent=2))
 
