@@ -330,6 +330,15 @@ def test_a_store_in_a_bucket_cannot_be_followed_and_says_why():
         HiddenStatesStream("s3://bucket/store", shuffle=False, follow=Follow())
 
 
+def test_a_batch_loader_refuses_a_following_stream_saying_to_use_stream_loader(samples, tmp_path):
+    dst = written(tmp_path / "store", samples, 2)
+    with pytest.raises(ValueError, match=r"store: a stream that follows its writer \(follow=\) is read with "
+                       "StreamLoader; BatchLoader and CudaBatchLoader deal the batches"):
+        h5feed.BatchLoader(follower(dst), batch_size=1)
+    with pytest.raises(ValueError, match="is read with StreamLoader"):
+        h5feed.BatchLoader(dst, flavor="speculators", shuffle=False, follow=Follow(), batch_size=1)
+
+
 # =========================================================================== 2. for real: two gloo ranks under DDP
 
 

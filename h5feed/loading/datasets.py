@@ -592,13 +592,20 @@ def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) 
 
 def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
               hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
-    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
-    if isinstance(data, HiddenStatesStream):
+    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments.
+    A batch loader deals the batches of a store's samples as it is opened: a stream that follows its writer is
+    refused (before a store with no sample yet is waited for)."""
+    stream = data if isinstance(data, HiddenStatesStream) else None
+    if (stream.follow if stream is not None else stream_kwargs.get("follow")) is not None:
+        where = stream.store.path if stream is not None else data.path if isinstance(data, Store) else data
+        raise ValueError(f"{where}: a stream that follows its writer (follow=) is read with StreamLoader; "
+                         "BatchLoader and CudaBatchLoader deal the batches of the samples a store holds when opened")
+    if stream is not None:
         given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
         extra = [name for name, value in given.items() if value is not None]
         if extra:
             raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
-        return data
+        return stream
     if flavor is None:
         data = _as_store(data, stream_kwargs.pop("storage_options", None), stream_kwargs.pop("cache_dir", None),
                          stream_kwargs.pop("cache_limit", None))
