@@ -22,7 +22,7 @@ from conftest import torchrun
 import h5feed
 from h5feed import Follow, HiddenStatesDataset, HiddenStatesStream, StoreError, StreamLoader, open_writer
 from h5feed.loading import follow as follow_module
-from h5feed.loading.follow import FollowedShare, followed_positions
+from h5feed.loading.follow import FollowedPositions, FollowedShare
 from h5feed.metrics import LoaderCounters
 from h5feed.synthetic import write_synthetic
 
@@ -184,8 +184,8 @@ def test_equal_per_rank_gives_every_rank_as_many_samples_as_rank_0_repeating_its
     # rounds of 3 positions: 0-2, 3-5, 6-8, 9-10 (short): rank 2 repeats position 9, the last round's first
     assert per_rank == [[[0, 3], [6, 9]], [[1, 4], [7, 10]], [[2, 5], [8, 9]]]
     assert [s.counters.snapshot().total("repeated") for s in streams] == [0, 0, 1]
-    assert "rank 2 of 3 repeats sample 9: its own sample of the last round (position 11) was not published" \
-        in caplog.text
+    assert "rank 2 of 3 repeats sample 9: its own sample of the last round (position 11) lies past where the " \
+        "stream ends" in caplog.text
     assert {s.state_dict()["position"] for s in streams} == {11}
     unequal, _ = rank_batches(dst, 3, samples, equal_per_rank=False)
     assert unequal == [[[0, 3], [6, 9]], [[1, 4], [7, 10]], [[2, 5], [8]]]  # what DDP would hang on
@@ -235,15 +235,30 @@ def test_a_worker_reads_its_own_batches_without_waiting_for_another_workers(samp
         first.start()
         second.start()
         share = FollowedShare(rank=0, world_size=1, worker=0, workers=2, batch_size=2)
-        assert list(followed_positions(store, bound, share, first)) == [0, 1, 4, 5]
+        assert list(FollowedPositions(store, bound, share, first)) == [0, 1, 4, 5]
         assert counters.snapshot().total("writer_wait_seconds") == 0.0 and counters.follow_end() == 8
         published(writer, samples, 6, 7)
         waiting = FollowedShare(rank=0, world_size=1, worker=1, workers=2, batch_size=2)
         idle = Follow(samples=8, idle_timeout=0.0, poll_s=0.01)
-        assert list(followed_positions(store, idle, waiting, second)) == [2, 3, 6]  # its 7 is not published
+        assert list(FollowedPositions(store, idle, waiting, second)) == [2, 3, 6]  # its 7 is not published
         snapshot = counters.snapshot()
         assert snapshot.workers[0].writer_wait_seconds == 0.0 < snapshot.workers[1].writer_wait_seconds
         assert counters.follow_end() == 7  # the first saw only the bound (8); the second, where the samples end
+
+
+@pytest.mark.parametrize("prefetch", [1, 4])
+def test_a_read_ahead_hands_over_what_is_published_without_waiting_for_what_is_not(samples, tmp_path, prefetch):
+    """Reading ahead draws the next sample to read; drawn before the one read was handed over, a sample not yet
+    published held back every one before it (the trainer got sample k once k + prefetch was published)."""
+    dst = tmp_path / "store"
+    with writer_for(dst) as writer:
+        published(writer, samples, 0, 4)
+        stream = follower(dst, prefetch=prefetch, follow=Follow(idle_timeout=1.0, poll_s=0.01))
+        it = iter(stream)
+        got = ids_of([next(it) for _ in range(4)], samples)
+        snapshot = stream.counters.snapshot()
+        it.close()
+    assert got == [0, 1, 2, 3] and snapshot.total("writer_wait_seconds") == 0.0
 
 
 # =========================================================================== 4. a store with no sample yet

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
-from h5feed.loading.follow import Follow, FollowedShare, check_followable, followed_positions, open_followed
+from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, check_followable, open_followed
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
@@ -424,29 +424,32 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     # --- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item | SkippedSample]:
         schedule = self.schedule
-        sequence: Iterable[int] = self._followed() if self.follow is not None else \
-            schedule.worker_sequence(*current_worker())
+        sequence: Iterable[int] = schedule.worker_sequence(*current_worker())
+        can_draw = None
+        if self.follow is not None:
+            share = FollowedShare(*schedule.rank_and_world_size(), *current_worker(), self.batch_size, schedule.start,
+                                  schedule.equal_per_rank)
+            positions = FollowedPositions(self.store, self.follow, share, self.counters.worker())
+            sequence, can_draw = self._loss_masks_checked(positions), positions.ready
         counting = get_worker_info() is None and not schedule.counted_by_loader
         if counting:
             self.begin_pass()
-        for item in self._prefetched(sequence):
+        for item in self._prefetched(sequence, can_draw):
             if counting:
                 schedule.note_consumed(1)  # before the yield: the item is the trainer's once it has it
             yield item
 
-    def _followed(self) -> Iterator[int]:
-        """This worker's samples as the writer publishes them (see `h5feed.loading.follow`), each checked for a
-        loss mask as the samples present at the start were."""
-        assert self.follow is not None
-        schedule = self.schedule
-        share = FollowedShare(*schedule.rank_and_world_size(), *current_worker(), self.batch_size, schedule.start,
-                              schedule.equal_per_rank)
-        for index in followed_positions(self.store, self.follow, share, self.counters.worker()):
+    def _loss_masks_checked(self, positions: Iterable[int]) -> Iterator[int]:
+        """A following worker's samples (`h5feed.loading.follow`), each checked for a loss mask as the samples
+        present at the start were."""
+        for index in positions:
             self._check_loss_masks(self._missing_loss_mask, [index])
             yield index
 
-    def _prefetched(self, sequence: Iterable[int]) -> Iterator[Item | SkippedSample]:
-        """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead.
+    def _prefetched(self, sequence: Iterable[int], can_draw: Callable[[], bool] | None = None,
+                    ) -> Iterator[Item | SkippedSample]:
+        """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead (drawn from
+        `sequence` once `can_draw` says the next needs no wait, while items are in flight: `ReadAhead`).
 
         Reads release the GIL (file I/O, mmap, blosc), so threads decode in parallel: in
         the trainer's own process (num_workers=0) nothing crosses a process boundary at all.
@@ -469,7 +472,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             return index, self._read_item(index, read_ahead=False)
 
         with ReadAhead(sequence, read, threads=self.threads, depth=max(self.prefetch, self.threads), announce=announce,
-                       counters=counters) as reads:  # closed also when the consumer stops early
+                       counters=counters, can_draw=can_draw) as reads:  # closed also when the consumer stops early
             for index, item in reads:
                 yield from self._delivered(index, item)
 

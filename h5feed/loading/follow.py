@@ -97,33 +97,59 @@ class FollowedShare:
         return self.start + q * self.world_size
 
 
-def followed_positions(store: Store, follow: Follow, share: FollowedShare, counters: WorkerCounters) -> Iterator[int]:
-    """The store indices this worker reads, in publication order, waiting for each of its own to be published.
+class FollowedPositions(Iterator[int]):
+    """The store indices one worker reads, in publication order, each waited for until it is published.
 
     When the stream ends, the position it ended at is recorded in `counters` (`end_follow`), for the resume
-    position; with `share.equal_per_rank`, a rank short of the last round's sample repeats the round's first."""
-    bound = follow.samples
-    for q in share.rank_items():
+    position; with `share.equal_per_rank`, a rank short of the last round's sample repeats the round's first.
+    `ready()` says whether the next index can be given without waiting: a read-ahead hands over what it has
+    read rather than wait for a sample the writer has not published (`ReadAhead(can_draw=)`)."""
+
+    def __init__(self, store: Store, follow: Follow, share: FollowedShare, counters: WorkerCounters) -> None:
+        self.store, self.follow, self.share, self.counters = store, follow, share, counters
+        self._items = share.rank_items()
+        self._q = next(self._items)  # the rank's sample number that comes next
+        self._ended = False
+
+    def __next__(self) -> int:
+        if self._ended:
+            raise StopIteration
+        share, bound, q = self.share, self.follow.samples, self._q
         position = share.position(q)
         if bound is None or position < bound:
-            if wait_for(store, position, follow, counters):
-                yield position
-                continue
-            round_exists = share.round_start(q) < len(store)  # just re-read: no second wait
-            end = len(store)
+            if wait_for(self.store, position, self.follow, self.counters):
+                self._q = next(self._items)
+                return position
+            round_exists = share.round_start(q) < len(self.store)  # just re-read: no second wait
+            end = len(self.store)
         else:  # the bound ends the rank's own samples; with equal_per_rank, the round's first says if it pads
             first = share.round_start(q)
-            round_exists = share.equal_per_rank and first < bound and wait_for(store, first, follow, counters)
+            round_exists = share.equal_per_rank and first < bound and wait_for(self.store, first, self.follow,
+                                                                                  self.counters)
             cut_short = share.equal_per_rank and first < bound and not round_exists  # the writer stopped first
-            end = len(store) if cut_short else bound
-        if share.equal_per_rank and round_exists:
-            counters.add_repeated(1)
-            log.info("%s: rank %d of %d repeats sample %d: its own sample of the last round (position %d) was not "
-                     "published, and every rank must take the same number of batches", store.path, share.rank,
-                     share.world_size, share.round_start(q), position)
-            yield share.round_start(q)
-        counters.end_follow(end)
-        return
+            end = len(self.store) if cut_short else bound
+        self._ended = True
+        self.counters.end_follow(end)
+        if not (share.equal_per_rank and round_exists):
+            raise StopIteration
+        self.counters.add_repeated(1)
+        log.info("%s: rank %d of %d repeats sample %d: its own sample of the last round (position %d) lies past "
+                 "where the stream ends, and every rank must take the same number of batches", self.store.path,
+                 share.rank, share.world_size, share.round_start(q), position)
+        return share.round_start(q)
+
+    def ready(self) -> bool:
+        """Whether `next()` returns without waiting for the writer (the store's index re-read if need be)."""
+        if self._ended:
+            return True
+        share, bound = self.share, self.follow.samples
+        position = share.position(self._q)
+        if bound is not None and position >= bound:
+            first = share.round_start(self._q)
+            if not (share.equal_per_rank and first < bound):
+                return True
+            position = first
+        return position < len(self.store) or self.store.reload() > position
 
 
 def wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounters) -> bool:
