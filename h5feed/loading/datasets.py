@@ -424,9 +424,11 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     # --- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item | SkippedSample]:
         schedule = self.schedule
-        sequence: Iterable[int] = schedule.worker_sequence(*current_worker())
-        can_draw = None
-        if self.follow is not None:
+        sequence: Iterable[int]
+        can_draw: Callable[[], bool] | None = None
+        if self.follow is None:
+            sequence = schedule.worker_sequence(*current_worker())
+        else:
             share = FollowedShare(*schedule.rank_and_world_size(), *current_worker(), self.batch_size, schedule.start,
                                   schedule.equal_per_rank)
             positions = FollowedPositions(self.store, self.follow, share, self.counters.worker())

@@ -38,6 +38,7 @@ from h5feed.io import is_remote
 from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
+from h5feed.store.reader import local_path
 from h5feed.store.writer_state import WRITER_API, current_writer
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def open_followed(location: str | os.PathLike[str], follow: Follow, **store_opti
 
     Refused at once, naming the store, when no writer holds it and nothing is published (nothing will come),
     and when `idle_timeout` passes before the first sample."""
-    path = Path(location)
+    path = local_path(location)
     since = time.monotonic()
     while True:
         writing = current_writer(path) is not None  # looked at first, as in `wait_for`
@@ -202,10 +203,9 @@ def open_followed(location: str | os.PathLike[str], follow: Follow, **store_opti
 
 def check_followable(location: Store | str | os.PathLike[str]) -> None:
     """Refuse to follow a store in a bucket, saying why, before anything is fetched."""
-    if isinstance(location, Store) and location.remote or not isinstance(location, Store) and is_remote(location):
+    remote = location.remote if isinstance(location, Store) else is_remote(location)
+    if remote:
         where = location.path if isinstance(location, Store) else location
-        raise ValueError(
-            f"{where}: follow= reads a local store while "
-            f"{WRITER_API} appends to it, and that writer writes local stores only; a store in a bucket (written "
-            "by `h5feed convert`, which publishes its index once, at the end) cannot be followed: read it without "
-            "follow= once it is written")
+        raise ValueError(f"{where}: follow= reads a local store while {WRITER_API} appends to it, and that writer "
+                         "writes local stores only; a store in a bucket (written by `h5feed convert`, which publishes "
+                         "its index once, at the end) cannot be followed: read it without follow= once it is written")

@@ -108,6 +108,12 @@ class ReadStats:
         self.bytes_delivered += nbytes
 
 
+def local_path(location: str | os.PathLike[str]) -> Path:
+    """A local store's folder, given as a path or a file:// URL."""
+    text = os.fspath(location)
+    return Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
+
+
 class Store:
     """A finished h5feed store, opened for reading (format 2, or format 1 with per-sample checksums).
 
@@ -149,8 +155,7 @@ class Store:
             self._objects = open_url(self.path, self.storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
             self.info = read_info(self._objects)
         else:
-            text = os.fspath(location)
-            self.path = Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
+            self.path = local_path(location)
             self.info = self._read_local_info()
         if self.info.status != "complete":
             running = None if self.remote else being_converted(self.path)
