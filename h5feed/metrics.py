@@ -46,6 +46,8 @@ class Field(IntEnum):
     CACHE_MISSES = 20  # objects downloaded into it
     WRITER_WAIT_SECONDS = 21  # time spent waiting for a writer to publish the next sample (a following stream)
     WRITER_WAIT_SINCE = 22  # wall time the current such wait began, 0 when none
+    REPEATED = 23  # samples a following stream repeated so that every rank takes as many (equal_per_rank)
+    FOLLOW_END = 24  # 1 + the position where this worker's following pass ended, 0 while it has not
 
 
 NUM_FIELDS = len(Field)
@@ -134,6 +136,13 @@ class WorkerCounters:
         self._add((Field.WRITER_WAIT_SECONDS, seconds))
         self._set((Field.WRITER_WAIT_SINCE, 0), (Field.LAST_PROGRESS, time.time()))
 
+    def add_repeated(self, samples: int) -> None:
+        self._add((Field.REPEATED, samples))
+
+    def end_follow(self, position: int) -> None:
+        """The following pass ended at `position` in publication order: what a resume after it starts from."""
+        self._set((Field.FOLLOW_END, position + 1))
+
     def set_queue_depth(self, depth: int) -> None:
         self._set((Field.QUEUE_DEPTH, depth))
 
@@ -163,6 +172,7 @@ class WorkerSnapshot:
     seconds_since_progress: float | None
     writer_wait_seconds: float = 0.0  # waiting for a writer to publish (a following stream), in all
     waiting_for_writer_s: float | None = None  # how long the current such wait has lasted; None: not waiting
+    repeated: int = 0  # samples repeated to even the ranks at a following stream's end
 
 
 @dataclass
@@ -178,7 +188,7 @@ class LoaderSnapshot:
             name: self.total(name)
             for name in ("samples", "tokens", "bytes_read", "bytes_delivered", "read_seconds", "decode_seconds",
                          "wait_seconds", "queue_depth", "corrupt", "requests", "network_bytes", "network_seconds",
-                         "retries", "cache_hits", "cache_misses", "writer_wait_seconds")
+                         "retries", "cache_hits", "cache_misses", "writer_wait_seconds", "repeated")
         }
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
 
@@ -214,6 +224,18 @@ class LoaderCounters:
                              f"workers; pass num_workers <= {len(self.table)}")
         return WorkerCounters(self.table[worker_id], self._lock)
 
+    def follow_end(self) -> int | None:
+        """Where the latest following pass ended, or None while no worker's has.  Workers agree but for a bound
+        that one saw before the writer stopped short of it, or an idle timeout each waits out on its own: the
+        nearest end is taken, which a resume reads again rather than skips."""
+        ends = self.table[:, Field.FOLLOW_END]
+        ended = ends[ends > 0]
+        return int(ended.min()) - 1 if len(ended) else None
+
+    def begin_follow(self) -> None:
+        """A following pass starts: the ends the workers recorded in the last one no longer hold."""
+        self.table[:, Field.FOLLOW_END] = 0
+
     def snapshot(self) -> LoaderSnapshot:
         """A copy of every active row; rates are the caller's: differences of two snapshots over their times."""
         now = time.time()
@@ -248,6 +270,7 @@ class LoaderCounters:
                     seconds_since_progress=now - row[Field.LAST_PROGRESS] if row[Field.LAST_PROGRESS] else None,
                     writer_wait_seconds=row[Field.WRITER_WAIT_SECONDS],
                     waiting_for_writer_s=now - row[Field.WRITER_WAIT_SINCE] if row[Field.WRITER_WAIT_SINCE] else None,
+                    repeated=int(row[Field.REPEATED]),
                 )
             )
         return LoaderSnapshot(now, workers)

@@ -10,7 +10,10 @@ import gzip
 import io
 import json
 import logging
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -265,3 +268,32 @@ def assert_same_batch() -> Callable[[dict[str, Any], dict[str, Any]], None]:
             _assert_same_value(got[key], value, key)
 
     return check
+
+
+# --- torchrun launches: a test file that is also the ranks' script ---------------------------------
+
+LAUNCH_TIMEOUT_S = 300  # a bound against hangs; a loaded 2-core machine takes 30-120 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, ranks: int, *args: Any, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    """`torchrun --nproc-per-node RANKS` of `script` (gloo on loopback); killed whole if it hangs, as a rank short
+    of a step at DDP's all-reduce would."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(script), *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"torchrun of {ranks} ranks hung for {timeout} s:\n{output[-4000:]}") from None
+    assert proc.returncode == 0, output[-4000:]

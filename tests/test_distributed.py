@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import LAUNCH_TIMEOUT_S, torchrun
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -39,7 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = 7
 SAMPLES = 12  # divisible by 2 and 3: every rank of either world size gets the same share
 SLOW_RANK, SLOW_S = 1, 0.2  # that rank's loader sleeps this long per sample
-LAUNCH_TIMEOUT_S = 300  # a bound against hangs; a loaded 2-core machine takes 30-120 s
 
 
 # --- the trainer, run by torchrun -----------------------------------------------------------------
@@ -121,28 +118,6 @@ def rank_main(argv: list[str]) -> None:
 # --- the tests ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(ranks: int, *args: Any, timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    """`torchrun --nproc-per-node RANKS` of this file on loopback; killed whole if it hangs."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", __file__, *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchrun of {ranks} ranks hung for {timeout} s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-4000:]
-
-
 def rank_files(out: Path, launch: str, ranks: int) -> list[dict[str, Any]]:
     seen = [json.loads((out / f"{launch}-rank{r}.json").read_text()) for r in range(ranks)]
     assert [(s["rank"], s["world_size"]) for s in seen] == [(r, ranks) for r in range(ranks)]
@@ -170,14 +145,14 @@ def launches(synthetic_store, tmp_path_factory) -> tuple[Path, dict[str, list[di
     """The three launches (2 ranks, 3 ranks resuming, 2 ranks resuming), each rank's record of what it saw."""
     store = synthetic_store("ddp", "speculators-legacy-pt", SAMPLES, 16, (20, 40)).path
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(2, "--store", store, "--out", out, "--launch", "two", "--save-epoch", 2, "--save-after", 3)
+    torchrun(Path(__file__), 2, "--store", store, "--out", out, "--launch", "two", "--save-epoch", 2, "--save-after", 3)
     two = rank_files(out, "two", 2)
     (out / "two.state.json").write_text(json.dumps(two[0]["saved"]["state"]))
-    torchrun(3, "--store", store, "--out", out, "--launch", "three", "--resume", out / "two.state.json",
+    torchrun(Path(__file__), 3, "--store", store, "--out", out, "--launch", "three", "--resume", out / "two.state.json",
              "--workers", 1, "--save-epoch", 3, "--save-after", 2)
     three = rank_files(out, "three", 3)
     (out / "three.state.json").write_text(json.dumps(three[0]["saved"]["state"]))
-    torchrun(2, "--store", store, "--out", out, "--launch", "back", "--resume", out / "three.state.json",
+    torchrun(Path(__file__), 2, "--store", store, "--out", out, "--launch", "back", "--resume", out / "three.state.json",
              "--workers", 2)
     return out, {"two": two, "three": three, "back": rank_files(out, "back", 2)}
 

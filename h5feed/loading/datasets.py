@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
-from h5feed.loading.follow import Follow, followed_positions
+from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, check_followable, open_followed
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
@@ -306,7 +307,9 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         rank, world_size: default from torch.distributed when it is initialised, else 0 and 1.
         follow: read the store while its writer appends (`h5feed.open_writer`): the samples in the order
             they were published, waiting for more until a bound (`Follow`); needs shuffle=False and a local
-            store, and the stream has no length.
+            store, and the stream has no length.  It opens once the first sample is published, each worker
+            waits only for its own samples, `state_dict()` is a position in publication order, and with
+            equal_per_rank a rank short of the last round's sample repeats one (`h5feed.loading.follow`).
     """
 
     def __init__(
@@ -335,13 +338,19 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         cache_limit: int | None = None,
         follow: Follow | None = None,
     ) -> None:
+        if follow is not None:
+            check_followable(store)
+            if shuffle or samples is not None:
+                raise ValueError("follow= reads every sample of a local store in the order they were published: "
+                                 "pass shuffle=False and no samples=")
+            if not isinstance(store, Store):  # its writer may not have published a sample yet
+                store = open_followed(store, follow, storage_options=storage_options, cache_dir=cache_dir,
+                                      cache_limit=cache_limit)
+                storage_options, cache_dir, cache_limit = None, None, None
         super().__init__(
             store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
             on_corrupt, storage_options, cache_dir, cache_limit,
         )
-        if follow is not None and (shuffle or samples is not None or self.store.remote):
-            raise ValueError("follow= reads every sample of a local store in the order they were published: "
-                             "pass shuffle=False and no samples= (a store in a bucket cannot be followed)")
         self.follow = follow
         self._missing_loss_mask = missing_loss_mask
         disk_order = None
@@ -395,9 +404,19 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         """Count items the trainer took (StreamLoader does this for you)."""
         self.schedule.note_consumed(items)
 
+    def begin_pass(self) -> None:
+        """A pass over the epoch starts (at the resume position): what the trainer took is counted from here."""
+        self.schedule.begin_pass()
+        if self.follow is not None:
+            self.counters.begin_follow()
+
     def state_dict(self) -> dict[str, Any]:
-        """Where this epoch stands: a position in the epoch order that does not depend on worker count."""
-        return self.schedule.state_dict()
+        """Where this epoch stands: a position in the epoch order that does not depend on worker count (a
+        following stream's: in publication order, clamped to where its pass ended, once it has)."""
+        if self.follow is None:
+            return self.schedule.state_dict()
+        end = self.counters.follow_end()
+        return self.schedule.state_dict(end=sys.maxsize if end is None else end)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.schedule.load_state_dict(state)
@@ -405,28 +424,34 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     # --- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item | SkippedSample]:
         schedule = self.schedule
-        sequence: Iterable[int] = self._followed() if self.follow is not None else \
-            schedule.worker_sequence(*current_worker())
+        sequence: Iterable[int]
+        can_draw: Callable[[], bool] | None = None
+        if self.follow is None:
+            sequence = schedule.worker_sequence(*current_worker())
+        else:
+            share = FollowedShare(*schedule.rank_and_world_size(), *current_worker(), self.batch_size, schedule.start,
+                                  schedule.equal_per_rank)
+            positions = FollowedPositions(self.store, self.follow, share, self.counters.worker())
+            sequence, can_draw = self._loss_masks_checked(positions), positions.ready
         counting = get_worker_info() is None and not schedule.counted_by_loader
         if counting:
-            schedule.begin_pass()
-        for item in self._prefetched(sequence):
+            self.begin_pass()
+        for item in self._prefetched(sequence, can_draw):
             if counting:
                 schedule.note_consumed(1)  # before the yield: the item is the trainer's once it has it
             yield item
 
-    def _followed(self) -> Iterator[int]:
-        """This worker's samples as the writer publishes them (see `h5feed.loading.follow`), each checked for a
-        loss mask as the samples present at the start were."""
-        assert self.follow is not None
-        rank, world = self.schedule.rank_and_world_size()
-        for index in followed_positions(self.store, self.follow, rank, world, *current_worker(), self.batch_size,
-                                        self.counters.worker()):
+    def _loss_masks_checked(self, positions: Iterable[int]) -> Iterator[int]:
+        """A following worker's samples (`h5feed.loading.follow`), each checked for a loss mask as the samples
+        present at the start were."""
+        for index in positions:
             self._check_loss_masks(self._missing_loss_mask, [index])
             yield index
 
-    def _prefetched(self, sequence: Iterable[int]) -> Iterator[Item | SkippedSample]:
-        """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead.
+    def _prefetched(self, sequence: Iterable[int], can_draw: Callable[[], bool] | None = None,
+                    ) -> Iterator[Item | SkippedSample]:
+        """Items of `sequence` in order, read by `threads` threads at most `prefetch` samples ahead (drawn from
+        `sequence` once `can_draw` says the next needs no wait, while items are in flight: `ReadAhead`).
 
         Reads release the GIL (file I/O, mmap, blosc), so threads decode in parallel: in
         the trainer's own process (num_workers=0) nothing crosses a process boundary at all.
@@ -449,7 +474,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
             return index, self._read_item(index, read_ahead=False)
 
         with ReadAhead(sequence, read, threads=self.threads, depth=max(self.prefetch, self.threads), announce=announce,
-                       counters=counters) as reads:  # closed also when the consumer stops early
+                       counters=counters, can_draw=can_draw) as reads:  # closed also when the consumer stops early
             for index, item in reads:
                 yield from self._delivered(index, item)
 
@@ -483,7 +508,7 @@ class StreamLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         stream: HiddenStatesStream = self.dataset  # type: ignore[assignment]
-        stream.schedule.begin_pass()
+        stream.begin_pass()
         iterator = super().__iter__()
         with naming_dead_workers(iterator, stream):
             for batch in iterator:
@@ -572,13 +597,20 @@ def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) 
 
 def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
               hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
-    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments."""
-    if isinstance(data, HiddenStatesStream):
+    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments.
+    A batch loader deals the batches of a store's samples as it is opened: a stream that follows its writer is
+    refused (before a store with no sample yet is waited for)."""
+    stream = data if isinstance(data, HiddenStatesStream) else None
+    if (stream.follow if stream is not None else stream_kwargs.get("follow")) is not None:
+        where = stream.store.path if stream is not None else data.path if isinstance(data, Store) else data
+        raise ValueError(f"{where}: a stream that follows its writer (follow=) is read with StreamLoader; "
+                         "BatchLoader and CudaBatchLoader deal the batches of the samples a store holds when opened")
+    if stream is not None:
         given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
         extra = [name for name, value in given.items() if value is not None]
         if extra:
             raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
-        return data
+        return stream
     if flavor is None:
         data = _as_store(data, stream_kwargs.pop("storage_options", None), stream_kwargs.pop("cache_dir", None),
                          stream_kwargs.pop("cache_limit", None))

@@ -6,23 +6,42 @@ stream given `follow=Follow(...)` reads the samples in the order they were publi
 has read them all, waits for more (re-reading the store's small index), until a bound: the writer
 let the store go with nothing left unread, a number of samples, or a time without a new one.
 
-The order is publication order, sharded as every schedule is: rank r of W takes the samples whose
-position p has p % W == r, and worker w of K the batches j of its rank's samples with j % K == w,
-so the DataLoader hands the rank's samples over in order.  The time workers wait for the writer is
-counted (`writer_wait_seconds`), so the monitor can tell waiting for the writer from waiting for
-the disk.
+The order is publication order from the pass's start position s, sharded as every schedule is:
+rank r of W takes positions s + q*W + r (its q-th sample), and worker w of K the batches j of its
+rank's samples with j % K == w, so the DataLoader hands the rank's samples over in order.  A worker
+waits only for the samples it reads: another rank's, or another worker's, never hold it up, and
+only its own waits count as waiting for the writer (`writer_wait_seconds`), which the monitor tells
+from waiting for the disk.
+
+Where the stream ends, ranks must agree on their count, or DDP waits forever for the rank that has
+no batch left.  With `equal_per_rank`, each rank takes as many samples as rank 0, which holds the
+first position of every round of W: a rank whose own sample of the last round was not published
+repeats that round's first sample (at most one repeat a rank, counted and logged, as
+DistributedSampler pads).  A rank learns that the round exists from its own sample's wait, since
+positions are published in order; only when the `samples` bound falls inside the round does it
+wait for the round's first position instead.  Ranks agree when the stream ends by the bound or by
+the writer letting the store go (its count is final then); an `idle_timeout` is each rank's own.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from h5feed.errors import StoreError
+from h5feed.io import is_remote
 from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
-from h5feed.store.writer_state import current_writer
+from h5feed.store.layout import read_info
+from h5feed.store.reader import local_path
+from h5feed.store.writer_state import WRITER_API, current_writer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,10 +49,11 @@ class Follow:
     """How long a stream follows its store's writer.
 
     Args:
-        samples: stop after this many samples in all (every rank's), published or not yet; None: no bound.
-            Several ranks should give one (a multiple of world size x batch size): a stream that ends when
-            the writer does may give ranks one batch more or less, and DDP waits for the rank that has none.
+        samples: stop after this many samples in all (every rank's, positions in publication order), published
+            or not yet; None: no bound.
         idle_timeout: stop when no new sample has been published for this many seconds; None: no bound.
+            Each worker of each rank times out on its own: several ranks should end by `samples` or by
+            the writer letting the store go, on which they agree.
         poll_s: seconds between looks at the store's index while waiting.
 
     With neither bound, the stream ends once no writer holds the store and every published sample is read.
@@ -50,22 +70,94 @@ class Follow:
             raise ValueError("Follow's poll_s must be positive and idle_timeout >= 0")
 
 
-def followed_positions(store: Store, follow: Follow, rank: int, world: int, worker: int, workers: int,
-                       batch_size: int, counters: WorkerCounters, start: int = 0) -> Iterator[int]:
-    """The store indices this worker reads, in publication order from position `start`, waiting for each
-    one to be published (see the module docstring)."""
-    position = start
-    while follow.samples is None or position < follow.samples:
-        if position >= len(store) and not _wait_for(store, position, follow, counters):
-            return
-        q, mine = divmod(position, world)
-        if mine == rank and (q // batch_size) % workers == worker:
-            yield position
-        position += 1
+@dataclass(frozen=True)
+class FollowedShare:
+    """One worker's share of the publication order from position `start` (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    worker: int
+    workers: int
+    batch_size: int
+    start: int = 0
+    equal_per_rank: bool = False
+
+    def rank_items(self) -> Iterator[int]:
+        """The numbers q of the rank's samples this worker reads, in order: its batches', one after another."""
+        batch = self.worker
+        while True:
+            yield from range(batch * self.batch_size, (batch + 1) * self.batch_size)
+            batch += self.workers
+
+    def position(self, q: int) -> int:
+        """The publication position of the rank's q-th sample."""
+        return self.round_start(q) + self.rank
+
+    def round_start(self, q: int) -> int:
+        """The first position of round q (rank 0's q-th sample): every rank has a q-th sample iff it exists."""
+        return self.start + q * self.world_size
 
 
-def _wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounters) -> bool:
-    """Wait until sample `position` is published; False once it will not be (a bound was reached)."""
+class FollowedPositions(Iterator[int]):
+    """The store indices one worker reads, in publication order, each waited for until it is published.
+
+    When the stream ends, the position it ended at is recorded in `counters` (`end_follow`), for the resume
+    position; with `share.equal_per_rank`, a rank short of the last round's sample repeats the round's first.
+    `ready()` says whether the next index can be given without waiting: a read-ahead hands over what it has
+    read rather than wait for a sample the writer has not published (`ReadAhead(can_draw=)`)."""
+
+    def __init__(self, store: Store, follow: Follow, share: FollowedShare, counters: WorkerCounters) -> None:
+        self.store, self.follow, self.share, self.counters = store, follow, share, counters
+        self._items = share.rank_items()
+        self._q = next(self._items)  # the rank's sample number that comes next
+        self._ended = False
+
+    def __next__(self) -> int:
+        if self._ended:
+            raise StopIteration
+        share, bound, q = self.share, self.follow.samples, self._q
+        position = share.position(q)
+        if bound is None or position < bound:
+            if wait_for(self.store, position, self.follow, self.counters):
+                self._q = next(self._items)
+                return position
+            round_exists = share.round_start(q) < len(self.store)  # just re-read: no second wait
+            end = len(self.store)
+        else:  # the bound ends the rank's own samples; with equal_per_rank, the round's first says if it pads
+            first = share.round_start(q)
+            round_exists = share.equal_per_rank and first < bound and wait_for(self.store, first, self.follow,
+                                                                                  self.counters)
+            cut_short = share.equal_per_rank and first < bound and not round_exists  # the writer stopped first
+            end = len(self.store) if cut_short else bound
+        self._ended = True
+        self.counters.end_follow(end)
+        if not (share.equal_per_rank and round_exists):
+            raise StopIteration
+        self.counters.add_repeated(1)
+        log.info("%s: rank %d of %d repeats sample %d: its own sample of the last round (position %d) lies past "
+                 "where the stream ends, and every rank must take the same number of batches", self.store.path,
+                 share.rank, share.world_size, share.round_start(q), position)
+        return share.round_start(q)
+
+    def ready(self) -> bool:
+        """Whether `next()` returns without waiting for the writer (the store's index re-read if need be)."""
+        if self._ended:
+            return True
+        share, bound = self.share, self.follow.samples
+        position = share.position(self._q)
+        if bound is not None and position >= bound:
+            first = share.round_start(self._q)
+            if not (share.equal_per_rank and first < bound):
+                return True
+            position = first
+        return position < len(self.store) or self.store.reload() > position
+
+
+def wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounters) -> bool:
+    """Whether sample `position` is published, waiting for it (the wait counted as the writer's); False once it
+    will not be: the writer let the store go without it, or `idle_timeout` passed with no new sample."""
+    if position < len(store):
+        return True
     since = time.monotonic()
     counters.begin_writer_wait()
     try:
@@ -80,3 +172,40 @@ def _wait_for(store: Store, position: int, follow: Follow, counters: WorkerCount
             time.sleep(follow.poll_s)
     finally:
         counters.end_writer_wait(time.monotonic() - since)
+
+
+def open_followed(location: str | os.PathLike[str], follow: Follow, **store_options: Any) -> Store:
+    """The local store at `location`, opened once its writer has published a first sample: a follower may start
+    before it (a store with none is refused to plain readers as unfinished).
+
+    Refused at once, naming the store, when no writer holds it and nothing is published (nothing will come),
+    and when `idle_timeout` passes before the first sample."""
+    path = local_path(location)
+    since = time.monotonic()
+    while True:
+        writing = current_writer(path) is not None  # looked at first, as in `wait_for`
+        if (path / "zarr.json").is_file() and read_info(path).status == "complete":
+            return Store(path, **store_options)
+        if not writing:
+            if path.is_dir() and not any(path.iterdir()):
+                raise StoreError(path, "nothing was ever published in it (an open_writer that appended no sample "
+                                 "leaves an empty folder) and no writer holds it: start the writer, then follow it")
+            if not (path / "zarr.json").is_file():
+                return Store(path, **store_options)  # not a store at all: its own error says so
+            raise StoreError(path, f"no writer holds it and it has no published sample: its writer ({WRITER_API}) "
+                             "let it go before publishing one; nothing will come to follow. Append samples with "
+                             "open_writer on it again, then follow it")
+        if follow.idle_timeout is not None and time.monotonic() - since >= follow.idle_timeout:
+            raise StoreError(path, f"its writer published no sample in {follow.idle_timeout} s (Follow's "
+                             "idle_timeout); it still holds the store: wait longer, or look at why it is slow")
+        time.sleep(follow.poll_s)
+
+
+def check_followable(location: Store | str | os.PathLike[str]) -> None:
+    """Refuse to follow a store in a bucket, saying why, before anything is fetched."""
+    remote = location.remote if isinstance(location, Store) else is_remote(location)
+    if remote:
+        where = location.path if isinstance(location, Store) else location
+        raise ValueError(f"{where}: follow= reads a local store while {WRITER_API} appends to it, and that writer "
+                         "writes local stores only; a store in a bucket (written by `h5feed convert`, which publishes "
+                         "its index once, at the end) cannot be followed: read it without follow= once it is written")

@@ -57,13 +57,18 @@ class ReadAhead(Generic[Work, Result]):
     the reads share (a slot of a ring), which the consumer holds until it takes the next.  The time
     the consumer waits for a result, and how many are ready, go to `counters` when given.  `close()`
     (or the end of a `with` block) drops what was not started and waits for what was.
+
+    Drawing a piece of work may wait (a following stream's next sample, not yet published).  `can_draw`, when
+    given, says whether the next piece can be drawn now: while results are in flight, one that cannot is
+    drawn later, so a result already read is never held back behind work that does not exist yet.
     """
 
     def __init__(self, work: Iterable[Work], read: Callable[[Work], Result], *, threads: int, depth: int,
                  announce: Callable[[Work], None] | None = None, counters: WorkerCounters | None = None,
-                 held: bool = False, name: str = "h5feed-read") -> None:
+                 held: bool = False, name: str = "h5feed-read", can_draw: Callable[[], bool] | None = None) -> None:
         self._upcoming = iter(work)
         self._read, self._announce, self._counters = read, announce, counters
+        self._can_draw, self._owed = can_draw, 0  # pieces to draw once `can_draw` says they can be
         self._held, self._holding = held, False
         self._in_flight: deque[Future[Result]] = deque()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=name)
@@ -72,6 +77,20 @@ class ReadAhead(Generic[Work, Result]):
             self._submit_next()
 
     def _submit_next(self) -> None:
+        if self._can_draw is None:
+            self._draw()
+            return
+        self._owed += 1
+        self._draw_owed(wait=False)  # a result may be on its way to the consumer: never wait here
+
+    def _draw_owed(self, wait: bool = True) -> None:
+        """Draw the pieces owed that can be drawn now; with `wait` and nothing in flight, one whatever the wait
+        (the consumer has nothing else to take)."""
+        while self._owed and self._can_draw is not None and (self._can_draw() or wait and not self._in_flight):
+            self._owed -= 1
+            self._draw()
+
+    def _draw(self) -> None:
         for work in self._upcoming:
             piece = _Piece(work)
             if self._announcer is not None:  # what it raises is left to the read that follows to report
@@ -101,6 +120,7 @@ class ReadAhead(Generic[Work, Result]):
     def take(self) -> Result:
         """The next result, waited for; the next piece of work starts."""
         self._give_up_held()
+        self._draw_owed()
         t0 = time.perf_counter()
         result = self._in_flight.popleft().result()
         waited = time.perf_counter() - t0
@@ -115,6 +135,7 @@ class ReadAhead(Generic[Work, Result]):
     def __iter__(self) -> Iterator[Result]:
         while True:
             self._give_up_held()
+            self._draw_owed()
             if not self._in_flight:
                 return
             yield self.take()

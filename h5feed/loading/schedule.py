@@ -124,10 +124,13 @@ class SampleSchedule:
         """Count samples the trainer has passed (taken, or skipped as damaged)."""
         self.consumed += samples
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this epoch stands: a position in the epoch order that does not depend on the worker count."""
+    def state_dict(self, end: int | None = None) -> dict[str, Any]:
+        """Where this epoch stands: a position in the epoch order that does not depend on the worker count.
+
+        Only a rank's last batch can be short, and it is counted whole: the position is clamped to where the
+        order ends, `end` (a following stream's, which grows with its store), else the selection's length."""
         _, world = self.rank_and_world_size()
-        position = min(self.start + self.consumed * world, len(self.indices))
+        position = min(self.start + self.consumed * world, len(self.indices) if end is None else end)
         return {"epoch": self.epoch, "seed": self.seed, "position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

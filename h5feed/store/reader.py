@@ -40,6 +40,7 @@ from h5feed.store.layout import (
     INDEX_COLUMNS,
     TOKEN_ARRAYS,
     IndexDigest,
+    StoreInfo,
     crc32c,
     decode_shard_index,
     edited_hint,
@@ -60,7 +61,7 @@ from h5feed.store.sources import (
     read_ahead,
     zarr_store,
 )
-from h5feed.store.writer_state import being_converted
+from h5feed.store.writer_state import WRITER_API, WRITER_SOURCE, being_converted
 
 log = logging.getLogger(__name__)
 _BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
@@ -106,6 +107,12 @@ class ReadStats:
         self.bytes_delivered += nbytes
 
 
+def local_path(location: str | os.PathLike[str]) -> Path:
+    """A local store's folder, given as a path or a file:// URL."""
+    text = os.fspath(location)
+    return Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
+
+
 class Store:
     """A finished h5feed store, opened for reading (format 2, or format 1 with per-sample checksums).
 
@@ -147,13 +154,12 @@ class Store:
             self._objects = open_url(self.path, self.storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
             self.info = read_info(self._objects)
         else:
-            text = os.fspath(location)
-            self.path = Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
-            self.info = read_info(self.path)
+            self.path = local_path(location)
+            self.info = self._read_local_info()
         if self.info.status != "complete":
             running = None if self.remote else being_converted(self.path)
             raise StoreError(self.path, f"conversion has not finished (status {self.info.status!r}); "
-                             + (running or "run the same `h5feed convert` command again to resume it"))
+                             + (running or self._resume_hint()))
         if num_samples is not None and not 0 <= num_samples <= self.info.num_samples:
             raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
         self._load_index(self.info.num_samples if num_samples is None else num_samples)
@@ -166,6 +172,23 @@ class Store:
             self._check_stored_width(int(np.argmax(self.sample_lengths)))
         self._scratch = threading.local()
         self._warned_unchecked = False
+
+    def _read_local_info(self) -> StoreInfo:
+        """The attributes of a local store; one a writer holds before its first sample has none yet: say so."""
+        try:
+            return read_info(self.path)
+        except StoreError:
+            running = being_converted(self.path)
+            if running is None or (Path(self.path) / "zarr.json").is_file():
+                raise
+            raise StoreError(self.path, f"has no sample yet; {running}") from None
+
+    def _resume_hint(self) -> str:
+        """What to do with an unfinished store no writer holds: resume the writer that made it."""
+        if self.info.source_root == WRITER_SOURCE:
+            return (f"its writer ({WRITER_API}) let it go before publishing a sample: open_writer on it again "
+                    "appends after the samples it journaled")
+        return "run the same `h5feed convert` command again to resume it"
 
     def __getstate__(self) -> dict[str, Any]:
         return {"location": self.path, "checked": self.checked, "storage_options": self.storage_options,
