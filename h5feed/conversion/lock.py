@@ -42,6 +42,7 @@ from h5feed.errors import StoreError
 from h5feed.store.writer_state import (
     CONVERTER,
     LOCK_FILE,
+    WRITER_API,
     WriterFiles,
     current_writer,
     describe_writer,
@@ -73,14 +74,13 @@ class WriterLock:
         self._info: dict[str, Any] = {}
 
     @classmethod
-    def acquire(cls, store: Path, by: str = CONVERTER) -> WriterLock:
-        """Take the store's lock for the writer `by` (what errors call it), or raise StoreError naming the
-        writer that holds it."""
+    def acquire(cls, store: Path) -> WriterLock:
+        """Take the store's lock for `h5feed convert`, or raise StoreError naming the writer(s) that hold it."""
         store.mkdir(parents=True, exist_ok=True)
         fd = _take(store / LOCK_FILE, fcntl.LOCK_EX, lambda fd: _refusal(store, current_writer(store) or read_holder(fd)))
         lock = cls(store / LOCK_FILE, fd)
         remove_orphaned_semaphores(read_holder(fd).get("semaphores", []))  # a killed writer's leftovers
-        lock._write({"by": by, **_this_process()})
+        lock._write({"by": CONVERTER, **_this_process()})
         return lock
 
     @classmethod
@@ -92,18 +92,18 @@ class WriterLock:
                                             lambda fd: _refusal(store, read_holder(fd))), shared=True)
 
     @classmethod
-    def of_writer(cls, files: WriterFiles, by: str) -> WriterLock:
+    def of_writer(cls, files: WriterFiles) -> WriterLock:
         """Take the lock of one writer id, or raise StoreError naming the process that writes as that id."""
         files.lock.parent.mkdir(parents=True, exist_ok=True)
 
         def refusal(fd: int) -> StoreError:
             holder = read_holder(fd)
-            return StoreError(files.store, f"another {by} ({describe_writer(holder)}) is writing this store as "
+            return StoreError(files.store, f"another {WRITER_API} ({describe_writer(holder)}) is writing this store as "
                               f"{files.name}: give each writer that appends at the same time an id of its own "
                               "(open_writer(store, writer=\"rank0\"), ...), or wait for that one to finish")
 
         lock = cls(files.lock, _take(files.lock, fcntl.LOCK_EX, refusal))
-        lock._write({"by": by, "writer": files.writer, **_this_process()})
+        lock._write({"by": WRITER_API, "writer": files.writer, **_this_process()})
         return lock
 
     def record_semaphores(self) -> None:

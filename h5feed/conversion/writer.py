@@ -74,7 +74,6 @@ from h5feed.store.writer_state import (
     PLAN_FILE,
     PUBLISH_LOCK,
     ROWS_LOCK,
-    WRITER_API,
     WRITER_ID,
     WRITER_SOURCE,
     WRITERS_DIR,
@@ -176,7 +175,7 @@ class StoreWriter:
         self._journal: IO[str] | None = None
         self._locks = ExitStack()
         try:  # its id first, then the store: a probe that finds the store held finds who holds it
-            self._locks.enter_context(WriterLock.of_writer(self.files, WRITER_API))
+            self._locks.enter_context(WriterLock.of_writer(self.files))
             self._locks.enter_context(WriterLock.share(path))
             self._resume()
         except BaseException:
