@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
 STALE_AFTER_S = 300.0  # a bucket lock not rewritten for this long is taken over
-PATIENCE_S = 1.0  # how long a local lock is asked for again before its holder is named
+PATIENCE_S = 1.0  # how long a writer asks for a local lock again before naming its holder
 _SHM = Path("/dev/shm")
 
 
@@ -77,7 +77,8 @@ class WriterLock:
     def acquire(cls, store: Path) -> WriterLock:
         """Take the store's lock for `h5feed convert`, or raise StoreError naming the writer(s) that hold it."""
         store.mkdir(parents=True, exist_ok=True)
-        fd = _take(store / LOCK_FILE, fcntl.LOCK_EX, lambda fd: _refusal(store, current_writer(store) or read_holder(fd)))
+        fd = _take(store / LOCK_FILE, fcntl.LOCK_EX, lambda fd: _refusal(store, current_writer(store) or read_holder(fd)),
+                   patience_s=0.0)  # another converter is refused at once, as it always was
         lock = cls(store / LOCK_FILE, fd)
         remove_orphaned_semaphores(read_holder(fd).get("semaphores", []))  # a killed writer's leftovers
         lock._write({"by": CONVERTER, **_this_process()})
@@ -88,8 +89,8 @@ class WriterLock:
         """Hold the store's lock with the store's other `open_writer` writers, or raise StoreError naming the
         `h5feed convert` that holds it."""
         store.mkdir(parents=True, exist_ok=True)
-        return cls(store / LOCK_FILE, _take(store / LOCK_FILE, fcntl.LOCK_SH,
-                                            lambda fd: _refusal(store, read_holder(fd))), shared=True)
+        return cls(store / LOCK_FILE, _take(store / LOCK_FILE, fcntl.LOCK_SH, lambda fd: _refusal(store, read_holder(fd)),
+                                            patience_s=PATIENCE_S), shared=True)
 
     @classmethod
     def of_writer(cls, files: WriterFiles) -> WriterLock:
@@ -102,7 +103,7 @@ class WriterLock:
                               f"{files.name}: give each writer that appends at the same time an id of its own "
                               "(open_writer(store, writer=\"rank0\"), ...), or wait for that one to finish")
 
-        lock = cls(files.lock, _take(files.lock, fcntl.LOCK_EX, refusal))
+        lock = cls(files.lock, _take(files.lock, fcntl.LOCK_EX, refusal, patience_s=PATIENCE_S))
         lock._write({"by": WRITER_API, "writer": files.writer, **_this_process()})
         return lock
 
@@ -147,10 +148,10 @@ def held_briefly(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _take(path: Path, mode: int, refusal: Callable[[int], StoreError]) -> int:
+def _take(path: Path, mode: int, refusal: Callable[[int], StoreError], patience_s: float) -> int:
     """An fd of `path` flock'd in `mode`, or raise `refusal(fd)` while another holds it.  Asked again for
-    `PATIENCE_S`: a reader's probe, or a writer letting the store go, holds a lock for an instant only."""
-    deadline = time.monotonic() + PATIENCE_S
+    `patience_s`: a reader's probe, or a writer letting the store go, holds a lock for an instant only."""
+    deadline = time.monotonic() + patience_s
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
