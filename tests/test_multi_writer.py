@@ -269,7 +269,8 @@ def legacy_store(tmp_path: Path, n: int, published: int) -> Path:
     shutil.copytree(tmp_path / "published" / "index", dst / "index")
     shutil.copy(tmp_path / "published" / "zarr.json", dst / "zarr.json")
     shutil.rmtree(dst / WRITERS_DIR)
-    records = [{k: v for k, v in r.items() if k != "block_end"} for r in journal_records(dst / JOURNAL_FILE) if "i" in r]
+    records = [{k: v for k, v in r.items() if k != "block_end"}
+               for r in journal_records(dst / JOURNAL_FILE) if "i" in r]  # an earlier writer's: samples only
     (dst / JOURNAL_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
     grow_arrays(dst, 2 * array_rows(dst), durable=False)  # it doubled them when outgrown
     (dst / LOCK_FILE).write_text(json.dumps({"by": "`h5feed.open_writer`", "host": "gone", "pid": 1,

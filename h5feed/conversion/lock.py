@@ -4,10 +4,11 @@ The lock is a file inside the store, `h5feed-writer.lock`, held with `flock`
 for the writer's lifetime and holding who the writer is (host, pid, start
 time).  `h5feed.open_writer` writers hold the same file with a shared `flock`,
 several at once, so that a converter and writers exclude each other; each one
-also holds a lock of its own id (`WriterLock.of_writer`).  The kernel drops a `flock` when its process dies, however it dies, so
-a lock left by a killed converter is free to the next one with no guess about
-pids (a pid can be reused; a flock cannot outlive its holder), and no second
-writer can take it while the first lives.  The writer also records the named
+also holds a lock of its own id (`WriterLock.of_writer`).  The kernel drops a
+`flock` when its process dies, however it dies, so a lock left by a killed
+converter is free to the next one with no guess about pids (a pid can be
+reused; a flock cannot outlive its holder), and no second writer can take it
+while the first lives.  The writer also records the named
 POSIX semaphores its process pool created, so that the next writer can remove
 the ones a SIGKILL left in /dev/shm: only those, and only when no process maps
 them any more.
@@ -77,8 +78,10 @@ class WriterLock:
     def acquire(cls, store: Path) -> WriterLock:
         """Take the store's lock for `h5feed convert`, or raise StoreError naming the writer(s) that hold it."""
         store.mkdir(parents=True, exist_ok=True)
-        fd = _take(store / LOCK_FILE, fcntl.LOCK_EX, lambda fd: _refusal(store, current_writer(store) or read_holder(fd)),
-                   patience_s=0.0)  # another converter is refused at once, as it always was
+        def refusal(fd: int) -> StoreError:
+            return _refusal(store, current_writer(store) or read_holder(fd))
+
+        fd = _take(store / LOCK_FILE, fcntl.LOCK_EX, refusal, patience_s=0.0)  # a second converter: refused at once
         lock = cls(store / LOCK_FILE, fd)
         remove_orphaned_semaphores(read_holder(fd).get("semaphores", []))  # a killed writer's leftovers
         lock._write({"by": CONVERTER, **_this_process()})
@@ -89,8 +92,8 @@ class WriterLock:
         """Hold the store's lock with the store's other `open_writer` writers, or raise StoreError naming the
         `h5feed convert` that holds it."""
         store.mkdir(parents=True, exist_ok=True)
-        return cls(store / LOCK_FILE, _take(store / LOCK_FILE, fcntl.LOCK_SH, lambda fd: _refusal(store, read_holder(fd)),
-                                            patience_s=PATIENCE_S), shared=True)
+        fd = _take(store / LOCK_FILE, fcntl.LOCK_SH, lambda fd: _refusal(store, read_holder(fd)), patience_s=PATIENCE_S)
+        return cls(store / LOCK_FILE, fd, shared=True)
 
     @classmethod
     def of_writer(cls, files: WriterFiles) -> WriterLock:

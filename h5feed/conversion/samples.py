@@ -316,7 +316,8 @@ def differing_settings(info: StoreInfo, asked: Mapping[str, Any]) -> tuple[str, 
     if info.lossy or (info.fp8 and asked.get("precision") == "fp8"):
         have["precision"] = "fp8"
     wanted = {**asked, "codec": chunk_codec(asked["codec"])}
-    wanted = {key: value for key, value in wanted.items() if value is not None and (key, value) != ("precision", "exact")}
+    wanted = {key: value for key, value in wanted.items()
+              if value is not None and (key, value) != ("precision", "exact")}  # unstated, as the store leaves them
     if have == wanted:
         return None
 
