@@ -30,6 +30,7 @@ from h5feed.store.writer_state import (
     LOCK_FILE,
     WRITERS_DIR,
     WriterFiles,
+    being_converted,
     current_writer,
     journal_records,
     read_journal,
@@ -297,6 +298,9 @@ def test_convert_and_the_writers_exclude_each_other_and_readers_are_told_who_wri
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, "speculators-legacy-pt", 2, H, lengths=(4, 8), seed=1)
     a = open_writer(dst, writer="a", chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=100)
+    assert being_converted(dst) == (f"it is being written now by `h5feed.open_writer` (writer 'a', host "
+                                    f"{os.uname().nodename}, pid {os.getpid()}, started at "
+                                    f"{current_writer(dst)['started_at']}): no sample written yet; wait for it to finish")
     b = open_writer(dst, writer="b", chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=100)
     a.append(make_sample(0, 0), name="a0")
     b.append(make_sample(0, 1), name="b0")

@@ -167,5 +167,6 @@ def being_converted(store: str | os.PathLike[str]) -> str | None:
         progress = f": {len(read_journal(path))} of {total} samples done"
     except (OSError, ValueError, KeyError, TypeError):  # still planning, or writers that have no plan
         written = sum(len(read_journal(path, journal)) for journal in writer_journals(path))
-        progress = f": {written} samples written so far" if written else ": planning"
+        idle = ": planning" if writer.get("by", CONVERTER) == CONVERTER else ": no sample written yet"
+        progress = f": {written} samples written so far" if written else idle
     return f"it is being written now by {writer.get('by', CONVERTER)} ({who}){progress}; wait for it to finish"
