@@ -194,7 +194,7 @@ class StoreWriter:
                 self._rows.append(IndexRow(record["start"], record["num_tokens"], record["i"], record["name"],
                                            record["checksum"], record["has_loss_mask"]))
                 self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
-                self._block_end = record.get("block_end", self._next_row)  # a journal of before blocks: no more
+                self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
         with held_briefly(self._shared_lock(ROWS_LOCK)):
             self._remove_partial_writes()
         begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
