@@ -7,17 +7,25 @@ data wait is measured by `tests/test_writer.py` and the example, not here.  With
 lie on the GPU, as an extraction's do: the `.pt` side copies them to the host before `torch.save` (as the
 pipelines' scripts do), the writer is handed the CUDA tensors.
 
+`--writers N` also times N writer processes appending to one store at once (`open_writer(writer=...)`, each
+its share of the samples, made in the process before the clock starts, its share of the cores for torch's
+threads) against one writer process appending them all: samples/s in all, from the first append to the last
+close.
+
     python bench/writer_bench.py --samples 8 --out /tmp/writer_bench [--device cuda]
+    python bench/writer_bench.py --samples 32 --writers 4 --hidden-size 1024 --out /tmp/writer_bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -70,6 +78,39 @@ def timed_writer(samples: list[dict], store: Path, publish_every: int) -> tuple[
     return time.perf_counter() - t0, sum(proc.cpu_times()[:2]) - cpu0, writer.report
 
 
+def append_share(store: str, writer: str | None, seeds: list[int], shape: dict[str, Any], publish_every: int,
+                 ready: Any, times: Any) -> None:
+    """One writer process: makes its samples, waits for the others, appends them; reports (start, end, tokens).
+    Its torch threads are its share of the cores: a process each with all of them spin against each other."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ready.parties))
+    samples = [make_samples(1, seed=seed, **shape)[0] for seed in seeds]
+    ready.wait()
+    start = time.monotonic()
+    with h5feed.open_writer(store, writer=writer, publish_every=publish_every) as w:
+        for seed, sample in zip(seeds, samples):
+            w.append(sample, name=f"sample-{seed}")
+    times.put((start, time.monotonic(), w.report.tokens))
+
+
+def timed_processes(store: Path, writers: int, samples: int, shape: dict[str, Any], publish_every: int) -> dict:
+    """`writers` processes appending `samples` samples in all to one store: samples/s from the first append on."""
+    spawn = multiprocessing.get_context("spawn")
+    ready, times = spawn.Barrier(writers), spawn.Queue()
+    ids = [None] if writers == 1 else [f"w{w}" for w in range(writers)]
+    processes = [spawn.Process(target=append_share, args=(str(store), ids[w], list(range(w, samples, writers)), shape,
+                                                          publish_every, ready, times)) for w in range(writers)]
+    for process in processes:
+        process.start()
+    spans = [times.get(timeout=3600) for _ in processes]
+    for process in processes:
+        process.join()
+        if process.exitcode != 0:
+            raise SystemExit(f"a writer process exited with {process.exitcode}")
+    seconds = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    return {"writers": writers, "seconds": seconds, "samples_per_s": samples / seconds,
+            "tokens_per_s": sum(tokens for *_, tokens in spans) / seconds, "samples_in_store": len(h5feed.Store(store))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=8)
@@ -77,6 +118,7 @@ def main() -> None:
     p.add_argument("--aux-layers", type=int, default=3)
     p.add_argument("--tokens", default="1500:1900")
     p.add_argument("--publish-every", type=int, default=16)
+    p.add_argument("--writers", type=int, default=0, help="also time N writer processes into one store against one")
     p.add_argument("--out", type=Path, default=Path("/tmp/writer_bench"))
     p.add_argument("--device", default="cpu", help="where the samples lie when they are saved (cuda: an extraction's)")
     args = p.parse_args()
@@ -99,6 +141,12 @@ def main() -> None:
                    "append_ms_per_sample": 1e3 * report.seconds / args.samples, "disk_MB": store_bytes / 1e6},
         "disk_ratio_pt_over_store": pt_bytes / store_bytes,
     }
+    if args.writers > 1:
+        shape = {"hidden": args.hidden_size, "aux": args.aux_layers, "lengths": (low, high)}
+        one = timed_processes(args.out / "one.zarr", 1, args.samples, shape, args.publish_every)
+        several = timed_processes(args.out / "several.zarr", args.writers, args.samples, shape, args.publish_every)
+        result["processes"] = {"one": one, "several": several, "speedup": several["samples_per_s"] / one["samples_per_s"],
+                               "cpus": os.cpu_count()}
     print(json.dumps(result, indent=2))
 
 

@@ -294,8 +294,8 @@ def test_a_rewritten_index_row_is_refused_at_open(dst, column, change):
     rewrite_column(dst, column, change, record_digest=False)
     message = refused_at_open(dst)
     if column == "sample_start":  # the rows' order tells first
-        assert message == (f"{dst}: the sample index is damaged: sample 2 (start 96, 40 tokens) overlaps the sample "
-                           "before it; run the `h5feed convert` command that made the store again to rebuild the index")
+        assert message == (f"{dst}: the sample index is damaged: sample 2 (start 96, 40 tokens) overlaps sample "
+                           "1; run the `h5feed convert` command that made the store again to rebuild the index")
         return
     assert re.fullmatch(re.escape(f"{dst}: the sample index fails the checksum recorded at conversion (crc32c ")
                         + r"0x[0-9a-f]{8}, recorded 0x[0-9a-f]{8}\): its rows were changed; " + re.escape(hint(dst)),

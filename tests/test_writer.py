@@ -16,6 +16,7 @@ import torch
 
 import h5feed
 from h5feed import HiddenStatesDataset, SourceError, Store, StoreError, convert, open_writer
+from h5feed.store.writer_state import read_journal
 from h5feed.synthetic import write_synthetic
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
@@ -147,14 +148,13 @@ def test_kill_9_loses_only_unjournaled_samples_and_the_next_writer_resumes(sourc
     writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(src)])
     try:
         deadline = time.monotonic() + 120
-        while not (dst / "h5feed-journal.jsonl").exists() or \
-                len((dst / "h5feed-journal.jsonl").read_text().splitlines()) < journaled:
+        while len(read_journal(dst)) < journaled:
             assert time.monotonic() < deadline and writer.poll() is None
             time.sleep(0.005)
     finally:
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
-    kept = len([json.loads(line) for line in (dst / "h5feed-journal.jsonl").read_text().splitlines()])
+    kept = len(read_journal(dst))
     assert journaled <= kept < N
 
     caplog.set_level("INFO", logger="h5feed")

@@ -62,6 +62,7 @@ from h5feed.conversion.publish import BucketPublisher
 from h5feed.conversion.samples import (
     IndexRow,
     check_same_shape,
+    differing_settings,
     fsync_tree,
     grow_arrays,
     new_store_info,
@@ -793,26 +794,10 @@ def _probe_one(
 
 def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> None:
     """A rerun on a complete store asking for another codec, chunk size or format must not pass as done."""
-    have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens,
-            "shard_tokens": info.shard_tokens}
-    if options.last_state_norm is not None:
-        have["last_state_norm"] = info.last_state_norm
-    if info.lossy or (info.fp8 and options.precision == "fp8"):  # an FP8 source's store is FP8 whatever was asked
-        have["precision"] = "fp8"
-    asked = {**options.to_json(), "codec": chunk_codec(options.codec),
-             "shard_tokens": options.shard_tokens or info.shard_tokens}
-    if have != asked:
-        def shown(key: str, value: Any) -> str:
-            if key == "codec":  # by its option name where it is one
-                value = next((name for name in ("zstd", "lz4", "none") if chunk_codec(name) == value), value)
-            if key == "precision" and value is None:  # left out of the options when exact
-                value = "exact"
-            return f"{key.replace('_', ' ')} {value}"
-
-        differ = [key for key in {**asked, **have} if have.get(key) != asked.get(key)]
-        raise StoreError(dst, "is complete but was converted with " + ", ".join(shown(k, have.get(k)) for k in differ)
-                         + ", not " + ", ".join(shown(k, asked.get(k)) for k in differ) + ": run the command with the "
-                         "store's settings to append to it, or choose another DST or pass --overwrite")
+    differ = differing_settings(info, {**options.to_json(), "shard_tokens": options.shard_tokens or info.shard_tokens})
+    if differ is not None:
+        raise StoreError(dst, f"is complete but was converted with {differ[0]}, not {differ[1]}: run the command "
+                         "with the store's settings to append to it, or choose another DST or pass --overwrite")
 
 
 def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:

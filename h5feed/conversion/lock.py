@@ -1,11 +1,14 @@
-"""One writer at a time: the lock `h5feed convert` holds on its store.
+"""One converter at a time: the lock `h5feed convert` holds on its store (and open_writer's writers share).
 
 The lock is a file inside the store, `h5feed-writer.lock`, held with `flock`
 for the writer's lifetime and holding who the writer is (host, pid, start
-time).  The kernel drops a `flock` when its process dies, however it dies, so
-a lock left by a killed converter is free to the next one with no guess about
-pids (a pid can be reused; a flock cannot outlive its holder), and no second
-writer can take it while the first lives.  The writer also records the named
+time).  `h5feed.open_writer` writers hold the same file with a shared `flock`,
+several at once, so that a converter and writers exclude each other; each one
+also holds a lock of its own id (`WriterLock.of_writer`).  The kernel drops a
+`flock` when its process dies, however it dies, so a lock left by a killed
+converter is free to the next one with no guess about pids (a pid can be
+reused; a flock cannot outlive its holder), and no second writer can take it
+while the first lives.  The writer also records the named
 POSIX semaphores its process pool created, so that the next writer can remove
 the ones a SIGKILL left in /dev/shm: only those, and only when no process maps
 them any more.
@@ -30,12 +33,22 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from h5feed.errors import StoreError
-from h5feed.store.writer_state import CONVERTER, LOCK_FILE, describe_writer, read_holder
+from h5feed.store.writer_state import (
+    CONVERTER,
+    LOCK_FILE,
+    WRITER_API,
+    WriterFiles,
+    current_writer,
+    describe_writer,
+    read_holder,
+)
 
 if TYPE_CHECKING:
     from h5feed.io import FsspecStore
@@ -44,41 +57,57 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
 STALE_AFTER_S = 300.0  # a bucket lock not rewritten for this long is taken over
+PATIENCE_S = 1.0  # how long a writer asks for a local lock again before naming its holder
 _SHM = Path("/dev/shm")
 
 
 class WriterLock:
-    """Held by the process that writes a store; `release()` (or process death) frees it."""
+    """Held by the process that writes a store; `release()` (or process death) frees it.
 
-    def __init__(self, path: Path, fd: int) -> None:
+    `acquire`: `h5feed convert`'s, exclusive.  `share`: an `open_writer` writer's hold on the same file, shared
+    with the other writers of the store and excluding a converter.  `of_writer`: a writer's own lock, exclusive
+    for its id, with who holds it inside."""
+
+    def __init__(self, path: Path, fd: int, shared: bool = False) -> None:
         self.path = path
         self._fd = fd
+        self._shared = shared
         self._info: dict[str, Any] = {}
 
     @classmethod
-    def acquire(cls, store: Path, by: str = CONVERTER) -> WriterLock:
-        """Take the store's lock for the writer `by` (what errors call it), or raise StoreError naming the
-        writer that holds it."""
+    def acquire(cls, store: Path) -> WriterLock:
+        """Take the store's lock for `h5feed convert`, or raise StoreError naming the writer(s) that hold it."""
         store.mkdir(parents=True, exist_ok=True)
-        path = store / LOCK_FILE
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = read_holder(fd)
-                os.close(fd)
-                raise StoreError(
-                    store, f"another {holder.get('by', CONVERTER)} ({describe_writer(holder)}) is writing this store; "
-                    "wait for it to finish, or stop it and run this command again"
-                ) from None
-            if _same_file(fd, path):
-                break
-            os.close(fd)  # locked a file its holder removed on release: lock the one now at `path`
-        lock = cls(path, fd)
+        def refusal(fd: int) -> StoreError:
+            return _refusal(store, current_writer(store) or read_holder(fd))
+
+        fd = _take(store / LOCK_FILE, fcntl.LOCK_EX, refusal, patience_s=0.0)  # a second converter: refused at once
+        lock = cls(store / LOCK_FILE, fd)
         remove_orphaned_semaphores(read_holder(fd).get("semaphores", []))  # a killed writer's leftovers
-        lock._write({"by": by, "host": socket.gethostname(), "pid": os.getpid(),
-                     "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "semaphores": []})
+        lock._write({"by": CONVERTER, **_this_process()})
+        return lock
+
+    @classmethod
+    def share(cls, store: Path) -> WriterLock:
+        """Hold the store's lock with the store's other `open_writer` writers, or raise StoreError naming the
+        `h5feed convert` that holds it."""
+        store.mkdir(parents=True, exist_ok=True)
+        fd = _take(store / LOCK_FILE, fcntl.LOCK_SH, lambda fd: _refusal(store, read_holder(fd)), patience_s=PATIENCE_S)
+        return cls(store / LOCK_FILE, fd, shared=True)
+
+    @classmethod
+    def of_writer(cls, files: WriterFiles) -> WriterLock:
+        """Take the lock of one writer id, or raise StoreError naming the process that writes as that id."""
+        files.lock.parent.mkdir(parents=True, exist_ok=True)
+
+        def refusal(fd: int) -> StoreError:
+            holder = read_holder(fd)
+            return StoreError(files.store, f"another {WRITER_API} ({describe_writer(holder)}) is writing this store as "
+                              f"{files.name}: give each writer that appends at the same time an id of its own "
+                              "(open_writer(store, writer=\"rank0\"), ...), or wait for that one to finish")
+
+        lock = cls(files.lock, _take(files.lock, fcntl.LOCK_EX, refusal, patience_s=PATIENCE_S))
+        lock._write({"by": WRITER_API, "writer": files.writer, **_this_process()})
         return lock
 
     def record_semaphores(self) -> None:
@@ -86,11 +115,13 @@ class WriterLock:
         self._write({**self._info, "semaphores": _mapped_semaphores(os.getpid())})
 
     def release(self) -> None:
-        """Unlock and remove the file (a store finished or abandoned cleanly has no lock file)."""
+        """Unlock and remove the file (a store finished or abandoned cleanly has no lock file).  A shared
+        lock's file is removed by the last of its holders, the one that can take it exclusively."""
         if self._fd < 0:
             return
         try:
-            self.path.unlink(missing_ok=True)
+            if not self._shared or _last_holder(self._fd):
+                self.path.unlink(missing_ok=True)
         finally:
             os.close(self._fd)
             self._fd = -1
@@ -106,6 +137,62 @@ class WriterLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@contextmanager
+def held_briefly(path: Path) -> Iterator[None]:
+    """A short critical section among a store's writers (reserving rows, publishing): waits for its turn.
+    The file stays (removing it would let two writers lock two files of one name)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _take(path: Path, mode: int, refusal: Callable[[int], StoreError], patience_s: float) -> int:
+    """An fd of `path` flock'd in `mode`, or raise `refusal(fd)` while another holds it.  Asked again for
+    `patience_s`: a reader's probe, or a writer letting the store go, holds a lock for an instant only."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                os.close(fd)
+                time.sleep(0.01)
+                continue
+            try:
+                raise refusal(fd) from None
+            finally:
+                os.close(fd)
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # locked a file its holder removed on release: lock the one now at `path`
+
+
+def _last_holder(fd: int) -> bool:
+    """Whether no other process shares the lock on `fd` (then it is this one's, exclusively).  A failed
+    conversion gives up the shared lock too (Linux), so a second try finds two holders leaving together."""
+    for _ in range(2):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            continue
+    return False
+
+
+def _refusal(store: Path, holder: dict[str, Any]) -> StoreError:
+    return StoreError(store, f"another {holder.get('by', CONVERTER)} ({describe_writer(holder)}) is writing this "
+                      "store; wait for it to finish, or stop it and run this command again")
+
+
+def _this_process() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "semaphores": []}
 
 
 class BucketLock:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,18 +264,69 @@ def publish_samples(dst: Path, rows: Sequence[IndexRow], skipped: list[dict[str,
                     rebuild: bool = False) -> None:
     """Publish `rows` as the store's samples: the index (checksummed by zarr's crc32c codec), then the
     status "complete" and the sample count in one atomic write, which readers take as the truth."""
-    info = read_info(dst)
-    columns: dict[str, np.ndarray] = {
+    publish_columns(dst, index_columns(rows, len(read_info(dst).array_names)), skipped, durable, rebuild)
+
+
+def index_columns(rows: Sequence[IndexRow], arrays: int) -> dict[str, np.ndarray]:
+    """The index columns of `rows` (`arrays`: the store's arrays, one checksum each)."""
+    return {
         "sample_start": np.array([r.start for r in rows], dtype=np.int64),
         "sample_length": np.array([r.num_tokens for r in rows], dtype=np.int64),
         "source_index": np.array([r.source_index for r in rows], dtype=np.int64),
-        "checksum": np.array([r.checksum for r in rows], dtype=np.uint32).reshape(len(rows), len(info.array_names)),
+        "checksum": np.array([r.checksum for r in rows], dtype=np.uint32).reshape(len(rows), arrays),
         "has_loss_mask": np.array([r.has_loss_mask for r in rows], dtype=bool),
         "source_path": np.array([r.source_path for r in rows], dtype=str),
     }
+
+
+def publish_columns(dst: Path, columns: dict[str, np.ndarray], skipped: list[dict[str, str]], durable: bool,
+                    rebuild: bool = False) -> None:
+    """`publish_samples` of rows given as index columns."""
+    info = read_info(dst)
     publish_index(dst, columns, rebuild)
     if durable:
         fsync_tree(dst / "index")
-    complete = {**info.to_json(), "status": "complete", "num_samples": len(rows),
+    complete = {**info.to_json(), "status": "complete", "num_samples": len(columns["sample_start"]),
                 "num_tokens": int(columns["sample_length"].sum()), "skipped": skipped}
     write_info(dst, StoreInfo.from_json(complete), durable=durable)
+
+
+def published_columns(dst: Path) -> dict[str, np.ndarray]:
+    """The index columns of the samples published now (the rows the attributes count: a publication killed
+    midway may have written more): what a writer publishing beside others adds its own samples to."""
+    import zarr
+
+    info = read_info(dst)
+    n = info.num_samples if info.status == "complete" else 0
+    if n == 0:
+        return index_columns([], len(info.array_names))
+    index = zarr.open_group(dst, mode="r")["index"]
+    return {name: np.asarray(index[name][:n]) for name in ("sample_start", "sample_length", "source_index",
+                                                          "checksum", "has_loss_mask", "source_path")}
+
+
+def differing_settings(info: StoreInfo, asked: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The settings a store was written with that differ from `asked` (format, codec by its option name,
+    chunk_tokens, shard_tokens; last_state_norm and precision where stated), as options name them: ("codec zstd",
+    "codec lz4"); None when they agree.  An FP8 source's store is FP8 whatever precision was asked."""
+    have = {"format": info.source_format, "codec": info.codec, "chunk_tokens": info.chunk_tokens,
+            "shard_tokens": info.shard_tokens}
+    if asked.get("last_state_norm") is not None:
+        have["last_state_norm"] = info.last_state_norm
+    if info.lossy or (info.fp8 and asked.get("precision") == "fp8"):
+        have["precision"] = "fp8"
+    wanted = {**asked, "codec": chunk_codec(asked["codec"])}
+    wanted = {key: value for key, value in wanted.items()
+              if value is not None and (key, value) != ("precision", "exact")}  # unstated, as the store leaves them
+    if have == wanted:
+        return None
+
+    def shown(key: str, value: Any) -> str:
+        if key == "codec":  # by its option name where it is one
+            value = next((name for name in ("zstd", "lz4", "none") if chunk_codec(name) == value), value)
+        if key == "precision" and value is None:  # left out of the options when exact
+            value = "exact"
+        return f"{key.replace('_', ' ')} {value}"
+
+    differ = [key for key in {**wanted, **have} if have.get(key) != wanted.get(key)]
+    return ", ".join(shown(k, have.get(k)) for k in differ), ", ".join(shown(k, wanted.get(k)) for k in differ)

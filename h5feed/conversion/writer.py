@@ -10,7 +10,18 @@ Crash safety is the converter's: each sample's shards are written atomically, th
 published every `publish_every` samples and at close, so a trainer can open the store, and reopen
 it to see more, while extraction goes on.  A kill loses only the samples not yet journaled: the
 next `open_writer` on the store resumes after the last journaled one and says which that was.
-One writer at a time holds the store (the converter's lock).
+
+Several writers (the ranks of a parallel extraction, several servers) append to one store at once,
+each under its own id (`writer="rank3"`), with no lock held while samples are written: each writes
+its own shards and its own journal.  Rows are reserved in blocks of whole shards (a sample starts
+on a shard boundary) under a short lock, in which the arrays are grown to cover them: the arrays'
+row count is where the next block starts.  A writer alone in the store extends its block, so its
+samples lie back to back, as one process's always did.  Publishing is another short lock: the
+published index gains this writer's journaled rows that it lacks (a sample's first row is its
+identity: no two share one), in one atomic write of the attributes.  A writer restarted with the
+same id resumes its own journal; rows a killed writer reserved but never journaled are holes that
+no index row points at.  The unnamed writer (`writer=None`) journals where a store written by one
+process always had its journal, so such a store resumes as it is.
 """
 
 from __future__ import annotations
@@ -20,22 +31,27 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import IO, Any, Self
 
+import numpy as np
 import torch
 
-from h5feed.conversion.lock import WriterLock
+from h5feed.conversion.lock import WriterLock, held_briefly
 from h5feed.conversion.samples import (
     IndexRow,
     array_rows,
     check_same_shape,
+    differing_settings,
     fsync_tree,
     grow_arrays,
+    index_columns,
     new_store_info,
-    publish_samples,
+    publish_columns,
+    published_columns,
     rows_taken,
     write_sample,
 )
@@ -50,15 +66,30 @@ from h5feed.store.layout import (
     Precision,
     StoreInfo,
     create_arrays,
+    object_key,
     read_info,
 )
-from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
+from h5feed.store.writer_state import (
+    LOCK_FILE,
+    PLAN_FILE,
+    PUBLISH_LOCK,
+    ROWS_LOCK,
+    WRITER_ID,
+    WRITER_SOURCE,
+    WRITERS_DIR,
+    WriterFiles,
+    journal_records,
+    live_writers,
+)
 
 log = logging.getLogger(__name__)
 
+DEFAULT_BLOCK_SHARDS = 16  # shards a writer reserves at a time: the arrays are grown once per block
+
+
 @dataclass(frozen=True)
 class WriterReport:
-    """What a writer has done: samples kept in the store (published or not yet), tokens, bytes written."""
+    """What a writer has done: its samples kept in the store (published or not yet), tokens, bytes written."""
 
     store: Path
     samples: int
@@ -66,11 +97,13 @@ class WriterReport:
     tokens: int
     bytes_out: int
     seconds: float  # spent in append(): the time the writer added to the extraction loop
+    writer: str | None = None  # its id (None: the store's unnamed writer)
 
 
 def open_writer(
     store: str | os.PathLike[str],
     *,
+    writer: str | None = None,
     format: str = "speculators-legacy-pt",
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     shard_tokens: int = MAX_DEFAULT_SHARD_TOKENS,
@@ -78,6 +111,7 @@ def open_writer(
     last_state_norm: LastStateNorm | None = None,
     precision: Precision = "exact",
     publish_every: int = 16,
+    block_shards: int = DEFAULT_BLOCK_SHARDS,
     durable: bool = True,
 ) -> StoreWriter:
     """A writer that appends samples to the local store `store` (made at the first sample, or resumed).
@@ -85,88 +119,122 @@ def open_writer(
     `with h5feed.open_writer("hs.zarr") as w: w.append(input_ids=ids, hidden_states=[...], loss_mask=mask)`
 
     Args:
+        writer: this writer's id, for several processes appending to one store at once (`"rank3"`: letters,
+            digits, `_.-`): each id at most one process at a time, and a writer restarted with its id resumes
+            its own samples.  None (the default): the store's unnamed writer, as one process needs.
         format: the source format whose dict each sample is given as (its keys and their meaning):
             speculators-legacy-pt (default: `hidden_states` a list of K+1 [T, H] tensors, the last pre-norm),
             speculators-v0-pt, specforge-ckpt, modelopt-pt or angelslim-ckpt.
         chunk_tokens, shard_tokens: rows per inner chunk and per shard (as `h5feed convert`'s options;
-            a sample starts on a shard boundary, and a longer one spans several shards).
+            a sample starts on a shard boundary, and a longer one spans several shards).  Every writer of a
+            store gives the same (and the same format, codec, precision); another is refused.
         last_state_norm: "pre" or "post", for formats whose dicts do not say it (modelopt-pt, angelslim-ckpt).
         precision: "fp8" quantizes the hidden states as `h5feed convert --precision fp8` does.
         publish_every: samples between publications of the index (readers opening the store see the
             samples published so far); close() publishes the rest.
+        block_shards: shards reserved at a time while other writers append too (the rows of a block left
+            unused at close or by a kill take no disk: no file holds them).
         durable: fsync each sample's shards before its journal line (a power loss keeps every journaled one).
     """
-    return StoreWriter(Path(store), format=format, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens, codec=codec,
-                       last_state_norm=last_state_norm, precision=precision, publish_every=publish_every,
-                       durable=durable)
+    return StoreWriter(Path(store), writer=writer, format=format, chunk_tokens=chunk_tokens,
+                       shard_tokens=shard_tokens, codec=codec, last_state_norm=last_state_norm, precision=precision,
+                       publish_every=publish_every, block_shards=block_shards, durable=durable)
 
 
 class StoreWriter:
-    """Appends samples to one store; see `open_writer`."""
+    """Appends samples to one store, beside the store's other writers; see `open_writer`."""
 
-    def __init__(self, path: Path, *, format: str, chunk_tokens: int, shard_tokens: int, codec: str,
-                 last_state_norm: LastStateNorm | None, precision: Precision, publish_every: int,
-                 durable: bool) -> None:
+    def __init__(self, path: Path, *, writer: str | None, format: str, chunk_tokens: int, shard_tokens: int,
+                 codec: str, last_state_norm: LastStateNorm | None, precision: Precision, publish_every: int,
+                 block_shards: int, durable: bool) -> None:
         fmt = FORMATS.get(format)  # type: ignore[call-overload]
         if not isinstance(fmt, TorchDictFormat):
             writable = ", ".join(name for name, f in FORMATS.items() if isinstance(f, TorchDictFormat))
             raise ValueError(f"open_writer(format={format!r}): samples are given as the dict of one of {writable}")
         if shard_tokens <= 0 or chunk_tokens <= 0 or shard_tokens % chunk_tokens:
             raise ValueError(f"shard_tokens ({shard_tokens}) must be a positive multiple of chunk_tokens ({chunk_tokens})")
-        if publish_every < 1:
-            raise ValueError(f"publish_every must be >= 1, not {publish_every}")
-        self.path, self.format = path, fmt
+        if publish_every < 1 or block_shards < 1:
+            raise ValueError(f"publish_every ({publish_every}) and block_shards ({block_shards}) must be >= 1")
+        if writer is not None and not WRITER_ID.fullmatch(writer):
+            raise ValueError(f"open_writer(writer={writer!r}): an id is 1 to 64 letters, digits, '_', '.' or '-', "
+                             "starting with a letter or digit")
+        self.path, self.format, self.files = path, fmt, WriterFiles(path, writer)
         self.chunk_tokens, self.shard_tokens, self.codec = chunk_tokens, shard_tokens, codec
         self.last_state_norm, self.precision = last_state_norm, precision
-        self.publish_every, self.durable = publish_every, durable
-        self._lock = WriterLock.acquire(path, by=WRITER_API)
-        try:
-            self.info: StoreInfo | None = None
-            self._rows: list[IndexRow] = []
-            self._bytes_out, self._seconds = 0, 0.0
-            self._published = 0
-            self._reference: SampleShape | None = None
-            self._next_row = 0
-            self._array_rows = 0  # the token arrays' rows now
+        self.publish_every, self.block_rows, self.durable = publish_every, block_shards * shard_tokens, durable
+        if path.is_dir() and not (path / "zarr.json").exists() and \
+                any(p.name not in (LOCK_FILE, WRITERS_DIR) for p in path.iterdir()):
+            raise StoreError(path, "exists and is not an h5feed store; choose another folder")
+        self.info: StoreInfo | None = None
+        self._reference: SampleShape | None = None
+        self._rows: list[IndexRow] = []  # this writer's journaled samples, in its order
+        self._bytes_out, self._seconds = 0, 0.0
+        self._published = 0
+        self._next_row: int | None = None  # where its next sample goes; None: no rows reserved
+        self._block_end = 0  # the end of the rows it reserved
+        self._journal: IO[str] | None = None
+        self._locks = ExitStack()
+        try:  # its id first, then the store: a probe that finds the store held finds who holds it
+            self._locks.enter_context(WriterLock.of_writer(self.files))
+            self._locks.enter_context(WriterLock.share(path))
             self._resume()
         except BaseException:
-            self._lock.release()
+            self._locks.close()
             raise
 
     # --- opening -------------------------------------------------------------------------------
     def _resume(self) -> None:
-        """Take up a store this writer made before (a kill loses only samples not journaled)."""
+        """Take up the samples this writer (this id) journaled before: a kill loses only those not journaled."""
         if not (self.path / "zarr.json").exists():
-            if any(p.name != self._lock.path.name for p in self.path.iterdir()):
-                raise StoreError(self.path, "exists and is not an h5feed store; choose another folder")
-            return
-        info = read_info(self.path)
+            return  # made at the first sample
+        self._adopt(read_info(self.path))
+        records = journal_records(self.files.journal)
+        for record in records:
+            if "i" in record:
+                self._rows.append(IndexRow(record["start"], record["num_tokens"], record["i"], record["name"],
+                                           record["checksum"], record["has_loss_mask"]))
+                self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
+                self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
+        with held_briefly(self._shared_lock(ROWS_LOCK)):
+            self._remove_partial_writes()
+        begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
+        if self._rows or begun:
+            who = "" if self.files.writer is None else f" writer {self.files.writer!r}"
+            kept = f"{len(self._rows)} samples kept, the last one {self._rows[-1].source_path!r}" if self._rows \
+                else "no sample kept"
+            lost = (f"{begun[-1]['name']!r}, being appended when the writer stopped, was lost: append it again"
+                    if begun else "samples appended after it were lost")
+            log.info("%s: resuming%s: %s; %s", self.path, who, kept, lost)
+        self._publish()
+
+    def _adopt(self, info: StoreInfo) -> None:
+        """Write into an existing store: one open_writer made, with this writer's settings."""
         if (self.path / PLAN_FILE).exists() or info.source_root != WRITER_SOURCE:
             raise StoreError(self.path, "was made by `h5feed convert`, not by open_writer: append files to it with "
                              "`h5feed convert`, or write into another store")
-        for partial in self.path.rglob(f"*{PARTIAL_SUFFIX}"):
-            partial.unlink()  # what a kill mid-write left
+        asked = {"format": self.format.name, "codec": self.codec, "chunk_tokens": self.chunk_tokens,
+                 "shard_tokens": self.shard_tokens, "last_state_norm": self.last_state_norm,
+                 "precision": self.precision}
+        differ = differing_settings(info, asked)
+        if differ is not None:
+            raise StoreError(self.path, f"was written with {differ[0]}, not {differ[1]}: open every writer of a "
+                             "store with its settings, or write into another store")
         self.info = info
-        self._array_rows = array_rows(self.path)
         self._reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
-        for i, record in sorted(read_journal(self.path).items()):
-            self._rows.append(IndexRow(record["start"], record["num_tokens"], i, record["name"], record["checksum"],
-                                       record["has_loss_mask"]))
-            self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
-        if self._rows:
-            log.info("%s: resuming: %d samples kept, the last one %r; samples appended after it were lost", self.path,
-                     len(self._rows), self._rows[-1].source_path)
-        self._publish()
 
-    def _create(self, shape: SampleShape) -> StoreInfo:
-        info = new_store_info(self.format, shape, codec=self.codec, chunk_tokens=self.chunk_tokens,
-                              shard_tokens=self.shard_tokens, source_root=WRITER_SOURCE, precision=self.precision,
-                              last_state_norm=self._norm(), source_info={})
-        create_arrays(self.path, info, total_rows=self.shard_tokens)
-        self._array_rows = self.shard_tokens
-        if self.durable:
-            fsync_tree(self.path)
-        return info
+    def _remove_partial_writes(self) -> None:
+        """Remove what a kill mid-write left: every partial file when no other writer runs (none can start
+        writing while this holds the rows' lock), else those in the rows this writer reserved."""
+        if not any(w.get("writer") != self.files.writer for w in live_writers(self.path)):
+            partials = list(self.path.rglob(f"*{PARTIAL_SUFFIX}"))
+        elif self.info is not None and self._next_row is not None:
+            shards = range(self._next_row // self.shard_tokens, self._block_end // self.shard_tokens)
+            partials = [p for shard in shards for name in self.info.array_names
+                        for p in (self.path / object_key(self.info, name, shard)).parent.glob(f"*{PARTIAL_SUFFIX}")]
+        else:
+            partials = []
+        for partial in partials:
+            partial.unlink(missing_ok=True)
 
     def _norm(self) -> LastStateNorm | None:
         fmt = self.format
@@ -180,33 +248,36 @@ class StoreWriter:
                              "the verifier's final norm: pass last_state_norm='pre' or 'post'")
         return self.last_state_norm
 
+    def _shared_lock(self, name: str) -> Path:
+        return self.path / WRITERS_DIR / name
+
     # --- appending -----------------------------------------------------------------------------
     def append(self, sample: Mapping[str, Any] | None = None, /, *, name: str | None = None, **keys: Any) -> int:
         """Add one sample, given as its format's dict (`append(d)`) or as keywords (`append(input_ids=...,
-        hidden_states=[...])`); CUDA tensors are copied to the host.  Its index in the store is returned.
-        A sample that does not fit the store (other H, K or dtype than the first) raises SourceError naming it."""
+        hidden_states=[...])`); CUDA tensors are copied to the host.  Its number among this writer's samples
+        is returned: its index in the store when one writer writes it.  A sample that does not fit the store
+        (other H, K or dtype than the first) raises SourceError naming it."""
         t0 = time.perf_counter()
         index = len(self._rows)
-        label = name if name is not None else f"sample {index}"
+        writer = self.files.writer
+        label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
         d = {key: _to_host(value) for key, value in {**(sample or {}), **keys}.items()}
         loaded = self.format.sample_from(d, where)
         shape = loaded.shape
-        if self._reference is None:
-            self.info, self._reference = self._create(shape), shape
-        assert self.info is not None
+        taken = rows_taken(shape.num_tokens, self.shard_tokens)
+        if self.info is None or self._next_row is None or self._next_row + taken > self._block_end:
+            self._reserve(shape, taken)
+        assert self.info is not None and self._reference is not None and self._next_row is not None
         check_same_shape(where, shape, self._reference, "the store's samples")
         if {e.name: e.record() for e in shape.extras} != self.info.extra_arrays:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
         start = self._next_row
-        taken = rows_taken(shape.num_tokens, self.shard_tokens)
-        if start + taken > self._array_rows:  # doubled when outgrown: appends resize the arrays rarely
-            self._array_rows = max(start + taken, 2 * self._array_rows)
-            grow_arrays(self.path, self._array_rows, self.durable)
+        self._write_journal({"begun": index, "name": label, "start": start}, sync=False)
         record = write_sample(self.path, self.info, loaded, start, self.durable)
-        journaled = {"i": index, "name": label, "start": start, "num_tokens": shape.num_tokens, **record}
-        self._journal(journaled)
+        self._write_journal({"i": index, "name": label, "start": start, "num_tokens": shape.num_tokens,
+                             "block_end": self._block_end, **record}, sync=self.durable)
         self._rows.append(IndexRow(start, shape.num_tokens, index, label, record["checksum"], record["has_loss_mask"]))
         self._next_row = start + taken
         self._bytes_out += record["bytes_out"]
@@ -215,35 +286,72 @@ class StoreWriter:
         self._seconds += time.perf_counter() - t0
         return index
 
-    def _journal(self, record: dict[str, Any]) -> None:
-        with open(self.path / JOURNAL_FILE, "a") as journal:
-            journal.write(json.dumps(record) + "\n")
-            journal.flush()
-            if self.durable:  # after the shards' fsync: a journaled sample survives a power loss
-                os.fsync(journal.fileno())
+    def _reserve(self, shape: SampleShape, taken: int) -> None:
+        """Rows for a sample of `taken` rows: this writer's block extended when no other reserved rows since
+        (its samples stay back to back), else a new block where the arrays end (what its old one has left is
+        a hole).  The store is made here by the first writer of all, from its first sample."""
+        with held_briefly(self._shared_lock(ROWS_LOCK)):
+            if self.info is None and (self.path / "zarr.json").exists():
+                self._adopt(read_info(self.path))  # another writer made it
+            if self.info is None:
+                self.info, self._reference = self._new_info(shape), shape
+                end = max(taken, self.block_rows)
+                create_arrays(self.path, self.info, total_rows=end)
+                if self.durable:
+                    fsync_tree(self.path)
+                self._next_row, self._block_end = 0, end
+                return
+            high = array_rows(self.path)  # the end of every block reserved so far
+            if self._next_row is None or self._block_end != high:
+                self._next_row = high
+            self._block_end = max(self._next_row + taken, high + self.block_rows)
+            grow_arrays(self.path, self._block_end, self.durable)
+
+    def _new_info(self, shape: SampleShape) -> StoreInfo:
+        return new_store_info(self.format, shape, codec=self.codec, chunk_tokens=self.chunk_tokens,
+                              shard_tokens=self.shard_tokens, source_root=WRITER_SOURCE, precision=self.precision,
+                              last_state_norm=self._norm(), source_info={})
+
+    def _write_journal(self, record: dict[str, Any], sync: bool) -> None:
+        if self._journal is None:
+            self._journal = open(self.files.journal, "a")  # noqa: SIM115 (for the writer's life: close() closes it)
+        self._journal.write(json.dumps(record) + "\n")
+        self._journal.flush()
+        if sync:  # after the shards' fsync: a journaled sample survives a power loss
+            os.fsync(self._journal.fileno())
 
     def publish(self) -> None:
         """Publish every journaled sample now: a reader opening the store from here on sees them."""
         self._publish()
 
     def _publish(self) -> None:
+        """Add this writer's journaled samples that the published index lacks to it, after the others'."""
         if self.info is None or self._published == len(self._rows):
             return
-        publish_samples(self.path, self._rows, [], self.durable)
+        with held_briefly(self._shared_lock(PUBLISH_LOCK)):
+            published = published_columns(self.path)
+            mine = index_columns(self._rows, len(self.info.array_names))
+            new = ~np.isin(mine["sample_start"], published["sample_start"])
+            if new.any():
+                publish_columns(self.path, {k: np.concatenate([published[k], mine[k][new]]) for k in published},
+                                [], self.durable)
         self._published = len(self._rows)
 
     # --- closing -------------------------------------------------------------------------------
     @property
     def report(self) -> WriterReport:
         return WriterReport(self.path, len(self._rows), self._published, sum(r.num_tokens for r in self._rows),
-                            self._bytes_out, self._seconds)
+                            self._bytes_out, self._seconds, self.files.writer)
 
     def close(self) -> WriterReport:
-        """Publish what is journaled and let the store go (another writer may take it then)."""
+        """Publish what is journaled and let the store go (when no other writer holds it, a converter may
+        take it, and followers stop once they have read every sample)."""
         try:
             self._publish()
         finally:
-            self._lock.release()
+            if self._journal is not None:
+                self._journal.close()
+            self._locks.close()
         report = self.report
         log.info("%s: %d samples, %d tokens, %.1f MB written in %.1f s of append()", self.path, report.samples,
                  report.tokens, report.bytes_out / 1e6, report.seconds)

@@ -3,8 +3,9 @@
 Why: extraction that writes straight into a store (`h5feed.open_writer`) publishes samples as it
 goes; a trainer that had to wait for the last one would waste the whole extraction's time.  A
 stream given `follow=Follow(...)` reads the samples in the order they were published, and when it
-has read them all, waits for more (re-reading the store's small index), until a bound: the writer
-let the store go with nothing left unread, a number of samples, or a time without a new one.
+has read them all, waits for more (re-reading the store's small index), until a bound: the writers
+(one, or several appending together) let the store go with nothing left unread, a number of samples,
+or a time without a new one.
 
 The order is publication order from the pass's start position s, sharded as every schedule is:
 rank r of W takes positions s + q*W + r (its q-th sample), and worker w of K the batches j of its
@@ -162,11 +163,11 @@ def wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounte
     counters.begin_writer_wait()
     try:
         while True:
-            writing = current_writer(Path(store.path)) is not None  # looked at first: what it published is seen below
+            writing = current_writer(Path(store.path)) is not None  # first: what any writer published is seen below
             if store.reload() > position:
                 return True
             if not writing:
-                return False  # the writer is gone and left nothing more
+                return False  # every writer is gone and left nothing more
             if follow.idle_timeout is not None and time.monotonic() - since >= follow.idle_timeout:
                 return False
             time.sleep(follow.poll_s)

@@ -305,28 +305,36 @@ class Store:
         return RemoteSource(self._objects, per_shard, small_arrays=small, max_nbytes=max_nbytes)
 
     def _check_index(self) -> None:
-        """Refuse an index that could hand out another sample's rows: starts aligned and increasing,
-        lengths positive, no two samples overlapping, all inside the arrays."""
+        """Refuse an index that could hand out another sample's rows: starts aligned, lengths positive, no two
+        samples overlapping, all inside the arrays.  Starts increase in a store one process wrote; writers
+        appending together publish in turn, each its own rows, so the index's order need not be the rows'."""
         n = len(self.sample_lengths)
         columns = (self.sample_starts, self.source_paths, self.source_indices, self.checksums, self.has_loss_mask)
         if any(len(c) != n for c in columns):
             raise StoreError(self.path, f"the sample index is damaged: its columns differ in length; {_REBUILD_HINT}")
         align = self.info.object_tokens
         ends = self.sample_starts + -(-self.sample_lengths // align) * align
+        by_start = np.argsort(self.sample_starts, kind="stable")
+        overlapping = np.zeros(n, dtype=bool)  # a sample whose rows begin inside the sample before it on disk
+        overlapping[by_start[1:]] = self.sample_starts[by_start[1:]] < ends[by_start[:-1]]
         problems = (
-            (self.sample_lengths <= 0, "has no tokens"),
-            (self.sample_starts % align != 0, f"does not start on a multiple of {align} rows"),
-            (self.sample_starts < 0, "starts before the first row"),
-            (ends > self.total_rows, f"ends past the arrays' {self.total_rows} rows"),
-            (np.r_[False, self.sample_starts[1:] < ends[:-1]], "overlaps the sample before it"),
+            (self.sample_lengths <= 0, lambda i: "has no tokens"),
+            (self.sample_starts % align != 0, lambda i: f"does not start on a multiple of {align} rows"),
+            (self.sample_starts < 0, lambda i: "starts before the first row"),
+            (ends > self.total_rows, lambda i: f"ends past the arrays' {self.total_rows} rows"),
+            (overlapping, lambda i: f"overlaps sample {self._sample_on_disk_before(i, by_start)}"),
         )
         for bad, what in problems:
             if bad.any():
                 i = int(np.argmax(bad))
                 raise StoreError(
                     self.path, f"the sample index is damaged: sample {i} (start {int(self.sample_starts[i])}, "
-                    f"{int(self.sample_lengths[i])} tokens) {what}; {_REBUILD_HINT}"
+                    f"{int(self.sample_lengths[i])} tokens) {what(i)}; {_REBUILD_HINT}"
                 )
+
+    @staticmethod
+    def _sample_on_disk_before(i: int, by_start: np.ndarray) -> int:
+        return int(by_start[int(np.flatnonzero(by_start == i)[0]) - 1])
 
     def _check_index_digest(self) -> None:
         """The index rows against the digest recorded at conversion: a rewritten length, start or source path

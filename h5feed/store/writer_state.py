@@ -1,10 +1,14 @@
-"""What a reader can learn of a store's writer: who holds it now, and how far its conversion is.
+"""What a reader can learn of a store's writers: who holds it now, and how far its conversion is.
 
 A store whose conversion has not finished is refused by every reader.  What the user should do
 then depends on whether a writer still runs: wait for it, or run the same `h5feed convert` again
-to resume.  The writer's files live in the store (its lock, plan and journal; see
+to resume.  The writers' files live in the store (their locks, plan and journals; see
 `h5feed.conversion`), and they are read here, below the conversion code, so that `Store`, `h5feed
-inspect` and `h5feed verify` tell the two cases apart the same way.
+inspect`, `h5feed verify` and a follower tell the cases apart the same way.
+
+`h5feed convert` holds `LOCK_FILE` exclusively.  `h5feed.open_writer` writers, several at once,
+hold it shared (so a converter and writers exclude each other), and each holds its own lock in
+`WRITERS_DIR`, with who it is inside: the store is being written while any lock is held.
 """
 
 from __future__ import annotations
@@ -12,25 +16,77 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-LOCK_FILE = "h5feed-writer.lock"  # held with flock by the one writer (host, pid, start time inside)
+LOCK_FILE = "h5feed-writer.lock"  # flock'd by `h5feed convert` (host, pid, start time inside), or shared by writers
 PLAN_FILE = "h5feed-plan.json"  # every sample's place, decided before the first is converted
 JOURNAL_FILE = "h5feed-journal.jsonl"  # one line per finished sample, by plan position
 CONVERTER = "`h5feed convert`"  # the writers, as messages name them (the lock records which holds it)
 WRITER_API = "`h5feed.open_writer`"
 WRITER_SOURCE = "h5feed.open_writer"  # the source_root of a store open_writer made: its samples came from no folder
+WRITERS_DIR = "h5feed-writers"  # open_writer's writers: each one's lock, a named one's journal, the locks they share
+ROWS_LOCK = "rows.lock"  # in WRITERS_DIR: held while a writer reserves rows (and grows the arrays)
+PUBLISH_LOCK = "publish.lock"  # in WRITERS_DIR: held while a writer adds its samples to the index
+WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a writer's id: part of its files' names
+_DEFAULT_WRITER_LOCK = "default.lock"
+
+
+@dataclass(frozen=True)
+class WriterFiles:
+    """Where one `open_writer` writer keeps its lock and its journal.  `writer=None` is a store's unnamed
+    writer, whose journal is `JOURNAL_FILE` at the store's top, as a store written by one process always had:
+    such a store resumes unchanged.  A named writer's files are its own, so each id resumes its own samples."""
+
+    store: Path
+    writer: str | None
+
+    @property
+    def journal(self) -> Path:
+        return self.store / (JOURNAL_FILE if self.writer is None else f"{WRITERS_DIR}/id-{self.writer}.jsonl")
+
+    @property
+    def lock(self) -> Path:
+        return self.store / WRITERS_DIR / (_DEFAULT_WRITER_LOCK if self.writer is None else f"id-{self.writer}.lock")
+
+    @property
+    def name(self) -> str:
+        """The writer as messages name it."""
+        return "the unnamed writer (writer=None)" if self.writer is None else f"writer {self.writer!r}"
 
 
 def current_writer(store: Path) -> dict[str, Any] | None:
-    """Who holds a local store's writer lock now (host, pid, started_at), or None when nobody does.
+    """Who writes a local store now (by, host, pid, started_at), or None when nobody does.  Several
+    `open_writer` writers are one holder: the first one's fields, and all of them under "writers".
 
-    Probed with a shared lock that is let go at once: a writer starting in that instant is refused,
-    as a second writer would be, and can be started again."""
+    Probed with shared locks let go at once: a writer taking its lock in that instant waits for it."""
+    converter = _exclusive_holder(store / LOCK_FILE)
+    if converter is not None:
+        return converter
+    writers = live_writers(store)
+    if not writers:
+        return None
+    return writers[0] if len(writers) == 1 else {**writers[0], "writers": writers}
+
+
+def live_writers(store: Path) -> list[dict[str, Any]]:
+    """The `open_writer` writers that hold the store now, each as its lock describes it (with its "writer" id)."""
+    folder = store / WRITERS_DIR
     try:
-        fd = os.open(store / LOCK_FILE, os.O_RDONLY)
+        locks = sorted(p for p in folder.iterdir() if p.name == _DEFAULT_WRITER_LOCK or
+                       (p.name.startswith("id-") and p.name.endswith(".lock")))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [holder for holder in map(_exclusive_holder, locks) if holder is not None]
+
+
+def _exclusive_holder(lock: Path) -> dict[str, Any] | None:
+    """The description of the process holding `lock` exclusively, or None when none does."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -55,24 +111,47 @@ def read_holder(fd: int) -> dict[str, Any]:
 
 
 def describe_writer(holder: dict[str, Any]) -> str:
-    """The lock holder as errors name it."""
+    """The lock holder (or the several writers `current_writer` found) as errors name it."""
+    writers = holder.get("writers")
+    if writers:
+        return f"{len(writers)} writers: " + ", ".join(f"{w.get('writer') or 'unnamed'} ({_describe_one(w)})"
+                                                       for w in writers)
+    named = f"writer {holder['writer']!r}, " if holder.get("writer") else ""
+    return named + _describe_one(holder)
+
+
+def _describe_one(holder: dict[str, Any]) -> str:
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started at {holder.get('started_at', '?')}"
 
 
-def read_journal(store: Path) -> dict[int, dict[str, Any]]:
-    """Finished samples by plan position; a line cut short by a kill is ignored (its sample is redone)."""
-    done: dict[int, dict[str, Any]] = {}
+def journal_records(journal: Path) -> list[dict[str, Any]]:
+    """A journal's records in the order written; a line cut short by a kill is ignored."""
     try:
-        lines = (store / JOURNAL_FILE).read_text().splitlines()
+        lines = journal.read_text().splitlines()
     except FileNotFoundError:
-        return done
+        return []
+    records = []
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        done[record.pop("i")] = record
-    return done
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_journal(store: Path, journal: Path | None = None) -> dict[int, dict[str, Any]]:
+    """Finished samples by plan (or writer's) position, from the store's journal or `journal`; a line cut short
+    by a kill is ignored (its sample is redone), and so is a writer's note of a sample it began."""
+    records = journal_records(journal or store / JOURNAL_FILE)
+    return {record.pop("i"): record for record in records if "i" in record}
+
+
+def writer_journals(store: Path) -> list[Path]:
+    """The journals of every `open_writer` writer a store had: the unnamed one's, then the named ones'."""
+    named = sorted((store / WRITERS_DIR).glob("id-*.jsonl")) if (store / WRITERS_DIR).is_dir() else []
+    return [*([store / JOURNAL_FILE] if (store / JOURNAL_FILE).exists() else []), *named]
 
 
 def being_converted(store: str | os.PathLike[str]) -> str | None:
@@ -86,7 +165,8 @@ def being_converted(store: str | os.PathLike[str]) -> str | None:
     try:
         total = len(json.loads((path / PLAN_FILE).read_text())["samples"])
         progress = f": {len(read_journal(path))} of {total} samples done"
-    except (OSError, ValueError, KeyError, TypeError):  # still planning, or a writer that has no plan
-        written = len(read_journal(path))
-        progress = f": {written} samples written so far" if written else ": planning"
+    except (OSError, ValueError, KeyError, TypeError):  # still planning, or writers that have no plan
+        written = sum(len(read_journal(path, journal)) for journal in writer_journals(path))
+        idle = ": planning" if writer.get("by", CONVERTER) == CONVERTER else ": no sample written yet"
+        progress = f": {written} samples written so far" if written else idle
     return f"it is being written now by {writer.get('by', CONVERTER)} ({who}){progress}; wait for it to finish"
