@@ -173,6 +173,11 @@ def main() -> None:
         return
     if args.make_data:
         low, high = (int(x) for x in args.tokens.split(":"))
+        packed = args.make_data * (low + high) / 2 / args.total_seq_len  # speculators packs samples into each step
+        if packed < args.warmup + args.steps:
+            parser.error(f"--make-data {args.make_data} samples of {args.tokens} tokens pack into at most about "
+                         f"{packed:.0f} steps of --total-seq-len {args.total_seq_len}: fewer than --warmup + --steps "
+                         f"({args.warmup + args.steps}); make more samples")
         args.data, args.store, args.verifier = make_data(args.work, args.make_data, args.hidden_size, (low, high))
     elif not (args.data and args.store and args.verifier):
         parser.error("give --data, --store and --verifier, or --make-data N")
