@@ -68,6 +68,7 @@ from h5feed.conversion.samples import (
     new_store_info,
     publish_samples,
     rows_taken,
+    settings_difference,
     write_sample,
 )
 from h5feed.errors import H5feedError, SourceError, StoreError
@@ -807,11 +808,10 @@ def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:
         plan = _Plan.read(dst)
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise StoreError(dst, f"unfinished store without a readable plan ({exc}); pass --overwrite to start again") from exc
-    if plan.options != options:
-        raise StoreError(
-            dst, f"was started with {plan.options.to_json()}, not {options.to_json()}: repeat that command to resume, "
-            "or pass --overwrite"
-        )
+    differ = settings_difference(plan.options.to_json(), options.to_json())
+    if differ is not None:
+        raise StoreError(dst, f"was started with {differ[0]}, not {differ[1]}: repeat that command to resume, "
+                         "or pass --overwrite")
     missing = plan.known() - {s.relpath for s in sources}
     if missing and not job.settings.skip_bad:
         raise StoreError(

@@ -318,6 +318,13 @@ def differing_settings(info: StoreInfo, asked: Mapping[str, Any]) -> tuple[str, 
     wanted = {**asked, "codec": chunk_codec(asked["codec"])}
     wanted = {key: value for key, value in wanted.items()
               if value is not None and (key, value) != ("precision", "exact")}  # unstated, as the store leaves them
+    return settings_difference(have, wanted)
+
+
+def settings_difference(have: Mapping[str, Any], wanted: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The settings of `have` and `wanted` (option names and values, the codec by its option name or its
+    numcodecs configuration) that differ, each side as options name them ("chunk tokens 16", "chunk tokens 32");
+    None when they agree."""
     if have == wanted:
         return None
 
@@ -326,7 +333,7 @@ def differing_settings(info: StoreInfo, asked: Mapping[str, Any]) -> tuple[str, 
             value = next((name for name in ("zstd", "lz4", "none") if chunk_codec(name) == value), value)
         if key == "precision" and value is None:  # left out of the options when exact
             value = "exact"
-        return f"{key.replace('_', ' ')} {value}"
+        return f"{key.replace('_', ' ')} {'(the default)' if value is None else value}"
 
     differ = [key for key in {**wanted, **have} if have.get(key) != wanted.get(key)]
     return ", ".join(shown(k, have.get(k)) for k in differ), ", ".join(shown(k, wanted.get(k)) for k in differ)
