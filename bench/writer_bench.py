@@ -3,9 +3,10 @@
 For the same synthetic samples (Kimi-shaped by default: H=7168, K=3, 1500..1900 tokens, bf16, made once in
 memory), time per sample of (a) `torch.save` into a folder, as pipelines do today, and (b) `writer.append`
 into a store, each in one pass, with fsync (durable) on both sides; and the disk each takes.  A follower's
-data wait is measured by `tests/test_writer.py` and the example, not here.  With `--device cuda` the samples
-lie on the GPU, as an extraction's do: the `.pt` side copies them to the host before `torch.save` (as the
-pipelines' scripts do), the writer is handed the CUDA tensors.
+data wait is measured by `bench/follow_bench.py`, not here.  `--extract-ms` puts a model's time before
+each sample (both sides) and `--write-behind N` lets the writer compress behind it.  With `--device cuda`
+the samples lie on the GPU, as an extraction's do: the `.pt` side copies them to the host before
+`torch.save` (as the pipelines' scripts do), the writer is handed the CUDA tensors.
 
 `--writers N` also times N writer processes appending to one store at once (`open_writer(writer=...)`, each
 its share of the samples, made in the process before the clock starts, its share of the cores for torch's
@@ -13,6 +14,7 @@ threads) against one writer process appending them all: samples/s in all, from t
 close.
 
     python bench/writer_bench.py --samples 8 --out /tmp/writer_bench [--device cuda]
+    python bench/writer_bench.py --samples 8 --extract-ms 800 --write-behind 2 --out /tmp/writer_bench
     python bench/writer_bench.py --samples 32 --writers 4 --hidden-size 1024 --out /tmp/writer_bench
 """
 
@@ -57,11 +59,12 @@ def on_host(value: object) -> object:
     return value
 
 
-def timed_pt(samples: list[dict], folder: Path) -> tuple[float, float]:
+def timed_pt(samples: list[dict], folder: Path, extract_s: float) -> tuple[float, float]:
     folder.mkdir(parents=True)
     proc = psutil.Process()
     cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
     for i, sample in enumerate(samples):
+        time.sleep(extract_s)  # the model's forward pass: the GPU works, the GIL is free
         path = folder / f"data_{i}.pt"
         torch.save({key: on_host(value) for key, value in sample.items()}, path)
         with open(path, "rb") as f:
@@ -69,11 +72,13 @@ def timed_pt(samples: list[dict], folder: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, sum(proc.cpu_times()[:2]) - cpu0
 
 
-def timed_writer(samples: list[dict], store: Path, publish_every: int) -> tuple[float, float, h5feed.WriterReport]:
+def timed_writer(samples: list[dict], store: Path, publish_every: int, extract_s: float,
+                 write_behind: int) -> tuple[float, float, h5feed.WriterReport]:
     proc = psutil.Process()
     cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
-    with h5feed.open_writer(store, publish_every=publish_every) as writer:
+    with h5feed.open_writer(store, publish_every=publish_every, write_behind=write_behind) as writer:
         for i, sample in enumerate(samples):
+            time.sleep(extract_s)
             writer.append(sample, name=f"data_{i}.pt")
     return time.perf_counter() - t0, sum(proc.cpu_times()[:2]) - cpu0, writer.report
 
@@ -120,6 +125,10 @@ def main() -> None:
     p.add_argument("--publish-every", type=int, default=16)
     p.add_argument("--writers", type=int, default=0, help="also time N writer processes into one store against one")
     p.add_argument("--out", type=Path, default=Path("/tmp/writer_bench"))
+    p.add_argument("--extract-ms", type=float, default=0.0,
+                   help="an extraction's model time before each sample is saved (a sleep: the GPU's forward pass); "
+                   "ms_per_sample then is the loop's, the model's time included")
+    p.add_argument("--write-behind", type=int, default=0, help="open_writer(write_behind=N)")
     p.add_argument("--device", default="cpu", help="where the samples lie when they are saved (cuda: an extraction's)")
     args = p.parse_args()
     low, high = (int(x) for x in args.tokens.split(":"))
@@ -130,11 +139,14 @@ def main() -> None:
                     for key, value in sample.items()} for sample in samples]
         torch.cuda.synchronize()
     raw = sum(sum(h.nbytes for h in s["hidden_states"]) + s["input_ids"].nbytes + s["loss_mask"].nbytes for s in samples)
-    pt_s, pt_cpu = timed_pt(samples, args.out / "pt")
-    w_s, w_cpu, report = timed_writer(samples, args.out / "store.zarr", args.publish_every)
+    extract_s = args.extract_ms / 1e3
+    pt_s, pt_cpu = timed_pt(samples, args.out / "pt", extract_s)
+    w_s, w_cpu, report = timed_writer(samples, args.out / "store.zarr", args.publish_every, extract_s,
+                                      args.write_behind)
     pt_bytes, store_bytes = folder_bytes(args.out / "pt"), folder_bytes(args.out / "store.zarr")
     result = {
-        "samples": args.samples, "device": args.device, "raw_MB": raw / 1e6, "other_cpu_load1": os.getloadavg()[0],
+        "samples": args.samples, "device": args.device, "extract_ms": args.extract_ms,
+        "write_behind": args.write_behind, "raw_MB": raw / 1e6, "other_cpu_load1": os.getloadavg()[0],
         "pt": {"ms_per_sample": 1e3 * pt_s / args.samples, "cpu_s_per_sample": pt_cpu / args.samples,
                "disk_MB": pt_bytes / 1e6},
         "writer": {"ms_per_sample": 1e3 * w_s / args.samples, "cpu_s_per_sample": w_cpu / args.samples,

@@ -255,3 +255,56 @@ def test_the_monitor_says_the_trainer_waits_for_the_writer_not_for_the_disk(sour
     end = records[-1]
     assert end["kind"] == "end" and end["loader"]["writer_wait_s"] > 1.0
     assert "workers waited " in caplog.text and " s for the writer to publish samples" in caplog.text
+
+
+# =========================================================================== write_behind
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_samples_written_behind_are_the_bytes_written_at_once(source, converted, tmp_path, depth):
+    """With write_behind, append returns before the sample is compressed; the store is the same, byte for byte,
+    and the caller may overwrite its tensors as soon as append returns (they were copied)."""
+    dst = tmp_path / "behind"
+    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, write_behind=depth) as writer:
+        for i, sample in enumerate(samples_of(source[1])):
+            assert writer.append(sample, name=f"data_{i}.pt") == i
+            for tensor in (sample["input_ids"], *sample["hidden_states"]):
+                tensor.zero_()  # a buffer reused by the caller's next sample
+    assert (writer.report.samples, writer.report.published) == (N, N)
+    assert array_files(dst) == array_files(converted)
+    assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(N)]
+
+
+def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_kept(source, tmp_path, monkeypatch):
+    """A write that fails behind append (here a full disk at the 5th sample) is raised by the next call; the
+    samples before it are journaled and published at close, and no later sample is written."""
+    from h5feed.conversion import writer as writer_module
+
+    real, calls = writer_module.write_sample, []
+
+    def disk_fills_up(dst, info, sample, start, durable):
+        calls.append(start)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return real(dst, info, sample, start, durable)
+
+    monkeypatch.setattr(writer_module, "write_sample", disk_fills_up)
+    samples = samples_of(source[1])
+    dst = tmp_path / "full"
+    w = open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, write_behind=2)
+    with pytest.raises(OSError, match="No space left on device"):
+        for i, sample in enumerate(samples):
+            w.append(sample, name=f"data_{i}.pt")
+        w.publish()
+    w.close()
+    assert len(calls) == 5  # nothing written after the failure
+    assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(4)]
+    store = Store(dst)
+    assert len(store) == 4
+    for i in range(4):
+        assert torch.equal(store.read_sample(i).input_ids, samples[i]["input_ids"])
+
+
+def test_write_behind_must_not_be_negative(tmp_path):
+    with pytest.raises(ValueError, match="write_behind must be >= 0, not -1"):
+        open_writer(tmp_path / "s", write_behind=-1)

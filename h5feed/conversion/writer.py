@@ -30,7 +30,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,7 @@ from h5feed.conversion.samples import (
     write_sample,
 )
 from h5feed.errors import SourceError, StoreError
-from h5feed.formats import FORMATS, SampleShape
+from h5feed.formats import FORMATS, SampleShape, SourceSample
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store.layout import (
@@ -113,6 +115,7 @@ def open_writer(
     publish_every: int = 16,
     block_shards: int = DEFAULT_BLOCK_SHARDS,
     durable: bool = True,
+    write_behind: int = 0,
 ) -> StoreWriter:
     """A writer that appends samples to the local store `store` (made at the first sample, or resumed).
 
@@ -135,10 +138,17 @@ def open_writer(
         block_shards: shards reserved at a time while other writers append too (the rows of a block left
             unused at close or by a kill take no disk: no file holds them).
         durable: fsync each sample's shards before its journal line (a power loss keeps every journaled one).
+        write_behind: samples that may still be compressed and written, on a thread of the writer's own, after
+            `append` returned: the extraction's next forward pass runs meanwhile (the compression lets the GIL
+            go).  `append` checks the sample and copies its tensors first (a CUDA tensor to the host, a host
+            one too, so the caller may reuse its buffers); it waits while `write_behind` samples are in flight
+            (memory stays bounded), and an error while writing (a full disk) is raised by the next `append`,
+            `publish` or `close`.  0 (the default): each sample is written before `append` returns.
     """
     return StoreWriter(Path(store), writer=writer, format=format, chunk_tokens=chunk_tokens,
                        shard_tokens=shard_tokens, codec=codec, last_state_norm=last_state_norm, precision=precision,
-                       publish_every=publish_every, block_shards=block_shards, durable=durable)
+                       publish_every=publish_every, block_shards=block_shards, durable=durable,
+                       write_behind=write_behind)
 
 
 class StoreWriter:
@@ -146,7 +156,7 @@ class StoreWriter:
 
     def __init__(self, path: Path, *, writer: str | None, format: str, chunk_tokens: int, shard_tokens: int,
                  codec: str, last_state_norm: LastStateNorm | None, precision: Precision, publish_every: int,
-                 block_shards: int, durable: bool) -> None:
+                 block_shards: int, durable: bool, write_behind: int = 0) -> None:
         fmt = FORMATS.get(format)  # type: ignore[call-overload]
         if not isinstance(fmt, TorchDictFormat):
             writable = ", ".join(name for name, f in FORMATS.items() if isinstance(f, TorchDictFormat))
@@ -155,6 +165,8 @@ class StoreWriter:
             raise ValueError(f"shard_tokens ({shard_tokens}) must be a positive multiple of chunk_tokens ({chunk_tokens})")
         if publish_every < 1 or block_shards < 1:
             raise ValueError(f"publish_every ({publish_every}) and block_shards ({block_shards}) must be >= 1")
+        if write_behind < 0:
+            raise ValueError(f"write_behind must be >= 0, not {write_behind}")
         if writer is not None and not WRITER_ID.fullmatch(writer):
             raise ValueError(f"open_writer(writer={writer!r}): an id is 1 to 64 letters, digits, '_', '.' or '-', "
                              "starting with a letter or digit")
@@ -173,6 +185,8 @@ class StoreWriter:
         self._next_row: int | None = None  # where its next sample goes; None: no rows reserved
         self._block_end = 0  # the end of the rows it reserved
         self._journal: IO[str] | None = None
+        self._appended = 0  # samples given to append() (with write_behind, some may not be written yet)
+        self._behind = _WriteBehind(write_behind) if write_behind else None
         self._locks = ExitStack()
         try:  # its id first, then the store: a probe that finds the store held finds who holds it
             self._locks.enter_context(WriterLock.of_writer(self.files))
@@ -195,6 +209,7 @@ class StoreWriter:
                                            record["checksum"], record["has_loss_mask"]))
                 self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
                 self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
+        self._appended = len(self._rows)
         with held_briefly(self._shared_lock(ROWS_LOCK)):
             self._remove_partial_writes()
         begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
@@ -258,13 +273,16 @@ class StoreWriter:
         is returned: its index in the store when one writer writes it.  A sample that does not fit the store
         (other H, K or dtype than the first) raises SourceError naming it."""
         t0 = time.perf_counter()
-        index = len(self._rows)
+        index = self._appended
         writer = self.files.writer
         label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
-        d = {key: _to_host(value) for key, value in {**(sample or {}), **keys}.items()}
+        copy = self._behind is not None  # written later: the caller may reuse its buffers meanwhile
+        d = {key: _to_host(value, copy) for key, value in {**(sample or {}), **keys}.items()}
         loaded = self.format.sample_from(d, where)
         shape = loaded.shape
+        if self._behind is not None:
+            self._behind.raise_failure()  # before rows are reserved for a sample that would not be written
         taken = rows_taken(shape.num_tokens, self.shard_tokens)
         if self.info is None or self._next_row is None or self._next_row + taken > self._block_end:
             self._reserve(shape, taken)
@@ -273,18 +291,30 @@ class StoreWriter:
         if {e.name: e.record() for e in shape.extras} != self.info.extra_arrays:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
-        start = self._next_row
-        self._write_journal({"begun": index, "name": label, "start": start}, sync=False)
-        record = write_sample(self.path, self.info, loaded, start, self.durable)
-        self._write_journal({"i": index, "name": label, "start": start, "num_tokens": shape.num_tokens,
-                             "block_end": self._block_end, **record}, sync=self.durable)
-        self._rows.append(IndexRow(start, shape.num_tokens, index, label, record["checksum"], record["has_loss_mask"]))
-        self._next_row = start + taken
+        planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end)
+        self._next_row += taken
+        self._appended += 1
+        if self._behind is None:
+            self._write(planned)
+        else:
+            self._behind.submit(lambda: self._write(planned))
+        self._seconds += time.perf_counter() - t0
+        return index
+
+    def _write(self, planned: _PlannedSample) -> None:
+        """The sample's shards, then its journal line; published when `publish_every` are due (in append order:
+        with write_behind, on the writer's own thread, one sample at a time)."""
+        assert self.info is not None
+        self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
+        record = write_sample(self.path, self.info, planned.sample, planned.start, self.durable)
+        num_tokens = planned.sample.shape.num_tokens
+        self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
+                             "num_tokens": num_tokens, "block_end": planned.block_end, **record}, sync=self.durable)
+        self._rows.append(IndexRow(planned.start, num_tokens, planned.index, planned.label, record["checksum"],
+                                   record["has_loss_mask"]))
         self._bytes_out += record["bytes_out"]
         if len(self._rows) - self._published >= self.publish_every:
             self._publish()
-        self._seconds += time.perf_counter() - t0
-        return index
 
     def _reserve(self, shape: SampleShape, taken: int) -> None:
         """Rows for a sample of `taken` rows: this writer's block extended when no other reserved rows since
@@ -321,7 +351,10 @@ class StoreWriter:
             os.fsync(self._journal.fileno())
 
     def publish(self) -> None:
-        """Publish every journaled sample now: a reader opening the store from here on sees them."""
+        """Publish every sample appended so far (with write_behind, once written): a reader opening the store
+        from here on sees them."""
+        if self._behind is not None:
+            self._behind.drain()
         self._publish()
 
     def _publish(self) -> None:
@@ -344,18 +377,26 @@ class StoreWriter:
                             self._bytes_out, self._seconds, self.files.writer)
 
     def close(self) -> WriterReport:
-        """Publish what is journaled and let the store go (when no other writer holds it, a converter may
-        take it, and followers stop once they have read every sample)."""
+        """Write what is still behind, publish what is journaled and let the store go (when no other writer
+        holds it, a converter may take it, and followers stop once they have read every sample).  An error
+        while writing behind is raised here, after the samples journaled before it are published."""
+        try:
+            if self._behind is not None:
+                self._behind.close()
+        finally:
+            self._publish_and_let_go()
+        report = self.report
+        log.info("%s: %d samples, %d tokens, %.1f MB written in %.1f s of append()", self.path, report.samples,
+                 report.tokens, report.bytes_out / 1e6, report.seconds)
+        return report
+
+    def _publish_and_let_go(self) -> None:
         try:
             self._publish()
         finally:
             if self._journal is not None:
                 self._journal.close()
             self._locks.close()
-        report = self.report
-        log.info("%s: %d samples, %d tokens, %.1f MB written in %.1f s of append()", self.path, report.samples,
-                 report.tokens, report.bytes_out / 1e6, report.seconds)
-        return report
 
     def __enter__(self) -> Self:
         return self
@@ -365,11 +406,73 @@ class StoreWriter:
         self.close()  # on an error too: the journaled samples are sound, and published
 
 
-def _to_host(value: Any) -> Any:
-    """CUDA tensors (and lists of them) copied to host memory; anything else as it is."""
+def _to_host(value: Any, copy: bool) -> Any:
+    """CUDA tensors (and lists of them) copied to host memory, host ones too with `copy`; anything else as it is."""
     if isinstance(value, torch.Tensor):
-        return value.cpu() if value.device.type != "cpu" else value
+        return value.cpu() if value.device.type != "cpu" else value.clone() if copy else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(v) for v in value)
+        return type(value)(_to_host(v, copy) for v in value)
     return value
+
+
+@dataclass(frozen=True)
+class _PlannedSample:
+    """A checked sample and the rows reserved for it: what is left to write."""
+
+    index: int  # its number among this writer's samples
+    label: str
+    sample: SourceSample
+    start: int  # its first row
+    block_end: int  # the end of the block its rows are in (journaled: a resume takes the block up again)
+
+
+class _WriteBehind:
+    """One thread that runs writes in the order given, at most `depth` of them pending.
+
+    Why one thread: samples are journaled in append order, so a kill leaves a prefix of them (a resume
+    continues after the last one) and publications keep the order.  The first failure stops the rest
+    (their rows stay unused) and is raised in the caller's thread by the next call."""
+
+    def __init__(self, depth: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5feed-write-behind")
+        self._pending: deque[Future[None]] = deque()
+        self._depth = depth
+        self._failure: BaseException | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        while len(self._pending) >= self._depth:
+            self._settle(self._pending.popleft())
+        self.raise_failure()
+        self._pending.append(self._pool.submit(self._unless_failed, write))
+
+    def _unless_failed(self, write: Callable[[], None]) -> None:
+        if self._failure is None:
+            try:
+                write()
+            except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread by its next call)
+                self._failure = exc
+
+    def _settle(self, future: Future[None]) -> None:
+        future.result()
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            self._pending.clear()
+            raise failure
+
+    def drain(self) -> None:
+        """Wait for every pending write; raise the first failure."""
+        while self._pending:
+            self._settle(self._pending.popleft())
+        self.raise_failure()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
 
