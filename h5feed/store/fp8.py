@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from h5feed.store.buffers import Allocator
@@ -41,23 +42,34 @@ def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     """`out` [t, w] = fp8 [t, w] * scales [t], as FP8Transfer computes it (in bfloat16); an `out` of another
     float dtype gets that bfloat16 product cast (exact into float32, as a trainer's own cast of it would be).
     On the CPU or the GPU alike: a product of two bfloat16 values is rounded once, so both give the same bits."""
-    scales = scales.to(DEQUANTIZED_DTYPE)[:, None]
+    if fp8.device.type == "cpu":
+        return _dequantize_on_cpu(fp8, scales, out)
+    scaled = fp8.to(DEQUANTIZED_DTYPE), scales.to(DEQUANTIZED_DTYPE)[:, None]  # one fast kernel each on the GPU
     if out.dtype == DEQUANTIZED_DTYPE:
-        return torch.mul(as_bfloat16(fp8), scales, out=out)
-    return out.copy_(as_bfloat16(fp8) * scales)
+        return torch.mul(*scaled, out=out)
+    return out.copy_(torch.mul(*scaled))
 
 
-# The bfloat16 bits of each of the 256 float8_e4m3fn values, from torch's own cast (every one is a bfloat16 value).
-_BFLOAT16_BITS = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(DEQUANTIZED_DTYPE).view(torch.int16).numpy()
+# The 256 float8_e4m3fn values, in bfloat16 (each one is exactly a bfloat16 value).
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(DEQUANTIZED_DTYPE)
 
 
-def as_bfloat16(fp8: torch.Tensor) -> torch.Tensor:
-    """`fp8.to(torch.bfloat16)`.  On the CPU it is looked up in a table of the 256 values: the same bits, 3x faster
-    than torch's own cast there (torch 2.13 converts one value at a time, which took most of a read's time); on the
-    GPU torch's cast is one fast kernel (and every float8_e4m3fn value is exactly a bfloat16 one: the same bits)."""
-    if fp8.device.type != "cpu":
-        return fp8.to(DEQUANTIZED_DTYPE)
-    return torch.from_numpy(_BFLOAT16_BITS[fp8.view(torch.uint8).numpy()]).view(DEQUANTIZED_DTYPE)
+def _dequantize_on_cpu(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each token's 256 possible products (`_FP8_VALUES` times its scale, each the same single bfloat16 multiply
+    as the elementwise one) looked up for its values: one gather a value and no temporary, 2-3x faster than
+    casting and multiplying every value (torch 2.13 casts float8 one value at a time on the CPU)."""
+    products = _FP8_VALUES[None, :] * scales.to(DEQUANTIZED_DTYPE)[:, None]  # [t, 256]
+    if out.dtype != DEQUANTIZED_DTYPE:
+        products = products.to(out.dtype)
+    table, codes, into = _as_numpy(products), fp8.view(torch.uint8).numpy(), _as_numpy(out)
+    for token in range(codes.shape[0]):
+        np.take(table[token], codes[token], out=into[token])
+    return out
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy sees it: bfloat16 as its int16 bits (numpy has no bfloat16)."""
+    return t.view(torch.int16).numpy() if t.dtype == DEQUANTIZED_DTYPE else t.numpy()
 
 
 def dequantized(raw: RawSample, allocate: Allocator) -> RawSample:
