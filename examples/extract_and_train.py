@@ -35,7 +35,7 @@ class Extraction:
     samples: int = 0
     tokens: int = 0
     model_seconds: float = 0.0  # the forward passes
-    writer_seconds: float = 0.0  # what append() added to the loop
+    writer_seconds: float = 0.0  # what append() added to the loop (with write_behind: checks and a copy)
 
 
 def tiny_llama(hidden_size: int, layers: int, seed: int) -> Any:
@@ -108,7 +108,7 @@ def run(store: Path, prompts: int = 16, tokens: tuple[int, int] = (32, 128), hid
     def extraction() -> None:
         try:
             result["done"] = extract(model, store, prompts, tokens, seed, chunk_tokens=64, shard_tokens=512,
-                                     publish_every=1)
+                                     publish_every=1, write_behind=2)
         except BaseException as exc:  # noqa: BLE001 (re-raised on the trainer's thread)
             result["error"] = exc
 
