@@ -308,3 +308,13 @@ def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_
 def test_write_behind_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="write_behind must be >= 0, not -1"):
         open_writer(tmp_path / "s", write_behind=-1)
+
+
+def test_a_folder_a_writer_appended_nothing_to_takes_a_conversion(source, converted, tmp_path):
+    """open_writer that appended nothing leaves only its lock files: `h5feed convert` takes the folder as empty."""
+    dst = tmp_path / "store"
+    with open_writer(dst, writer="rank0"):
+        pass
+    assert dst.is_dir() and any(dst.iterdir())  # its bookkeeping
+    convert(source[0], dst, workers=0, chunk_tokens=CHUNK, shard_tokens=SHARD, progress=False)
+    assert array_files(dst) == array_files(converted)

@@ -97,7 +97,15 @@ from h5feed.store.layout import (
     create_arrays,
     read_info,
 )
-from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
+from h5feed.store.writer_state import (
+    JOURNAL_FILE,
+    LOCK_FILE,
+    PLAN_FILE,
+    WRITER_API,
+    WRITER_SOURCE,
+    holds_no_samples,
+    read_journal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -389,9 +397,9 @@ def _convert_locally(
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
     options = _Options(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm, s.precision)
-    if dst_path.exists() and not s.overwrite and not (dst_path / "zarr.json").exists():
-        if any(p.name != LOCK_FILE for p in dst_path.iterdir()):
-            raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
+    if dst_path.exists() and not s.overwrite and not holds_no_samples(dst_path) and \
+            not (dst_path / "zarr.json").exists():  # an open_writer that appended nothing leaves only its locks
+        raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
     job = _Job(src_path, sources.url if sources else str(src_path), dst_path, fmt, options, s,
                sources.fetcher if sources else None, publisher)
     created = not dst_path.exists()

@@ -37,7 +37,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -83,6 +83,9 @@ from h5feed.store.writer_state import (
     journal_records,
     live_writers,
 )
+
+if TYPE_CHECKING:  # typing.Self is 3.11+
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 

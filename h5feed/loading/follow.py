@@ -40,7 +40,7 @@ from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
 from h5feed.store.reader import local_path
-from h5feed.store.writer_state import LOCK_FILE, WRITER_API, WRITERS_DIR, current_writer, writer_journals
+from h5feed.store.writer_state import WRITER_API, current_writer, holds_no_samples
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,7 @@ def open_followed(location: str | os.PathLike[str], follow: Follow, **store_opti
         if (path / "zarr.json").is_file() and read_info(path).status == "complete":
             return Store(path, **store_options)
         if not writing:
-            if path.is_dir() and not (path / "zarr.json").exists() and not writer_journals(path) and \
-                    all(p.name in (LOCK_FILE, WRITERS_DIR) for p in path.iterdir()):
+            if path.is_dir() and holds_no_samples(path):
                 raise StoreError(path, "nothing was ever published in it (an open_writer that appended no sample "
                                  "leaves an empty folder) and no writer holds it: start the writer, then follow it")
             if not (path / "zarr.json").is_file():

@@ -154,6 +154,13 @@ def writer_journals(store: Path) -> list[Path]:
     return [*([store / JOURNAL_FILE] if (store / JOURNAL_FILE).exists() else []), *named]
 
 
+def holds_no_samples(folder: Path) -> bool:
+    """Nothing in `folder` but writers' bookkeeping (their lock files; no store, no journaled sample): what an
+    `open_writer` that appended nothing leaves, which a converter may take and a follower calls empty."""
+    return (not (folder / "zarr.json").exists() and not writer_journals(folder)
+            and all(p.name in (LOCK_FILE, WRITERS_DIR) for p in folder.iterdir()))
+
+
 def being_converted(store: str | os.PathLike[str]) -> str | None:
     """What the writer holding this local store is at ("it is being written now by `h5feed convert` (...): 12 of
     40 samples done; wait for it to finish"), or None when no writer holds it."""
