@@ -318,3 +318,19 @@ def test_a_folder_a_writer_appended_nothing_to_takes_a_conversion(source, conver
     assert dst.is_dir() and any(dst.iterdir())  # its bookkeeping
     convert(source[0], dst, workers=0, chunk_tokens=CHUNK, shard_tokens=SHARD, progress=False)
     assert array_files(dst) == array_files(converted)
+
+
+def test_an_error_in_the_with_block_is_the_one_raised_when_writing_behind_failed_too(source, tmp_path, monkeypatch,
+                                                                                      caplog):
+    from h5feed.conversion import writer as writer_module
+
+    def full(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_module, "write_sample", full)
+    with pytest.raises(KeyError, match="the extraction's own error"), \
+            open_writer(tmp_path / "s", chunk_tokens=CHUNK, shard_tokens=SHARD, write_behind=2) as w:
+        w.append(samples_of(source[1][:1])[0])
+        time.sleep(0.2)  # the write behind fails meanwhile
+        raise KeyError("the extraction's own error")
+    assert "writing behind failed as well" in caplog.text and "No space left on device" in caplog.text

@@ -406,7 +406,13 @@ class StoreWriter:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        self.close()  # on an error too: the journaled samples are sound, and published
+        if exc is None:
+            self.close()
+            return
+        try:  # on an error too: the journaled samples are sound, and published
+            self.close()
+        except Exception:  # a write behind that failed too: said, but the error in the with-block is the one raised
+            log.exception("%s: writing behind failed as well", self.path)
 
 
 def _to_host(value: Any, copy: bool) -> Any:
