@@ -296,8 +296,11 @@ def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_
         for i, sample in enumerate(samples):
             w.append(sample, name=f"data_{i}.pt")
         w.publish()
-    w.close()
-    assert len(calls) == 5  # nothing written after the failure
+    with pytest.raises(OSError, match="No space left on device"):  # the writer stays broken: said again
+        w.append(samples[0])
+    with pytest.raises(OSError, match="No space left on device"):  # and at close, which publishes the rest
+        w.close()
+    assert len(calls) == 5  # nothing written after the failure, also what was queued behind it
     assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(4)]
     store = Store(dst)
     assert len(store) == 4

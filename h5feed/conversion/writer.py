@@ -439,18 +439,18 @@ class _WriteBehind:
     """One thread that runs writes in the order given, at most `depth` of them pending.
 
     Why one thread: samples are journaled in append order, so a kill leaves a prefix of them (a resume
-    continues after the last one) and publications keep the order.  The first failure stops the rest
-    (their rows stay unused) and is raised in the caller's thread by the next call."""
+    continues after the last one) and publications keep the order.  The first failure stops the rest: the
+    writes queued after it do nothing (their rows stay unused), and every later call raises it."""
 
     def __init__(self, depth: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5feed-write-behind")
         self._pending: deque[Future[None]] = deque()
         self._depth = depth
-        self._failure: BaseException | None = None
+        self._failure: BaseException | None = None  # the first write that failed; kept: the writer is broken
 
     def submit(self, write: Callable[[], None]) -> None:
         while len(self._pending) >= self._depth:
-            self._settle(self._pending.popleft())
+            self._pending.popleft().result()  # never raises: a failure is kept in _failure
         self.raise_failure()
         self._pending.append(self._pool.submit(self._unless_failed, write))
 
@@ -461,22 +461,14 @@ class _WriteBehind:
             except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread by its next call)
                 self._failure = exc
 
-    def _settle(self, future: Future[None]) -> None:
-        future.result()
-        self.raise_failure()
-
     def raise_failure(self) -> None:
-        while self._pending and self._pending[0].done():
-            self._pending.popleft()
         if self._failure is not None:
-            failure, self._failure = self._failure, None
-            self._pending.clear()
-            raise failure
+            raise self._failure
 
     def drain(self) -> None:
         """Wait for every pending write; raise the first failure."""
         while self._pending:
-            self._settle(self._pending.popleft())
+            self._pending.popleft().result()
         self.raise_failure()
 
     def close(self) -> None:
