@@ -121,6 +121,10 @@ class ReadAhead(Generic[Work, Result]):
         """The next result, waited for; the next piece of work starts."""
         self._give_up_held()
         self._draw_owed()
+        return self._take_next()
+
+    def _take_next(self) -> Result:
+        """The result at the head, waited for (what is owed was drawn by the caller)."""
         t0 = time.perf_counter()
         result = self._in_flight.popleft().result()
         waited = time.perf_counter() - t0
@@ -138,7 +142,7 @@ class ReadAhead(Generic[Work, Result]):
             self._draw_owed()
             if not self._in_flight:
                 return
-            yield self.take()
+            yield self._take_next()
 
     def close(self) -> None:
         for future in self._in_flight:
