@@ -101,7 +101,7 @@ def test_the_report_sums_up_the_run_and_draws_it(two_rank_run, tmp_path, cli):
     assert workers[0] == ["rank", "worker", "samples", "samples/s", "s reading per sample", "read MB/s"]
     assert [row[:2] for row in workers[1:]] == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]
     assert "slowest worker: rank 1 worker 1, " in text  # its samples take twice as long as its rank's others
-    assert worker_pixels(png) > 60  # a line per rank and worker in the worker panel
+    assert worker_pixels(png) > 30  # lines in the worker panel (51-225 pixels as timing goes; none drawn: < 10)
 
 
 def test_the_report_of_one_rank_draws_its_workers_and_names_the_slowest(one_rank_run, tmp_path, cli):
@@ -114,7 +114,7 @@ def test_the_report_of_one_rank_draws_its_workers_and_names_the_slowest(one_rank
     assert [row[:2] for row in workers[1:]] == [["0", "0"], ["0", "1"]]
     assert float(workers[1][4]) == pytest.approx(0.02, abs=0.005)  # each worker's own pace
     assert float(workers[2][4]) == pytest.approx(0.08, abs=0.01)
-    assert worker_pixels(png) > 60
+    assert worker_pixels(png) > 30  # as above
 
 
 def test_a_run_without_h5feed_counters_has_no_worker_table_and_says_so_in_its_plot(tmp_path, cli):
