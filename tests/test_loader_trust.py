@@ -123,7 +123,9 @@ def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_worke
         use_one()
     settle()
     assert ring_memory() == (0, 0, 0)
-    assert open_fds() <= fds  # a leak grows it; what earlier tests left open may be collected meanwhile
+    # A leak grows it for good; a reader thread still ending may hold its file a moment longer, and what
+    # earlier tests left open may be collected meanwhile.
+    assert within(5, lambda: open_fds() <= fds), (open_fds(), fds)
 
 
 def test_close_and_with_give_the_ring_back_once_the_trainer_drops_its_batches(stores):
