@@ -16,6 +16,14 @@ close.
     python bench/writer_bench.py --samples 8 --out /tmp/writer_bench [--device cuda]
     python bench/writer_bench.py --samples 8 --extract-ms 800 --write-behind 2 --out /tmp/writer_bench
     python bench/writer_bench.py --samples 32 --writers 4 --hidden-size 1024 --out /tmp/writer_bench
+
+`--bucket` also times the writer into a bucket: moto's S3 server on loopback behind the test proxy
+(`tests/s3_server.py`, `--bucket-delay` seconds added to every request), the same samples appended to
+`s3://.../store.zarr` from a staging folder under `--out`: what the uploads add to each append, and the
+bucket's bytes.  moto keeps objects in its own process's memory, so this is the client's and the
+loopback's cost, not a cloud's.
+
+    python bench/writer_bench.py --samples 8 --hidden-size 2048 --bucket --bucket-delay 0.02 --out /tmp/writer_bench
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -72,11 +81,11 @@ def timed_pt(samples: list[dict], folder: Path, extract_s: float) -> tuple[float
     return time.perf_counter() - t0, sum(proc.cpu_times()[:2]) - cpu0
 
 
-def timed_writer(samples: list[dict], store: Path, publish_every: int, extract_s: float,
-                 write_behind: int) -> tuple[float, float, h5feed.WriterReport]:
+def timed_writer(samples: list[dict], store: Path | str, publish_every: int, extract_s: float,
+                 write_behind: int, **options: Any) -> tuple[float, float, h5feed.WriterReport]:
     proc = psutil.Process()
     cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
-    with h5feed.open_writer(store, publish_every=publish_every, write_behind=write_behind) as writer:
+    with h5feed.open_writer(store, publish_every=publish_every, write_behind=write_behind, **options) as writer:
         for i, sample in enumerate(samples):
             time.sleep(extract_s)
             writer.append(sample, name=f"data_{i}.pt")
@@ -116,6 +125,26 @@ def timed_processes(store: Path, writers: int, samples: int, shape: dict[str, An
             "tokens_per_s": sum(tokens for *_, tokens in spans) / seconds, "samples_in_store": len(h5feed.Store(store))}
 
 
+def timed_bucket_writer(samples: list[dict], args: argparse.Namespace, extract_s: float) -> dict[str, Any]:
+    """The writer into a bucket of moto's server on loopback (the tests' server and proxy, started here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3_server import running_s3
+
+    with running_s3() as s3:
+        bucket = s3.new_bucket()
+        s3.proxy.delay = args.bucket_delay
+        seconds, cpu, report = timed_writer(samples, f"s3://{bucket}/store.zarr", args.publish_every, extract_s,
+                                            args.write_behind, storage_options=s3.storage_options,
+                                            staging_dir=args.out / "staging")
+        stored = sum(o["Size"] for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+                     for o in page.get("Contents", []))
+        requests = len(s3.proxy.requests())
+    n = len(samples)
+    return {"ms_per_sample": 1e3 * seconds / n, "cpu_s_per_sample": cpu / n,
+            "append_ms_per_sample": 1e3 * report.seconds / n, "bucket_MB": stored / 1e6, "delay_s": args.bucket_delay,
+            "requests_per_sample": requests / n, "staging_MB_left": folder_bytes(args.out / "staging") / 1e6}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=8)
@@ -130,6 +159,8 @@ def main() -> None:
                    "ms_per_sample then is the loop's, the model's time included")
     p.add_argument("--write-behind", type=int, default=0, help="open_writer(write_behind=N)")
     p.add_argument("--device", default="cpu", help="where the samples lie when they are saved (cuda: an extraction's)")
+    p.add_argument("--bucket", action="store_true", help="also time the writer into a loopback S3 bucket (moto)")
+    p.add_argument("--bucket-delay", type=float, default=0.0, help="seconds added to every request to the bucket")
     args = p.parse_args()
     low, high = (int(x) for x in args.tokens.split(":"))
     shutil.rmtree(args.out, ignore_errors=True)
@@ -153,6 +184,8 @@ def main() -> None:
                    "append_ms_per_sample": 1e3 * report.seconds / args.samples, "disk_MB": store_bytes / 1e6},
         "disk_ratio_pt_over_store": pt_bytes / store_bytes,
     }
+    if args.bucket:
+        result["bucket_writer"] = timed_bucket_writer(samples, args, extract_s)
     if args.writers > 1:
         shape = {"hidden": args.hidden_size, "aux": args.aux_layers, "lengths": (low, high)}
         one = timed_processes(args.out / "one.zarr", 1, args.samples, shape, args.publish_every)

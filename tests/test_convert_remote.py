@@ -206,7 +206,7 @@ def test_a_killed_converter_resumes_to_the_objects_of_an_uninterrupted_run(src_u
     s3.proxy.reset()
     done = subprocess.run(command, check=False, cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert f"taking over the writer's lock of host {socket.gethostname()}, pid {proc.pid}" in done.stderr
+    assert f"taking over the lock {LOCK_FILE} of host {socket.gethostname()}, pid {proc.pid}" in done.stderr
     assert "that process no longer runs" in done.stderr
     assert bucket_objects(s3, bucket, "killed") == bucket_objects(s3, bucket, "whole")  # same keys, same bytes
     sent = {r.path.split("/killed/", 1)[1] for r in s3.proxy.requests("PUT") if "/killed/" in r.path}
@@ -227,7 +227,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(src_url, s3, bucket, 
     time.sleep(0.01)
     with caplog.at_level(logging.WARNING, logger="h5feed.conversion.lock"):
         assert h5feed.convert(src_url, dst, **kwargs).num_samples == N
-    assert any("taking over the writer's lock of host trainer-7, pid 4242" in m and "s old" in m
+    assert any(f"taking over the lock {LOCK_FILE} of host trainer-7, pid 4242" in m and "s old" in m
                for m in caplog.messages)
     assert LOCK_FILE not in bucket_objects(s3, bucket, "store")  # released at the end
 

@@ -336,15 +336,6 @@ def test_the_first_sample_waited_for_is_bounded_by_the_idle_timeout(tmp_path):
         follower(dst, follow=Follow(idle_timeout=0.0, poll_s=0.01))
 
 
-# =========================================================================== 5. a store in a bucket
-
-
-def test_a_store_in_a_bucket_cannot_be_followed_and_says_why():
-    with pytest.raises(ValueError, match=r"s3://bucket/store: follow= reads a local store while `h5feed.open_writer` "
-                       r"appends to it.*read it without follow= once it is written"):
-        HiddenStatesStream("s3://bucket/store", shuffle=False, follow=Follow())
-
-
 def test_a_batch_loader_refuses_a_following_stream_saying_to_use_stream_loader(samples, tmp_path):
     dst = written(tmp_path / "store", samples, 2)
     with pytest.raises(ValueError, match=r"store: a stream that follows its writer \(follow=\) is read with "

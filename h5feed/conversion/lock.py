@@ -40,14 +40,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from h5feed.errors import StoreError
+from h5feed.io.objects import ObjectNotFound
 from h5feed.store.writer_state import (
     CONVERTER,
     LOCK_FILE,
+    STALE_AFTER_S,
     WRITER_API,
     WriterFiles,
     current_writer,
     describe_writer,
     read_holder,
+    why_lock_is_free,
 )
 
 if TYPE_CHECKING:
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
-STALE_AFTER_S = 300.0  # a bucket lock not rewritten for this long is taken over
+WAIT_POLL_S = 0.05  # how often a bucket lock is asked for again while waiting for it
 PATIENCE_S = 1.0  # how long a writer asks for a local lock again before naming its holder
 _SHM = Path("/dev/shm")
 
@@ -196,10 +199,16 @@ def _this_process() -> dict[str, Any]:
 
 
 class BucketLock:
-    """The writer's lock of a store in a bucket (see the module docstring); `release()` deletes it."""
+    """A lock object in a bucket (see the module docstring); `release()` deletes it.
 
-    def __init__(self, objects: FsspecStore, etag: str, info: dict[str, Any]) -> None:
-        self.objects, self._etag, self.info = objects, etag, info
+    `acquire()` is `h5feed convert`'s, at `LOCK_FILE`.  An `open_writer` writer of a bucket store holds one at
+    its own id's key for its lifetime, and takes the short ones its writers share (reserving rows, publishing)
+    with `wait=True`: it waits for its turn, and takes over a lock whose holder died."""
+
+    def __init__(self, objects: FsspecStore, key: str, etag: str, info: dict[str, Any], heartbeat_s: float,
+                 stale_after_s: float) -> None:
+        self.objects, self.key, self._etag, self.info = objects, key, etag, info
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.lost: str | None = None  # why the lock is no longer ours, once the heartbeat found out
         self._stop = threading.Event()
         self._guard = threading.Lock()
@@ -207,53 +216,71 @@ class BucketLock:
         self._thread.start()
 
     @classmethod
-    def acquire(cls, objects: FsspecStore) -> BucketLock:
-        """Create the lock object, or take over a stale one; else raise StoreError naming its holder."""
+    def acquire(cls, objects: FsspecStore, key: str = LOCK_FILE, *, by: str = CONVERTER,
+                who: dict[str, Any] | None = None, refusal: Callable[[str], str] | None = None, wait: bool = False,
+                heartbeat_s: float | None = None, stale_after_s: float | None = None) -> BucketLock:
+        """Create the lock object, or take over a stale one; else raise StoreError naming its holder (`refusal`
+        says what to do, given the holder as words), or with `wait`, ask again until it is free.  `by` and
+        `who` go into the object (who holds it, for messages); the heartbeat and staleness default to
+        `HEARTBEAT_S` and `STALE_AFTER_S`."""
+        heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        stale_after_s = STALE_AFTER_S if stale_after_s is None else stale_after_s
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": now, "token": uuid.uuid4().hex}
+        info = {"by": by, **(who or {}), "host": socket.gethostname(), "pid": os.getpid(), "started_at": now,
+                "token": uuid.uuid4().hex}
         body = json.dumps(info).encode()
+        made = lambda etag: cls(objects, key, etag, info, heartbeat_s, stale_after_s)
         while True:
-            etag = objects.put_if(LOCK_FILE, body, None)
+            etag = objects.put_if(key, body, None)
             if etag is not None:
-                return cls(objects, etag, info)
+                return made(etag)
+            try:  # its ETag first: the holder read is the one of that ETag or a later one (then put_if fails)
+                held = objects.info(key)
+                raw = objects.get(key)
+            except ObjectNotFound:
+                continue  # released meanwhile: try to create it again
             try:
-                held = objects.info(LOCK_FILE)
-                holder = json.loads(objects.get(LOCK_FILE))
-            except Exception:  # noqa: BLE001 (released meanwhile, or unreadable: try to create it again)
-                if not objects.exists(LOCK_FILE):
-                    continue
-                holder, held = {}, objects.info(LOCK_FILE)
+                holder = json.loads(raw)
+            except ValueError:
+                holder = None
+            if not isinstance(holder, dict):
+                holder = {}  # damaged: taken over (`why_lock_is_free`)
             if holder.get("token") == info["token"]:  # our own PUT went through, its answer was lost
-                return cls(objects, held.etag or "", info)
-            why = _takeover_reason(holder, held.modified_ns)
+                return made(held.etag or "")
+            why = why_lock_is_free(holder, held.modified_ns, stale_after_s)
             if why is None:
-                raise StoreError(objects.url, f"another `h5feed convert` ({_describe(holder, held.modified_ns)}) is "
-                                 "writing this store; wait for it to finish, or stop it and run this command again "
-                                 f"(a lock not renewed for {STALE_AFTER_S:.0f} s is taken over)")
-            etag = objects.put_if(LOCK_FILE, body, held.etag)
+                if wait:
+                    time.sleep(WAIT_POLL_S)
+                    continue
+                described = _describe(holder, held.modified_ns)
+                raise StoreError(objects.url, refusal(described) if refusal is not None else (
+                    f"another {holder.get('by', CONVERTER)} ({described}) is writing this store; wait for it to "
+                    f"finish, or stop it and run this command again (a lock not renewed for {stale_after_s:.0f} s "
+                    "is taken over)"))
+            etag = objects.put_if(key, body, held.etag)
             if etag is not None:
-                log.warning("%s: taking over the writer's lock of %s: %s", objects.url,
+                log.warning("%s: taking over the lock %s of %s: %s", objects.url, key,
                             _describe(holder, held.modified_ns), why)
-                return cls(objects, etag, info)
+                return made(etag)
 
     def check(self) -> None:
-        """Raise if another converter took the lock over (this one's heartbeat stalled too long)."""
+        """Raise if another process took the lock over (this one's heartbeat stalled too long)."""
         if self.lost is not None:
             raise StoreError(self.objects.url, self.lost)
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.heartbeat_s):
             with self._guard:
                 if self._stop.is_set():
                     return
                 try:
-                    etag = self.objects.put_if(LOCK_FILE, json.dumps(self.info).encode(), self._etag)
+                    etag = self.objects.put_if(self.key, json.dumps(self.info).encode(), self._etag)
                 except Exception as exc:  # noqa: BLE001 (the next beat tries again; the lock may go stale)
-                    log.warning("%s: could not renew the writer's lock: %s", self.objects.url, exc)
+                    log.warning("%s: could not renew the lock %s: %s", self.objects.url, self.key, exc)
                     continue
                 if etag is None:
-                    self.lost = ("another `h5feed convert` took over this store's lock (this one did not renew it "
-                                 f"for {STALE_AFTER_S:.0f} s): stop this one; the other goes on")
+                    self.lost = (f"another {self.info['by']} took over this store's lock {self.key} (this one did "
+                                 f"not renew it for {self.stale_after_s:.0f} s): stop this one; the other goes on")
                     return
                 self._etag = etag
 
@@ -265,32 +292,16 @@ class BucketLock:
             self._stop.set()
         if self.lost is None:
             try:
-                if self.objects.info(LOCK_FILE).etag == self._etag:
-                    self.objects.delete(LOCK_FILE)
+                if self.objects.info(self.key).etag == self._etag:
+                    self.objects.delete(self.key)
             except Exception as exc:  # noqa: BLE001 (a lock left behind is taken over as stale later)
-                log.warning("%s: could not delete the writer's lock: %s", self.objects.url, exc)
+                log.warning("%s: could not delete the lock %s: %s", self.objects.url, self.key, exc)
 
     def __enter__(self) -> BucketLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _takeover_reason(holder: dict[str, Any], modified_ns: int | None) -> str | None:
-    """Why a bucket lock may be taken over (its holder is gone or silent), or None while it is held."""
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        try:
-            os.kill(holder["pid"], 0)
-        except ProcessLookupError:
-            return "that process no longer runs"
-        except PermissionError:
-            pass  # it runs, as another user
-    if modified_ns is not None and time.time_ns() - modified_ns > STALE_AFTER_S * 1e9:
-        return f"its last heartbeat is {(time.time_ns() - modified_ns) / 1e9:.0f} s old"
-    if not holder:
-        return "it is unreadable"
-    return None
 
 
 def _describe(holder: dict[str, Any], modified_ns: int | None) -> str:

@@ -43,7 +43,7 @@ from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 from h5feed.store.layout import StoreInfo, object_key, read_info
-from h5feed.store.writer_state import LOCK_FILE
+from h5feed.store.writer_state import LOCK_FILE, WRITER_API, bucket_writers, describe_writer
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +64,100 @@ def is_shard(key: str) -> bool:
     return len(parts) > 2 and parts[1] == "c" and parts[0] != "index"
 
 
-class BucketPublisher:
-    """The staging store of one bucket DST and its uploads; made by `open`, which holds the bucket's lock."""
+class BucketMirror:
+    """A local staging copy of one store in a bucket: its files go up as objects (each only when the bucket does
+    not hold those bytes already), its metadata and index come down into it.  `h5feed convert` publishes
+    through one (`BucketPublisher`), and so does an `open_writer` writer of a bucket store.
 
-    def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock) -> None:
-        self.objects, self.root, self.lock = objects, root, lock
+    `local_only(key)`: the staging files that are never uploaded (locks; a writer's journal)."""
+
+    def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock,
+                 local_only: Callable[[str], bool] = lambda key: key == LOCK_FILE) -> None:
+        self.objects, self.root, self.lock, self.local_only = objects, root, lock, local_only
         self.store = root / "store"
         self._uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, digest) of what the bucket holds
         self._journal_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="h5feed-upload")
+        self.uploads = 0  # objects put by this run
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def fetch(self, keys: list[str], journal: bool) -> None:
+        """Fetch the objects `keys` into the staging folder, each checked first to be a path inside it, and note
+        that the bucket holds their bytes (in the uploads journal too with `journal`, for a later run)."""
+        paths = {key: self._staging_path(key) for key in keys}
+        lines = []
+        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, data, durable=False)
+            self._uploaded[key] = (len(data), _digest(data))
+            lines.append(json.dumps({"key": key, "size": len(data), "blake2b": _digest(data)}) + "\n")
+        if journal:
+            with open(self.root / UPLOADS_FILE, "a") as uploads:
+                uploads.write("".join(lines))
+
+    def _staging_path(self, key: str) -> Path:
+        try:
+            return contained_path(self.store, key)
+        except UnsafeName as exc:
+            raise StoreError(self.objects.key_url(key), f"its key {exc.problem}, so it is not an object of the store "
+                             f"{self.objects.url}: delete that object from the bucket, or pass --overwrite to convert "
+                             "the store again from scratch") from exc
+
+    def upload(self, key: str, remove: bool = False) -> None:
+        """Put the staging file `key` unless the bucket already holds these bytes; journal it; with `remove`,
+        delete the local copy once journaled (a shard: nothing local reads it again)."""
+        self.lock.check()
+        path = self.store / key
+        data = path.read_bytes()
+        sent = (len(data), _digest(data))
+        if self._uploaded.get(key) != sent:
+            self.objects.put_atomic(key, data)
+            with self._journal_lock:
+                with open(self.root / UPLOADS_FILE, "a") as journal:
+                    journal.write(json.dumps({"key": key, "size": sent[0], "blake2b": sent[1]}) + "\n")
+                self._uploaded[key] = sent
+                self.uploads += 1
+        if remove:
+            path.unlink()
+
+    def run_all(self, fn: Callable[[str], object], keys: list[str]) -> None:
+        """`fn(key)` for every key, concurrently; the first error is raised once all are done."""
+        for future in [self._pool.submit(fn, key) for key in keys]:
+            future.result()
+
+    def local_keys(self) -> list[str]:
+        """The staging folder's files that belong in the bucket (not a partial write, not local-only)."""
+        keys = []
+        for path in sorted(self.store.rglob("*")):
+            key = path.relative_to(self.store).as_posix()
+            if path.is_file() and not self.local_only(key) and not key.endswith(PARTIAL_SUFFIX):
+                keys.append(key)
+        return keys
+
+    def upload_body(self, keys: list[str]) -> None:
+        """Every file of `keys` but the root and the index (shards removed locally once sent)."""
+        body = [k for k in keys if k != "zarr.json" and not k.startswith("index/")]
+        self.run_all(lambda key: self.upload(key, remove=is_shard(key)), body)
+
+    def upload_all(self) -> None:
+        """What the bucket lacks of the staging folder: the body, then the index, then the root, which a reader
+        reads first: it never names an index or arrays the bucket does not hold yet."""
+        keys = self.local_keys()
+        self.upload_body(keys)
+        self.run_all(self.upload, [k for k in keys if k.startswith("index/")])
+        if "zarr.json" in keys:
+            self.upload("zarr.json")
+
+
+class BucketPublisher(BucketMirror):
+    """The staging store of one bucket DST and its uploads; made by `open`, which holds the bucket's lock."""
+
+    def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock) -> None:
+        super().__init__(objects, root, lock)
         self._in_flight: set[Future[None]] = set()
         self._slots = threading.BoundedSemaphore(2 * UPLOADS_IN_FLIGHT)  # shards waiting or uploading
-        self.uploads = 0  # objects put by this run
 
     @classmethod
     @contextlib.contextmanager
@@ -96,7 +178,7 @@ class BucketPublisher:
                 publisher._prepare(overwrite)
                 yield publisher
             finally:
-                publisher._pool.shutdown(wait=True, cancel_futures=True)
+                publisher.close()
 
     # --- before converting ---------------------------------------------------------------------
     def _prepare(self, overwrite: bool) -> None:
@@ -104,9 +186,14 @@ class BucketPublisher:
         if destination.exists() and destination.read_text() != self.objects.url:
             raise StoreError(self.root, f"is the staging folder of {destination.read_text()}, not of "
                              f"{self.objects.url}: give each DST its own --staging-dir")
+        writers = bucket_writers(self.objects)
+        if writers:
+            holder = writers[0] if len(writers) == 1 else {"writers": writers}
+            raise StoreError(self.objects.url, f"another {WRITER_API} ({describe_writer(holder)}) is writing this "
+                             "store; wait for it to finish, or stop it and run this command again")
         listed = {k: v for k, v in self.objects.list_info("").items() if k != LOCK_FILE}
         if overwrite:
-            self._run_all(self.objects.delete, list(listed))
+            self.run_all(self.objects.delete, list(listed))
             listed = {}
             shutil.rmtree(self.root, ignore_errors=True)
         self.store.mkdir(parents=True, exist_ok=True)
@@ -120,26 +207,12 @@ class BucketPublisher:
         self._uploaded = self._read_uploads(listed)
 
     def _rebuild_staging(self, listed: dict[str, ObjectInfo]) -> None:
-        """Fetch every object of the store in the bucket but the shards into an empty staging folder; every key
-        is checked to be a path inside it before anything is fetched."""
-        paths = {key: self._staging_path(key) for key, info in listed.items()
-                 if not is_shard(key) and not is_folder_marker(key, info.size)}
+        """Fetch every object of the store in the bucket but the shards into an empty staging folder."""
+        keys = [key for key, info in listed.items() if not is_shard(key) and not is_folder_marker(key, info.size)]
         log.info("%s: no staging folder at %s: fetching the store's %d metadata and index objects from the bucket",
-                 self.objects.url, self.root, len(paths))
-        lines = []
-        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, data, durable=False)
-            lines.append(json.dumps({"key": key, "size": len(data), "blake2b": _digest(data)}) + "\n")
-        (self.root / UPLOADS_FILE).write_text("".join(lines))
-
-    def _staging_path(self, key: str) -> Path:
-        try:
-            return contained_path(self.store, key)
-        except UnsafeName as exc:
-            raise StoreError(self.objects.key_url(key), f"its key {exc.problem}, so it is not an object of the store "
-                             f"{self.objects.url}: delete that object from the bucket, or pass --overwrite to convert "
-                             "the store again from scratch") from exc
+                 self.objects.url, self.root, len(keys))
+        (self.root / UPLOADS_FILE).unlink(missing_ok=True)
+        self.fetch(keys, journal=True)
 
     def _read_uploads(self, listed: dict[str, ObjectInfo]) -> dict[str, tuple[int, str]]:
         """The journal's uploads whose objects the bucket still lists at the size sent (a line cut by a kill is ignored)."""
@@ -155,47 +228,12 @@ class BucketPublisher:
         return uploaded
 
     # --- uploads -------------------------------------------------------------------------------
-    def _upload(self, key: str, remove: bool = False) -> None:
-        """Put the staging file `key` unless the bucket already holds these bytes; journal it; with `remove`,
-        delete the local copy once journaled (a shard: nothing local reads it again)."""
-        self.lock.check()
-        path = self.store / key
-        data = path.read_bytes()
-        sent = (len(data), _digest(data))
-        if self._uploaded.get(key) != sent:
-            self.objects.put_atomic(key, data)
-            with self._journal_lock:
-                with open(self.root / UPLOADS_FILE, "a") as journal:
-                    journal.write(json.dumps({"key": key, "size": sent[0], "blake2b": sent[1]}) + "\n")
-                self._uploaded[key] = sent
-                self.uploads += 1
-        if remove:
-            path.unlink()
-
-    def _run_all(self, fn: Callable[[str], object], keys: list[str]) -> None:
-        """`fn(key)` for every key, concurrently; the first error is raised once all are done."""
-        for future in [self._pool.submit(fn, key) for key in keys]:
-            future.result()
-
-    def _local_keys(self) -> list[str]:
-        keys = []
-        for path in sorted(self.store.rglob("*")):
-            key = path.relative_to(self.store).as_posix()
-            if path.is_file() and key != LOCK_FILE and not key.endswith(PARTIAL_SUFFIX):
-                keys.append(key)
-        return keys
-
     def publish_start(self) -> None:
         """After planning: the "converting" root first (unless the store is complete: an append), then every
         file but the index (metadata, plan, companions, shards a killed run left)."""
         if read_info(self.store).status != "complete":
-            self._upload("zarr.json")
-        self._upload_body(self._local_keys())
-
-    def _upload_body(self, keys: list[str]) -> None:
-        """Every file of `keys` but the root and the index (shards removed locally once sent)."""
-        body = [k for k in keys if k != "zarr.json" and not k.startswith("index/")]
-        self._run_all(lambda key: self._upload(key, remove=is_shard(key)), body)
+            self.upload("zarr.json")
+        self.upload_body(self.local_keys())
 
     def sample_done(self, start: int, num_tokens: int, info: StoreInfo) -> None:
         """A sample was journaled: upload its shards in the background (blocking while too many are in flight)."""
@@ -204,7 +242,7 @@ class BucketPublisher:
             for shard in range(first, stop):
                 self._raise_failed()
                 self._slots.acquire()
-                future = self._pool.submit(self._upload, object_key(info, name, shard), True)
+                future = self._pool.submit(self.upload, object_key(info, name, shard), True)
                 self._in_flight.add(future)
                 future.add_done_callback(lambda _: self._slots.release())
 
@@ -217,10 +255,7 @@ class BucketPublisher:
         """After the local store is complete: the rest, then the index, then the root's status flip."""
         wait(self._in_flight)
         self._raise_failed()
-        keys = self._local_keys()
-        self._upload_body(keys)
-        self._run_all(self._upload, [k for k in keys if k.startswith("index/")])
-        self._upload("zarr.json")
+        self.upload_all()
 
 
 def _digest(data: bytes) -> str:

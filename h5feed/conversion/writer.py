@@ -33,16 +33,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from h5feed.conversion.lock import WriterLock, held_briefly
+from h5feed.conversion.bucket_sources import naming
 from h5feed.conversion.samples import (
     IndexRow,
     array_rows,
@@ -57,6 +56,7 @@ from h5feed.conversion.samples import (
     rows_taken,
     write_sample,
 )
+from h5feed.conversion.writer_sites import WriterSite, open_site
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceSample
 from h5feed.formats.torch_dict import TorchDictFormat
@@ -72,16 +72,13 @@ from h5feed.store.layout import (
     read_info,
 )
 from h5feed.store.writer_state import (
-    LOCK_FILE,
     PLAN_FILE,
     PUBLISH_LOCK,
     ROWS_LOCK,
     WRITER_ID,
     WRITER_SOURCE,
-    WRITERS_DIR,
     WriterFiles,
     journal_records,
-    live_writers,
 )
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -96,7 +93,7 @@ DEFAULT_BLOCK_SHARDS = 16  # shards a writer reserves at a time: the arrays are 
 class WriterReport:
     """What a writer has done: its samples kept in the store (published or not yet), tokens, bytes written."""
 
-    store: Path
+    store: str  # its folder or URL
     samples: int
     published: int
     tokens: int
@@ -119,8 +116,11 @@ def open_writer(
     block_shards: int = DEFAULT_BLOCK_SHARDS,
     durable: bool = True,
     write_behind: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
 ) -> StoreWriter:
-    """A writer that appends samples to the local store `store` (made at the first sample, or resumed).
+    """A writer that appends samples to the store `store` (made at the first sample, or resumed): a local
+    folder, or a URL in a bucket (`s3://bucket/hs.zarr`, gs://, az://, anything fsspec writes).
 
     `with h5feed.open_writer("hs.zarr") as w: w.append(input_ids=ids, hidden_states=[...], loss_mask=mask)`
 
@@ -147,8 +147,14 @@ def open_writer(
             one too, so the caller may reuse its buffers); it waits while `write_behind` samples are in flight
             (memory stays bounded), and an error while writing (a full disk) is raised by the next `append`,
             `publish` or `close`.  0 (the default): each sample is written before `append` returns.
+        storage_options: for a bucket, fsspec's options (endpoint_url, credentials, ...).
+        staging_dir: for a bucket, the local folder this writer works in: its journal and the samples being
+            uploaded (default: one per store and writer id under `$XDG_CACHE_HOME/h5feed/staging`; the same
+            folder resumes a writer restarted with its id).  A sample is journaled once its shards are in the
+            bucket, and the index is published there by one atomic PUT of the store's root.
     """
-    return StoreWriter(Path(store), writer=writer, format=format, chunk_tokens=chunk_tokens,
+    site = open_site(store, writer, storage_options, staging_dir)
+    return StoreWriter(site, writer=writer, format=format, chunk_tokens=chunk_tokens,
                        shard_tokens=shard_tokens, codec=codec, last_state_norm=last_state_norm, precision=precision,
                        publish_every=publish_every, block_shards=block_shards, durable=durable,
                        write_behind=write_behind)
@@ -157,7 +163,7 @@ def open_writer(
 class StoreWriter:
     """Appends samples to one store, beside the store's other writers; see `open_writer`."""
 
-    def __init__(self, path: Path, *, writer: str | None, format: str, chunk_tokens: int, shard_tokens: int,
+    def __init__(self, site: WriterSite, *, writer: str | None, format: str, chunk_tokens: int, shard_tokens: int,
                  codec: str, last_state_norm: LastStateNorm | None, precision: Precision, publish_every: int,
                  block_shards: int, durable: bool, write_behind: int = 0) -> None:
         fmt = FORMATS.get(format)  # type: ignore[call-overload]
@@ -173,13 +179,11 @@ class StoreWriter:
         if writer is not None and not WRITER_ID.fullmatch(writer):
             raise ValueError(f"open_writer(writer={writer!r}): an id is 1 to 64 letters, digits, '_', '.' or '-', "
                              "starting with a letter or digit")
-        self.path, self.format, self.files = path, fmt, WriterFiles(path, writer)
+        self.site, self.path, self.location = site, site.staging, site.location  # works in path, names location
+        self.format, self.files = fmt, WriterFiles(site.staging, writer)
         self.chunk_tokens, self.shard_tokens, self.codec = chunk_tokens, shard_tokens, codec
         self.last_state_norm, self.precision = last_state_norm, precision
         self.publish_every, self.block_rows, self.durable = publish_every, block_shards * shard_tokens, durable
-        if path.is_dir() and not (path / "zarr.json").exists() and \
-                any(p.name not in (LOCK_FILE, WRITERS_DIR) for p in path.iterdir()):
-            raise StoreError(path, "exists and is not an h5feed store; choose another folder")
         self.info: StoreInfo | None = None
         self._reference: SampleShape | None = None
         self._rows: list[IndexRow] = []  # this writer's journaled samples, in its order
@@ -191,10 +195,10 @@ class StoreWriter:
         self._appended = 0  # samples given to append() (with write_behind, some may not be written yet)
         self._behind = _WriteBehind(write_behind) if write_behind else None
         self._locks = ExitStack()
-        try:  # its id first, then the store: a probe that finds the store held finds who holds it
-            self._locks.enter_context(WriterLock.of_writer(self.files))
-            self._locks.enter_context(WriterLock.share(path))
-            self._resume()
+        try:
+            self._locks.enter_context(self.site.hold(self.files))
+            with self._named():
+                self._resume()
         except BaseException:
             self._locks.close()
             raise
@@ -213,7 +217,7 @@ class StoreWriter:
                 self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
                 self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
         self._appended = len(self._rows)
-        with held_briefly(self._shared_lock(ROWS_LOCK)):
+        with self.site.step(ROWS_LOCK):
             self._remove_partial_writes()
         begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
         if self._rows or begun:
@@ -222,20 +226,20 @@ class StoreWriter:
                 else "no sample kept"
             lost = (f"{begun[-1]['name']!r}, being appended when the writer stopped, was lost: append it again"
                     if begun else "samples appended after it were lost")
-            log.info("%s: resuming%s: %s; %s", self.path, who, kept, lost)
+            log.info("%s: resuming%s: %s; %s", self.location, who, kept, lost)
         self._publish()
 
     def _adopt(self, info: StoreInfo) -> None:
         """Write into an existing store: one open_writer made, with this writer's settings."""
         if (self.path / PLAN_FILE).exists() or info.source_root != WRITER_SOURCE:
-            raise StoreError(self.path, "was made by `h5feed convert`, not by open_writer: append files to it with "
+            raise StoreError(self.location, "was made by `h5feed convert`, not by open_writer: append files to it with "
                              "`h5feed convert`, or write into another store")
         asked = {"format": self.format.name, "codec": self.codec, "chunk_tokens": self.chunk_tokens,
                  "shard_tokens": self.shard_tokens, "last_state_norm": self.last_state_norm,
                  "precision": self.precision}
         differ = differing_settings(info, asked)
         if differ is not None:
-            raise StoreError(self.path, f"was written with {differ[0]}, not {differ[1]}: open every writer of a "
+            raise StoreError(self.location, f"was written with {differ[0]}, not {differ[1]}: open every writer of a "
                              "store with its settings, or write into another store")
         self.info = info
         self._reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
@@ -243,7 +247,7 @@ class StoreWriter:
     def _remove_partial_writes(self) -> None:
         """Remove what a kill mid-write left: every partial file when no other writer runs (none can start
         writing while this holds the rows' lock), else those in the rows this writer reserved."""
-        if not any(w.get("writer") != self.files.writer for w in live_writers(self.path)):
+        if not self.site.others_writing(self.files.writer):
             partials = list(self.path.rglob(f"*{PARTIAL_SUFFIX}"))
         elif self.info is not None and self._next_row is not None:
             shards = range(self._next_row // self.shard_tokens, self._block_end // self.shard_tokens)
@@ -266,8 +270,9 @@ class StoreWriter:
                              "the verifier's final norm: pass last_state_norm='pre' or 'post'")
         return self.last_state_norm
 
-    def _shared_lock(self, name: str) -> Path:
-        return self.path / WRITERS_DIR / name
+    def _named(self) -> AbstractContextManager[None]:
+        """Errors that name a file of the staging folder name the store's place instead (a bucket's URL)."""
+        return naming((SourceError, StoreError), {str(self.path): self.location})
 
     # --- appending -----------------------------------------------------------------------------
     def append(self, sample: Mapping[str, Any] | None = None, /, *, name: str | None = None, **keys: Any) -> int:
@@ -275,13 +280,17 @@ class StoreWriter:
         hidden_states=[...])`); CUDA tensors are copied to the host.  Its number among this writer's samples
         is returned: its index in the store when one writer writes it.  A sample that does not fit the store
         (other H, K or dtype than the first) raises SourceError naming it."""
+        with self._named():
+            return self._append({**(sample or {}), **keys}, name)
+
+    def _append(self, sample: dict[str, Any], name: str | None) -> int:
         t0 = time.perf_counter()
         index = self._appended
         writer = self.files.writer
         label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
         copy = self._behind is not None  # written later: the caller may reuse its buffers meanwhile
-        d = {key: _to_host(value, copy) for key, value in {**(sample or {}), **keys}.items()}
+        d = {key: _to_host(value, copy) for key, value in sample.items()}
         loaded = self.format.sample_from(d, where)
         shape = loaded.shape
         if self._behind is not None:
@@ -311,6 +320,7 @@ class StoreWriter:
         self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
         record = write_sample(self.path, self.info, planned.sample, planned.start, self.durable)
         num_tokens = planned.sample.shape.num_tokens
+        self.site.sample_written(self.info, planned.start, num_tokens)  # in the store before it is journaled
         self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
                              "num_tokens": num_tokens, "block_end": planned.block_end, **record}, sync=self.durable)
         self._rows.append(IndexRow(planned.start, num_tokens, planned.index, planned.label, record["checksum"],
@@ -323,7 +333,7 @@ class StoreWriter:
         """Rows for a sample of `taken` rows: this writer's block extended when no other reserved rows since
         (its samples stay back to back), else a new block where the arrays end (what its old one has left is
         a hole).  The store is made here by the first writer of all, from its first sample."""
-        with held_briefly(self._shared_lock(ROWS_LOCK)):
+        with self.site.step(ROWS_LOCK):
             if self.info is None and (self.path / "zarr.json").exists():
                 self._adopt(read_info(self.path))  # another writer made it
             if self.info is None:
@@ -347,6 +357,7 @@ class StoreWriter:
 
     def _write_journal(self, record: dict[str, Any], sync: bool) -> None:
         if self._journal is None:
+            self.files.journal.parent.mkdir(parents=True, exist_ok=True)  # a bucket's writer: no lock made it
             self._journal = open(self.files.journal, "a")  # noqa: SIM115 (for the writer's life: close() closes it)
         self._journal.write(json.dumps(record) + "\n")
         self._journal.flush()
@@ -356,15 +367,16 @@ class StoreWriter:
     def publish(self) -> None:
         """Publish every sample appended so far (with write_behind, once written): a reader opening the store
         from here on sees them."""
-        if self._behind is not None:
-            self._behind.drain()
-        self._publish()
+        with self._named():
+            if self._behind is not None:
+                self._behind.drain()
+            self._publish()
 
     def _publish(self) -> None:
         """Add this writer's journaled samples that the published index lacks to it, after the others'."""
         if self.info is None or self._published == len(self._rows):
             return
-        with held_briefly(self._shared_lock(PUBLISH_LOCK)):
+        with self.site.step(PUBLISH_LOCK):
             published = published_columns(self.path)
             mine = index_columns(self._rows, len(self.info.array_names))
             new = ~np.isin(mine["sample_start"], published["sample_start"])
@@ -376,20 +388,21 @@ class StoreWriter:
     # --- closing -------------------------------------------------------------------------------
     @property
     def report(self) -> WriterReport:
-        return WriterReport(self.path, len(self._rows), self._published, sum(r.num_tokens for r in self._rows),
+        return WriterReport(self.location, len(self._rows), self._published, sum(r.num_tokens for r in self._rows),
                             self._bytes_out, self._seconds, self.files.writer)
 
     def close(self) -> WriterReport:
         """Write what is still behind, publish what is journaled and let the store go (when no other writer
         holds it, a converter may take it, and followers stop once they have read every sample).  An error
         while writing behind is raised here, after the samples journaled before it are published."""
-        try:
-            if self._behind is not None:
-                self._behind.close()
-        finally:
-            self._publish_and_let_go()
+        with self._named():
+            try:
+                if self._behind is not None:
+                    self._behind.close()
+            finally:
+                self._publish_and_let_go()
         report = self.report
-        log.info("%s: %d samples, %d tokens, %.1f MB written in %.1f s of append()", self.path, report.samples,
+        log.info("%s: %d samples, %d tokens, %.1f MB written in %.1f s of append()", self.location, report.samples,
                  report.tokens, report.bytes_out / 1e6, report.seconds)
         return report
 
@@ -412,7 +425,7 @@ class StoreWriter:
         try:  # on an error too: the journaled samples are sound, and published
             self.close()
         except Exception:  # a write behind that failed too: said, but the error in the with-block is the one raised
-            log.exception("%s: writing behind failed as well", self.path)
+            log.exception("%s: writing behind failed as well", self.location)
 
 
 def _to_host(value: Any, copy: bool) -> Any:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
-from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, check_followable, open_followed
+from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, open_followed
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
@@ -339,9 +339,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         follow: Follow | None = None,
     ) -> None:
         if follow is not None:
-            check_followable(store)
             if shuffle or samples is not None:
-                raise ValueError("follow= reads every sample of a local store in the order they were published: "
+                raise ValueError("follow= reads every sample of the store in the order they were published: "
                                  "pass shuffle=False and no samples=")
             if not isinstance(store, Store):  # its writer may not have published a sample yet
                 store = open_followed(store, follow, storage_options=storage_options, cache_dir=cache_dir,

@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from h5feed.errors import StoreError
-from h5feed.io import is_remote
+from h5feed.io import FsspecStore, is_remote, open_url
 from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
 from h5feed.store.reader import local_path
-from h5feed.store.writer_state import WRITER_API, current_writer, holds_no_samples
+from h5feed.store.writer_state import WRITER_API, bucket_writers, current_writer, holds_no_samples
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,11 @@ def wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounte
     if position < len(store):
         return True
     since = time.monotonic()
+    objects = open_url(store.path, store.storage_options) if store.remote else None  # uncached: lock objects change
     counters.begin_writer_wait()
     try:
         while True:
-            writing = current_writer(Path(store.path)) is not None  # first: what any writer published is seen below
+            writing = writing_now(store.path, objects)  # first: what any writer published is seen below
             if store.reload() > position:
                 return True
             if not writing:
@@ -176,37 +177,46 @@ def wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounte
 
 
 def open_followed(location: str | os.PathLike[str], follow: Follow, **store_options: Any) -> Store:
-    """The local store at `location`, opened once its writer has published a first sample: a follower may start
-    before it (a store with none is refused to plain readers as unfinished).
+    """The store at `location` (a local folder or a bucket's URL), opened once its writer has published a first
+    sample: a follower may start before it (a store with none is refused to plain readers as unfinished).
 
     Refused at once, naming the store, when no writer holds it and nothing is published (nothing will come),
     and when `idle_timeout` passes before the first sample."""
-    path = local_path(location)
+    remote = is_remote(location)
+    where: Path | str = os.fspath(location).rstrip("/") if remote else local_path(location)
+    objects = open_url(where, store_options.get("storage_options")) if remote else None
     since = time.monotonic()
     while True:
-        writing = current_writer(path) is not None  # looked at first, as in `wait_for`
-        if (path / "zarr.json").is_file() and read_info(path).status == "complete":
-            return Store(path, **store_options)
+        writing = writing_now(where, objects)  # looked at first, as in `wait_for`
+        status = _status(objects if objects is not None else Path(where))
+        if status == "complete":
+            return Store(where, **store_options)
         if not writing:
-            if path.is_dir() and holds_no_samples(path):
-                raise StoreError(path, "nothing was ever published in it (an open_writer that appended no sample "
+            if isinstance(where, Path) and where.is_dir() and holds_no_samples(where):
+                raise StoreError(where, "nothing was ever published in it (an open_writer that appended no sample "
                                  "leaves an empty folder) and no writer holds it: start the writer, then follow it")
-            if not (path / "zarr.json").is_file():
-                return Store(path, **store_options)  # not a store at all: its own error says so
-            raise StoreError(path, f"no writer holds it and it has no published sample: its writer ({WRITER_API}) "
+            if status is None:
+                return Store(where, **store_options)  # not a store at all: its own error says so
+            raise StoreError(where, f"no writer holds it and it has no published sample: its writer ({WRITER_API}) "
                              "let it go before publishing one; nothing will come to follow. Append samples with "
                              "open_writer on it again, then follow it")
         if follow.idle_timeout is not None and time.monotonic() - since >= follow.idle_timeout:
-            raise StoreError(path, f"its writer published no sample in {follow.idle_timeout} s (Follow's "
+            raise StoreError(where, f"its writer published no sample in {follow.idle_timeout} s (Follow's "
                              "idle_timeout); it still holds the store: wait longer, or look at why it is slow")
         time.sleep(follow.poll_s)
 
 
-def check_followable(location: Store | str | os.PathLike[str]) -> None:
-    """Refuse to follow a store in a bucket, saying why, before anything is fetched."""
-    remote = location.remote if isinstance(location, Store) else is_remote(location)
-    if remote:
-        where = location.path if isinstance(location, Store) else location
-        raise ValueError(f"{where}: follow= reads a local store while {WRITER_API} appends to it, and that writer "
-                         "writes local stores only; a store in a bucket (written by `h5feed convert`, which publishes "
-                         "its index once, at the end) cannot be followed: read it without follow= once it is written")
+def writing_now(where: Path | str, objects: FsspecStore | None) -> bool:
+    """Whether a writer holds the store now: a local one's locks, or a bucket store's writers' lock objects
+    (`objects`: the bucket store's, read uncached)."""
+    if objects is None:
+        return current_writer(Path(where)) is not None
+    return bool(bucket_writers(objects))
+
+
+def _status(location: Path | FsspecStore) -> str | None:
+    """The store's status ("complete" once a sample is published), or None where there is no readable root."""
+    try:
+        return read_info(location).status
+    except StoreError:
+        return None

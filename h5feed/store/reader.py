@@ -399,16 +399,16 @@ class Store:
     def reload(self) -> int:
         """Take up the samples a writer published since the store was opened (`h5feed.open_writer`, or
         `h5feed convert` appending); returns the count now.  Earlier samples stay as they were: the index
-        only grows.  A store in a bucket is not followed (its index objects are fetched once)."""
-        if self.remote:
-            raise StoreError(self.path, "following a store in a bucket is not supported: read it once it is written")
-        info = read_info(self.path)
+        only grows.  In a bucket, the root is fetched again, and the index with it once the root publishes more:
+        shards are never rewritten once a published sample is in them, so what was cached stays good."""
+        info = read_info(self._objects if self._objects is not None else self.path)
         if info.status != "complete" or info.num_samples <= len(self):
             return len(self)
         sizes = ("hidden_size", "num_aux_layers", "dtype", "chunk_tokens", "shard_tokens", "codec", "precision")
         if any(getattr(info, name) != getattr(self.info, name) for name in sizes):
             raise StoreError(self.path, "was rewritten with other settings while it was read: open it again")
         self.info = info
+        self.__dict__.pop("_zarr_store", None)  # a bucket's: the index objects as fetched then
         self._load_index(info.num_samples)
         self._check_index()
         self._check_index_digest()

@@ -552,7 +552,8 @@ def zarr_store(objects: ObjectStore, known: dict[str, bytes], prefixes: tuple[st
             return key in self._store_dict
 
     found = dict(known)
-    keys = [key for prefix in prefixes for key in objects.list(prefix) if key not in found]
+    keys = [key for prefix in prefixes for key in objects.list(prefix)  # s3fs may list the prefix itself
+            if key.startswith(prefix) and key != prefix and key not in found]
     with ThreadPoolExecutor(8, thread_name_prefix="h5feed-index") as pool:
         found.update(zip(keys, pool.map(objects.get, keys)))
     return ObjectsZarrStore({key: as_buffer(data) for key, data in found.items()})

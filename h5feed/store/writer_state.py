@@ -17,10 +17,14 @@ import fcntl
 import json
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from h5feed.io import FsspecStore
 
 LOCK_FILE = "h5feed-writer.lock"  # flock'd by `h5feed convert` (host, pid, start time inside), or shared by writers
 PLAN_FILE = "h5feed-plan.json"  # every sample's place, decided before the first is converted
@@ -33,6 +37,7 @@ ROWS_LOCK = "rows.lock"  # in WRITERS_DIR: held while a writer reserves rows (an
 PUBLISH_LOCK = "publish.lock"  # in WRITERS_DIR: held while a writer adds its samples to the index
 WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a writer's id: part of its files' names
 _DEFAULT_WRITER_LOCK = "default.lock"
+STALE_AFTER_S = 300.0  # a lock object in a bucket not renewed for this long is its holder's no longer
 
 
 @dataclass(frozen=True)
@@ -177,3 +182,39 @@ def being_converted(store: str | os.PathLike[str]) -> str | None:
         idle = ": planning" if writer.get("by", CONVERTER) == CONVERTER else ": no sample written yet"
         progress = f": {written} samples written so far" if written else idle
     return f"it is being written now by {writer.get('by', CONVERTER)} ({who}){progress}; wait for it to finish"
+
+
+def why_lock_is_free(holder: dict[str, Any], modified_ns: int | None, stale_after_s: float) -> str | None:
+    """Why a lock object in a bucket may be taken over (its holder is gone or silent: no heartbeat for
+    `stale_after_s`), or None while it is held."""
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return "that process no longer runs"
+        except PermissionError:
+            pass  # it runs, as another user
+    if modified_ns is not None and time.time_ns() - modified_ns > stale_after_s * 1e9:
+        return f"its last heartbeat is {(time.time_ns() - modified_ns) / 1e9:.0f} s old"
+    if not holder:
+        return "it is unreadable"
+    return None
+
+
+def bucket_writers(objects: FsspecStore) -> list[dict[str, Any]]:
+    """The `open_writer` writers that hold a store in a bucket now, each as its lock object describes it (with
+    its "writer" id): every writer's lock in `WRITERS_DIR` that is not stale (see `why_lock_is_free`)."""
+    from h5feed.io import ObjectError
+
+    holders = []
+    for key, info in objects.list_info(WRITERS_DIR).items():
+        name = key.rsplit("/", 1)[-1]
+        if not (name == _DEFAULT_WRITER_LOCK or (name.startswith("id-") and name.endswith(".lock"))):
+            continue
+        try:
+            holder = json.loads(objects.get(key))
+        except (ObjectError, ValueError):  # released meanwhile, or cut: not a writer to wait for
+            continue
+        if isinstance(holder, dict) and why_lock_is_free(holder, info.modified_ns, STALE_AFTER_S) is None:
+            holders.append(holder)
+    return holders

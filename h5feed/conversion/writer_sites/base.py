@@ -1,0 +1,44 @@
+"""What an `open_writer` writer needs from the place its store lives: one interface, one module per place.
+
+A writer always works in a local folder, `staging`: the store itself on a filesystem, or, for a store in
+a bucket, a copy of its metadata and index that also holds the writer's own journal and the shards it
+is writing.  Its writers share two short steps (reserving rows, publishing), each taken by one writer
+at a time; inside a step `staging` holds the store's metadata and index as they are now, and what the
+step changed there is the store's once it ends.  Outside the steps each writer writes only its own
+shards, so the hot path takes no shared lock.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from h5feed.store.layout import StoreInfo
+from h5feed.store.writer_state import WriterFiles
+
+
+class WriterSite(ABC):
+    """Where one writer's store lives (a local folder, a bucket), and how its writers share it."""
+
+    def __init__(self, staging: Path, location: str) -> None:
+        self.staging = staging  # the local folder the writer works in
+        self.location = location  # the store, as messages name it (its folder or URL)
+
+    @abstractmethod
+    def hold(self, files: WriterFiles) -> AbstractContextManager[object]:
+        """For the writer's life: its own id's lock (a second process with that id is refused, naming the
+        first) and its share of the store (a converter is refused, and refuses it); the store's metadata is in
+        `staging` once it is held.  A place that holds something other than a store is refused."""
+
+    @abstractmethod
+    def step(self, lock: str) -> AbstractContextManager[object]:
+        """One shared step (`ROWS_LOCK`, `PUBLISH_LOCK`), one writer at a time: waits for its turn."""
+
+    @abstractmethod
+    def others_writing(self, writer: str | None) -> bool:
+        """Whether a writer with another id may be writing into `staging` now (so partial files may be theirs)."""
+
+    def sample_written(self, info: StoreInfo, start: int, rows: int) -> None:
+        """The shards of the sample at rows [start, start + rows) are in `staging`; make them the store's before
+        its journal line is written."""

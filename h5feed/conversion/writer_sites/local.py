@@ -1,0 +1,34 @@
+"""A store in a local folder: the writer works in the store itself, and its writers share flocks there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from pathlib import Path
+
+from h5feed.conversion.lock import WriterLock, held_briefly
+from h5feed.conversion.writer_sites.base import WriterSite
+from h5feed.errors import StoreError
+from h5feed.store.writer_state import LOCK_FILE, WRITERS_DIR, WriterFiles, live_writers
+
+
+class LocalSite(WriterSite):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, str(path))
+
+    @contextmanager
+    def hold(self, files: WriterFiles) -> Iterator[None]:
+        path = self.staging
+        if path.is_dir() and not (path / "zarr.json").exists() and \
+                any(p.name not in (LOCK_FILE, WRITERS_DIR) for p in path.iterdir()):
+            raise StoreError(path, "exists and is not an h5feed store; choose another folder")
+        with ExitStack() as locks:  # its id first, then the store: a probe that finds the store held finds who holds it
+            locks.enter_context(WriterLock.of_writer(files))
+            locks.enter_context(WriterLock.share(path))
+            yield
+
+    def step(self, lock: str) -> AbstractContextManager[None]:
+        return held_briefly(self.staging / WRITERS_DIR / lock)
+
+    def others_writing(self, writer: str | None) -> bool:
+        return any(w.get("writer") != writer for w in live_writers(self.staging))
