@@ -227,10 +227,10 @@ def test_a_converter_holding_the_bucket_store_refuses_a_writer(s3, bucket, tmp_p
     from h5feed.conversion.lock import BucketLock
 
     url = f"s3://{bucket}/hs.zarr"
-    with BucketLock.acquire(open_url_of(url, s3)):
-        with pytest.raises(StoreError, match=r"another `h5feed convert` \(host [^,]+, pid \d+, .*\) is writing this "
-                                             "store; wait for it to finish, or write into another store"):
-            bucket_writer(url, s3, tmp_path / "w")
+    refused = r"another `h5feed convert` \(host [^,]+, pid \d+, .*\) is writing this store; wait for it to finish, or " \
+              "write into another store"
+    with BucketLock.acquire(open_url_of(url, s3)), pytest.raises(StoreError, match=refused):
+        bucket_writer(url, s3, tmp_path / "w")
 
 
 def test_the_site_registry_gives_a_bucket_site_for_a_url_and_refuses_a_read_only_one(s3, bucket, tmp_path):

@@ -1,0 +1,116 @@
+"""One conformance suite over every `WriterSite` (where an `open_writer` store can live): a local folder and a
+bucket (moto's S3 server on loopback).  Each site must give a writer the same store for the same samples, refuse a
+second process with a writer's id, let one writer at a time into a shared step, and hold a sample's shards in the
+store by the time `sample_written` returns."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
+from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
+
+from h5feed import StoreError, open_writer
+from h5feed.conversion.writer_sites import BucketSite, LocalSite, WriterSite, open_site
+from h5feed.store import Store
+from h5feed.store.layout import object_key
+from h5feed.store.writer_state import ROWS_LOCK, WriterFiles
+
+SITES = ["local", "bucket"]
+
+
+class Place:
+    """A store's location on one site, and how to open writers, sites and readers of it."""
+
+    def __init__(self, kind: str, tmp_path: Path, s3: S3 | None, bucket: str | None) -> None:
+        self.kind, self.tmp_path = kind, tmp_path
+        self.options = s3.storage_options if s3 is not None else None
+        self.location = str(tmp_path / "hs.zarr") if kind == "local" else f"s3://{bucket}/hs.zarr"
+
+    def site(self, writer: str | None, staging: str = "staging") -> WriterSite:
+        return open_site(self.location, writer, self.options, self.tmp_path / staging)
+
+    def writer(self, staging: str = "staging", **options):
+        return open_writer(self.location, storage_options=self.options, staging_dir=self.tmp_path / staging,
+                           chunk_tokens=CHUNK, shard_tokens=SHARD, **options)
+
+    def store(self) -> Store:
+        return Store(self.location, storage_options=self.options)
+
+    def holds(self, key: str) -> bool:
+        if self.kind == "local":
+            return (Path(self.location) / key).is_file()
+        from h5feed.io import open_url
+
+        return open_url(self.location, self.options).exists(key)
+
+
+@pytest.fixture(params=SITES)
+def place(request, tmp_path) -> Iterator[Place]:
+    if request.param == "local":
+        yield Place("local", tmp_path, None, None)
+        return
+    s3 = request.getfixturevalue("s3")
+    yield Place("bucket", tmp_path, s3, request.getfixturevalue("bucket"))
+
+
+def test_the_registry_gives_each_place_its_site(place):
+    assert isinstance(place.site(None), {"local": LocalSite, "bucket": BucketSite}[place.kind])
+    assert place.site(None).location == place.location
+
+
+def test_a_writer_on_each_site_makes_a_store_that_reads_back_every_sample_exactly(place):
+    with place.writer(publish_every=2) as writer:
+        for i in range(5):
+            assert writer.append(make_sample(1, i), name=name_of(1, i)) == i
+    assert writer.report.store == place.location and writer.report.published == 5
+    store = place.store()
+    assert [check_sample(store, j) for j in range(len(store))] == [name_of(1, i) for i in range(5)]
+
+
+def test_a_second_process_with_a_writers_id_is_refused_on_each_site(place):
+    with place.writer(writer="a") as first:
+        first.append(make_sample(0, 0), name="a0")
+        with pytest.raises(StoreError, match="is writing this store as writer 'a': give each writer"):
+            place.writer(staging="other", writer="a")
+
+
+def test_each_sites_shared_step_takes_one_writer_at_a_time(place):
+    sites = [place.site(f"w{k}", staging=f"staging-{k}") for k in range(2)]
+    inside, overlaps, rounds = [], [], 6
+
+    def take_steps(site: WriterSite, k: int) -> None:
+        with site.hold(WriterFiles(site.staging, f"w{k}")):
+            for _ in range(rounds):
+                with site.step(ROWS_LOCK):
+                    inside.append(k)
+                    overlaps.append(len(inside) > 1)
+                    time.sleep(0.01)
+                    inside.remove(k)
+
+    threads = [threading.Thread(target=take_steps, args=(site, k)) for k, site in enumerate(sites)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(overlaps) == 2 * rounds and not any(overlaps)
+
+
+def test_a_samples_shards_are_in_the_store_once_sample_written_returns(place, monkeypatch):
+    seen: list[bool] = []
+    with place.writer(writer="a") as writer:
+        site = writer.site
+        original = site.sample_written
+
+        def check_after(info, start, rows):
+            original(info, start, rows)
+            seen.append(all(place.holds(object_key(info, name, start // SHARD)) for name in info.array_names))
+
+        monkeypatch.setattr(site, "sample_written", check_after)
+        writer.append(make_sample(0, 0), name="a0")
+        writer.append(make_sample(0, 1), name="a1")
+    assert seen == [True, True]
