@@ -199,7 +199,11 @@ def test_bucket_writers_refuse_what_they_must_and_name_it(s3, bucket, tmp_path):
     url = f"s3://{bucket}/hs.zarr"
     first = bucket_writer(url, s3, tmp_path / "a1", writer="a")
     try:
-        first.append(make_sample(0, 0), name="a0")
+        first.append(make_sample(0, 0), name="a0")  # journaled, not yet published (every 16)
+        with pytest.raises(StoreError, match=r"conversion has not finished \(status 'converting'\); it is being "
+                                             r"written now by `h5feed.open_writer` \(writer 'a', host [^,]+, pid \d+, "
+                                             r"started at [^)]+\); wait for it to finish"):
+            Store(url, storage_options=s3.storage_options)
         with pytest.raises(StoreError, match=r"another `h5feed.open_writer` \(writer 'a', host [^,]+, pid \d+, started "
                                              r"at [^,]+, last heartbeat [^)]+\) is writing this store as writer 'a': "
                                              "give each writer"):

@@ -31,7 +31,7 @@ import torch
 from numcodecs import blosc
 
 from h5feed.errors import CorruptSampleError, StoreError
-from h5feed.io import CachedStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
+from h5feed.io import CachedStore, FsspecStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
@@ -61,7 +61,7 @@ from h5feed.store.sources import (
     read_ahead,
     zarr_store,
 )
-from h5feed.store.writer_state import WRITER_API, WRITER_SOURCE, being_converted
+from h5feed.store.writer_state import WRITER_API, WRITER_SOURCE, being_converted, bucket_being_written
 
 log = logging.getLogger(__name__)
 _BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
@@ -157,7 +157,7 @@ class Store:
             self.path = local_path(location)
             self.info = self._read_local_info()
         if self.info.status != "complete":
-            running = None if self.remote else being_converted(self.path)
+            running = self._being_written_in_bucket() if self.remote else being_converted(self.path)
             raise StoreError(self.path, f"conversion has not finished (status {self.info.status!r}); "
                              + (running or self._resume_hint()))
         if num_samples is not None and not 0 <= num_samples <= self.info.num_samples:
@@ -182,6 +182,10 @@ class Store:
             if running is None or (Path(self.path) / "zarr.json").is_file():
                 raise
             raise StoreError(self.path, f"has no sample yet; {running}") from None
+
+    def _being_written_in_bucket(self) -> str | None:
+        objects = self._objects.inner if isinstance(self._objects, CachedStore) else self._objects
+        return bucket_being_written(objects) if isinstance(objects, FsspecStore) else None
 
     def _resume_hint(self) -> str:
         """What to do with an unfinished store no writer holds: resume the writer that made it."""

@@ -218,3 +218,14 @@ def bucket_writers(objects: FsspecStore) -> list[dict[str, Any]]:
         if isinstance(holder, dict) and why_lock_is_free(holder, info.modified_ns, STALE_AFTER_S) is None:
             holders.append(holder)
     return holders
+
+
+def bucket_being_written(objects: FsspecStore) -> str | None:
+    """What `being_converted` says of a local store, for a store in a bucket: the `open_writer` writers that hold
+    it now ("it is being written now by `h5feed.open_writer` (writer 'rank0', ...); wait for it to finish"), or
+    None when none does."""
+    writers = bucket_writers(objects)
+    if not writers:
+        return None
+    holder = writers[0] if len(writers) == 1 else {**writers[0], "writers": writers}
+    return f"it is being written now by {WRITER_API} ({describe_writer(holder)}); wait for it to finish"
