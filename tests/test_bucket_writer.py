@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
+from test_convert_remote import bucket_objects
 from test_multi_writer import (
     CHUNK,
     SHARD,
@@ -36,14 +37,6 @@ from h5feed.conversion.writer_sites.bucket import BucketSite
 from h5feed.store import Store
 from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, WRITERS_DIR, bucket_writers, read_journal
 from h5feed.synthetic import write_synthetic
-
-
-def bucket_objects(s3: S3, bucket: str, prefix: str) -> dict[str, bytes]:
-    """Every object under the prefix, read from moto directly, by key relative to it."""
-    keys = []
-    for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        keys += [o["Key"] for o in page.get("Contents", [])]
-    return {k[len(prefix) + 1:]: s3.client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)}
 
 
 def store_files(root: Path) -> dict[str, bytes]:
