@@ -268,3 +268,9 @@ def test_a_follower_of_a_bucket_prefix_no_writer_holds_is_told_there_is_no_store
     with pytest.raises(StoreError, match=r"s3://.*/nothing.zarr: not an h5feed store \(no zarr.json\)"):
         HiddenStatesStream(f"s3://{bucket}/nothing.zarr", shuffle=False, follow=Follow(poll_s=0.01),
                            storage_options=s3.storage_options)
+
+
+def test_a_damaged_converter_lock_in_the_bucket_still_refuses_a_writer(s3, bucket, tmp_path):
+    s3.client.put_object(Bucket=bucket, Key=f"hs.zarr/{LOCK_FILE}", Body=b"\x00not json")
+    with pytest.raises(StoreError, match=r"another `h5feed convert` \(its lock object is unreadable\) is writing"):
+        bucket_writer(f"s3://{bucket}/hs.zarr", s3, tmp_path / "w")

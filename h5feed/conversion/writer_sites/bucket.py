@@ -86,7 +86,10 @@ class BucketSite(WriterSite):
             holder = self.objects.get(LOCK_FILE)
         except ObjectNotFound:
             return
-        described = describe_writer(json.loads(holder or b"{}") or {})
+        try:
+            described = describe_writer(json.loads(holder) or {})
+        except (ValueError, AttributeError):  # damaged: still a converter's lock, which `h5feed convert` takes over
+            described = "its lock object is unreadable"
         raise StoreError(self.location, f"another `h5feed convert` ({described}) is writing this store; wait for it "
                          "to finish, or write into another store")
 
