@@ -16,6 +16,7 @@ from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
 
 from h5feed import StoreError, open_writer
 from h5feed.conversion.writer_sites import BucketSite, LocalSite, WriterSite, open_site
+from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store import Store
 from h5feed.store.layout import object_key
 from h5feed.store.writer_state import ROWS_LOCK, WriterFiles
@@ -114,3 +115,13 @@ def test_a_samples_shards_are_in_the_store_once_sample_written_returns(place, mo
         writer.append(make_sample(0, 0), name="a0")
         writer.append(make_sample(0, 1), name="a1")
     assert seen == [True, True]
+
+
+def test_each_site_removes_the_partial_files_a_kill_left_when_the_writer_is_alone(place):
+    site = place.site("a")
+    with site.hold(WriterFiles(site.staging, "a")):
+        left = site.staging / "aux_hidden_states" / "c" / "3" / f"0.1234{PARTIAL_SUFFIX}"
+        left.parent.mkdir(parents=True)
+        left.write_bytes(b"cut short")
+        site.remove_partial_writes("a", own=list)
+        assert not left.exists()

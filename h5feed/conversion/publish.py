@@ -43,7 +43,7 @@ from h5feed.io import FsspecStore, ObjectInfo, ObjectNotFound, open_url
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 from h5feed.store.layout import StoreInfo, object_key, read_info
-from h5feed.store.writer_state import LOCK_FILE, WRITER_API, bucket_writers, describe_writer
+from h5feed.store.writer_state import LOCK_FILE, WRITER_API, as_one_holder, bucket_writers, describe_writer
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +69,14 @@ class BucketMirror:
     not hold those bytes already), its metadata and index come down into it.  `h5feed convert` publishes
     through one (`BucketPublisher`), and so does an `open_writer` writer of a bucket store.
 
-    `local_only(key)`: the staging files that are never uploaded (locks; a writer's journal)."""
+    `local_only(key)`: the staging files that are never uploaded (locks; a writer's journal).  `journaled`: what
+    the bucket holds is noted in `<root>/uploads.jsonl` too, for a later run (a converter resumes from it; a
+    writer fetches what it needs at every step)."""
 
     def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock,
-                 local_only: Callable[[str], bool] = lambda key: key == LOCK_FILE) -> None:
+                 local_only: Callable[[str], bool] = lambda key: key == LOCK_FILE, journaled: bool = True) -> None:
         self.objects, self.root, self.lock, self.local_only = objects, root, lock, local_only
+        self.journaled = journaled
         self.store = root / "store"
         self._uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, digest) of what the bucket holds
         self._journal_lock = threading.Lock()
@@ -83,19 +86,26 @@ class BucketMirror:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def fetch(self, keys: list[str], journal: bool) -> None:
+    def fetch(self, keys: list[str]) -> None:
         """Fetch the objects `keys` into the staging folder, each checked first to be a path inside it, and note
-        that the bucket holds their bytes (in the uploads journal too with `journal`, for a later run)."""
+        that the bucket holds their bytes."""
         paths = {key: self._staging_path(key) for key in keys}
-        lines = []
+        held = {}
         for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, data, durable=False)
-            self._uploaded[key] = (len(data), _digest(data))
-            lines.append(json.dumps({"key": key, "size": len(data), "blake2b": _digest(data)}) + "\n")
-        if journal:
-            with open(self.root / UPLOADS_FILE, "a") as uploads:
-                uploads.write("".join(lines))
+            held[key] = (len(data), _digest(data))
+        with self._journal_lock:
+            self._note_held(held)
+
+    def _note_held(self, held: dict[str, tuple[int, str]]) -> None:
+        """The bucket holds these (size, digest) at these keys: uploading them again is skipped (under
+        `_journal_lock`: uploads finish on several threads)."""
+        self._uploaded.update(held)
+        if self.journaled:
+            with open(self.root / UPLOADS_FILE, "a") as journal:
+                journal.write("".join(json.dumps({"key": key, "size": size, "blake2b": digest}) + "\n"
+                                      for key, (size, digest) in held.items()))
 
     def _staging_path(self, key: str) -> Path:
         try:
@@ -115,9 +125,7 @@ class BucketMirror:
         if self._uploaded.get(key) != sent:
             self.objects.put_atomic(key, data)
             with self._journal_lock:
-                with open(self.root / UPLOADS_FILE, "a") as journal:
-                    journal.write(json.dumps({"key": key, "size": sent[0], "blake2b": sent[1]}) + "\n")
-                self._uploaded[key] = sent
+                self._note_held({key: sent})
                 self.uploads += 1
         if remove:
             path.unlink()
@@ -186,9 +194,8 @@ class BucketPublisher(BucketMirror):
         if destination.exists() and destination.read_text() != self.objects.url:
             raise StoreError(self.root, f"is the staging folder of {destination.read_text()}, not of "
                              f"{self.objects.url}: give each DST its own --staging-dir")
-        writers = bucket_writers(self.objects)
-        if writers:
-            holder = writers[0] if len(writers) == 1 else {"writers": writers}
+        holder = as_one_holder(bucket_writers(self.objects))
+        if holder is not None:
             raise StoreError(self.objects.url, f"another {WRITER_API} ({describe_writer(holder)}) is writing this "
                              "store; wait for it to finish, or stop it and run this command again")
         listed = {k: v for k, v in self.objects.list_info("").items() if k != LOCK_FILE}
@@ -212,7 +219,7 @@ class BucketPublisher(BucketMirror):
         log.info("%s: no staging folder at %s: fetching the store's %d metadata and index objects from the bucket",
                  self.objects.url, self.root, len(keys))
         (self.root / UPLOADS_FILE).unlink(missing_ok=True)
-        self.fetch(keys, journal=True)
+        self.fetch(keys)
 
     def _read_uploads(self, listed: dict[str, ObjectInfo]) -> dict[str, tuple[int, str]]:
         """The journal's uploads whose objects the bucket still lists at the size sent (a line cut by a kill is ignored)."""

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -217,8 +218,7 @@ class StoreWriter:
                 self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
                 self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
         self._appended = len(self._rows)
-        with self.site.step(ROWS_LOCK):
-            self._remove_partial_writes()
+        self.site.remove_partial_writes(self.files.writer, self._own_partial_writes)
         begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
         if self._rows or begun:
             who = "" if self.files.writer is None else f" writer {self.files.writer!r}"
@@ -244,19 +244,13 @@ class StoreWriter:
         self.info = info
         self._reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
 
-    def _remove_partial_writes(self) -> None:
-        """Remove what a kill mid-write left: every partial file when no other writer runs (none can start
-        writing while this holds the rows' lock), else those in the rows this writer reserved."""
-        if not self.site.others_writing(self.files.writer):
-            partials = list(self.path.rglob(f"*{PARTIAL_SUFFIX}"))
-        elif self.info is not None and self._next_row is not None:
-            shards = range(self._next_row // self.shard_tokens, self._block_end // self.shard_tokens)
-            partials = [p for shard in shards for name in self.info.array_names
-                        for p in (self.path / object_key(self.info, name, shard)).parent.glob(f"*{PARTIAL_SUFFIX}")]
-        else:
-            partials = []
-        for partial in partials:
-            partial.unlink(missing_ok=True)
+    def _own_partial_writes(self) -> list[Path]:
+        """The partial files a kill mid-write left in the rows this writer reserved (and has not used yet)."""
+        if self.info is None or self._next_row is None:
+            return []
+        shards = range(self._next_row // self.shard_tokens, self._block_end // self.shard_tokens)
+        return [p for shard in shards for name in self.info.array_names
+                for p in (self.path / object_key(self.info, name, shard)).parent.glob(f"*{PARTIAL_SUFFIX}")]
 
     def _norm(self) -> LastStateNorm | None:
         fmt = self.format

@@ -71,18 +71,26 @@ def current_writer(store: Path) -> dict[str, Any] | None:
     converter = _exclusive_holder(store / LOCK_FILE)
     if converter is not None:
         return converter
-    writers = live_writers(store)
+    return as_one_holder(live_writers(store))
+
+
+def as_one_holder(writers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Several writers as one holder, as messages name them: the first one's fields, all of them under "writers"."""
     if not writers:
         return None
     return writers[0] if len(writers) == 1 else {**writers[0], "writers": writers}
+
+
+def is_writer_lock(name: str) -> bool:
+    """Whether a file (or object) name in `WRITERS_DIR` is one writer's own lock (not a lock its writers share)."""
+    return name == _DEFAULT_WRITER_LOCK or (name.startswith("id-") and name.endswith(".lock"))
 
 
 def live_writers(store: Path) -> list[dict[str, Any]]:
     """The `open_writer` writers that hold the store now, each as its lock describes it (with its "writer" id)."""
     folder = store / WRITERS_DIR
     try:
-        locks = sorted(p for p in folder.iterdir() if p.name == _DEFAULT_WRITER_LOCK or
-                       (p.name.startswith("id-") and p.name.endswith(".lock")))
+        locks = sorted(p for p in folder.iterdir() if is_writer_lock(p.name))
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [holder for holder in map(_exclusive_holder, locks) if holder is not None]
@@ -208,8 +216,7 @@ def bucket_writers(objects: FsspecStore) -> list[dict[str, Any]]:
 
     holders = []
     for key, info in objects.list_info(WRITERS_DIR).items():
-        name = key.rsplit("/", 1)[-1]
-        if not (name == _DEFAULT_WRITER_LOCK or (name.startswith("id-") and name.endswith(".lock"))):
+        if not is_writer_lock(key.rsplit("/", 1)[-1]):
             continue
         try:
             holder = json.loads(objects.get(key))
@@ -224,8 +231,7 @@ def bucket_being_written(objects: FsspecStore) -> str | None:
     """What `being_converted` says of a local store, for a store in a bucket: the `open_writer` writers that hold
     it now ("it is being written now by `h5feed.open_writer` (writer 'rank0', ...); wait for it to finish"), or
     None when none does."""
-    writers = bucket_writers(objects)
-    if not writers:
+    holder = as_one_holder(bucket_writers(objects))
+    if holder is None:
         return None
-    holder = writers[0] if len(writers) == 1 else {**writers[0], "writers": writers}
     return f"it is being written now by {WRITER_API} ({describe_writer(holder)}); wait for it to finish"

@@ -11,6 +11,7 @@ shards, so the hot path takes no shared lock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -36,8 +37,9 @@ class WriterSite(ABC):
         """One shared step (`ROWS_LOCK`, `PUBLISH_LOCK`), one writer at a time: waits for its turn."""
 
     @abstractmethod
-    def others_writing(self, writer: str | None) -> bool:
-        """Whether a writer with another id may be writing into `staging` now (so partial files may be theirs)."""
+    def remove_partial_writes(self, writer: str | None, own: Callable[[], list[Path]]) -> None:
+        """Remove the partial files a kill mid-write left in `staging`: every one where no writer with another
+        id can be writing into it now, else only `own()`, those in the rows writer `writer` reserved."""
 
     def sample_written(self, info: StoreInfo, start: int, rows: int) -> None:
         """The shards of the sample at rows [start, start + rows) are in `staging`; make them the store's before

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from h5feed.conversion.publish import DESTINATION_FILE, BucketMirror, default_st
 from h5feed.conversion.writer_sites.base import WriterSite
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectNotFound
+from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.io.paths import is_folder_marker
 from h5feed.store.layout import StoreInfo, object_key, read_info
 from h5feed.store.writer_state import (
@@ -74,7 +75,7 @@ class BucketSite(WriterSite):
             self._refuse_a_converter()
             self.staging.mkdir(parents=True, exist_ok=True)
             destination.write_text(self.location)
-            self._mirror = BucketMirror(self.objects, self.root, lock, local_only=_stays_local)
+            self._mirror = BucketMirror(self.objects, self.root, lock, local_only=_stays_local, journaled=False)
             try:
                 self._fetch()
                 yield
@@ -103,8 +104,9 @@ class BucketSite(WriterSite):
             held.check()  # not taken over meanwhile: what it changed is still the store's next state
             self._mirror.upload_all()
 
-    def others_writing(self, writer: str | None) -> bool:
-        return False  # the staging folder is this writer's alone
+    def remove_partial_writes(self, writer: str | None, own: Callable[[], list[Path]]) -> None:
+        for partial in list(self.staging.rglob(f"*{PARTIAL_SUFFIX}")):  # the staging folder is this writer's alone
+            partial.unlink()
 
     def sample_written(self, info: StoreInfo, start: int, rows: int) -> None:
         assert self._mirror is not None
@@ -118,7 +120,7 @@ class BucketSite(WriterSite):
         (index files it no longer lists removed: a step that failed may have left some)."""
         assert self._mirror is not None
         try:
-            self._mirror.fetch(["zarr.json"], journal=False)
+            self._mirror.fetch(["zarr.json"])
         except ObjectNotFound:
             others = [key for key in self.objects.list("") if not key.startswith(f"{WRITERS_DIR}/")]
             if others:
@@ -133,7 +135,7 @@ class BucketSite(WriterSite):
         for path in (self.staging / "index").rglob("*"):
             if path.is_file() and path.relative_to(self.staging).as_posix() not in index:
                 path.unlink()
-        self._mirror.fetch([f"{name}/zarr.json" for name in info.array_names] + index, journal=False)
+        self._mirror.fetch([f"{name}/zarr.json" for name in info.array_names] + index)
 
 
 def _stays_local(key: str) -> bool:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 from h5feed.conversion.lock import WriterLock, held_briefly
 from h5feed.conversion.writer_sites.base import WriterSite
 from h5feed.errors import StoreError
-from h5feed.store.writer_state import LOCK_FILE, WRITERS_DIR, WriterFiles, live_writers
+from h5feed.io.local import PARTIAL_SUFFIX
+from h5feed.store.writer_state import LOCK_FILE, ROWS_LOCK, WRITERS_DIR, WriterFiles, live_writers
 
 
 class LocalSite(WriterSite):
@@ -30,5 +31,8 @@ class LocalSite(WriterSite):
     def step(self, lock: str) -> AbstractContextManager[None]:
         return held_briefly(self.staging / WRITERS_DIR / lock)
 
-    def others_writing(self, writer: str | None) -> bool:
-        return any(w.get("writer") != writer for w in live_writers(self.staging))
+    def remove_partial_writes(self, writer: str | None, own: Callable[[], list[Path]]) -> None:
+        with self.step(ROWS_LOCK):  # no writer starts writing meanwhile
+            alone = not any(w.get("writer") != writer for w in live_writers(self.staging))
+            for partial in list(self.staging.rglob(f"*{PARTIAL_SUFFIX}")) if alone else own():
+                partial.unlink(missing_ok=True)
