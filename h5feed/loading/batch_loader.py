@@ -26,6 +26,7 @@ trainer's process makes and, when CUDA is available, page-locks once.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import threading
@@ -45,7 +46,7 @@ from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of
-from h5feed.loading.delivery import Delivery, trainer_stream_waits
+from h5feed.loading.delivery import Delivery, TrainerStream
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import current_worker
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
@@ -385,7 +386,9 @@ class BatchLoader(LoaderControls):
         """The pass on the trainer's thread: each batch, made ready by the delivery thread, is only handed over."""
         stream = self.dataset
         stream.schedule.begin_pass()  # every pass starts at the stream's start: a second one replays the epoch
-        delivery = Delivery(self._ready_batches, on_take=self._wait_for_copy, name="h5feed-batch-delivery")
+        trainer = TrainerStream(self.device) if self.device is not None else None
+        delivery = Delivery(functools.partial(self._ready_batches, trainer),
+                            on_take=functools.partial(self._wait_for_copy, trainer), name="h5feed-batch-delivery")
         try:
             for ready in delivery:
                 stream.note_consumed(ready.passed)
@@ -394,10 +397,11 @@ class BatchLoader(LoaderControls):
         finally:
             delivery.close()
 
-    def _wait_for_copy(self, ready: ReadyBatch) -> None:
+    @staticmethod
+    def _wait_for_copy(trainer: TrainerStream | None, ready: ReadyBatch) -> None:
         """With `device`: the trainer's stream waits for the batch's copy (on the trainer's thread, as it takes it)."""
-        if ready.copied is not None and ready.batch is not None:
-            trainer_stream_waits(ready.batch, ready.copied, self.device)
+        if trainer is not None and ready.copied is not None and ready.batch is not None:
+            trainer.take(ready.batch, ready.copied)
 
     def _hand_over(self, ready: ReadyBatch) -> Batch:
         """The ready batch, taken out of `ready`, in the trainer's structure."""
@@ -410,7 +414,7 @@ class BatchLoader(LoaderControls):
                           "is intended", stacklevel=3)
         return self.collate.finish(batch)
 
-    def _ready_batches(self) -> Generator[ReadyBatch, None, None]:
+    def _ready_batches(self, trainer: TrainerStream | None) -> Generator[ReadyBatch, None, None]:
         """The delivery thread's work: each filled slot wrapped as the trainer's batch (and queued to the GPU)."""
         feed = self._from_workers() if self.num_workers else self._from_threads()
         skipped = 0  # samples of batches that were all damaged, since the last batch
@@ -419,7 +423,7 @@ class BatchLoader(LoaderControls):
                 if filled.empty:
                     skipped += filled.samples
                     continue
-                yield self._deliver(filled, skipped + filled.samples)
+                yield self._deliver(filled, skipped + filled.samples, trainer)
                 skipped = 0
             if skipped:
                 yield ReadyBatch(None, skipped)
@@ -454,7 +458,7 @@ class BatchLoader(LoaderControls):
                        announce=writer.will_need, counters=counters, held=True, name="h5feed-batch") as writes:
             yield from writes
 
-    def _deliver(self, filled: FilledBatch, passed: int) -> ReadyBatch:
+    def _deliver(self, filled: FilledBatch, passed: int, trainer: TrainerStream | None) -> ReadyBatch:
         """The trainer's batch: the slot wrapped as tensors (or the batch a writer had to make in fresh memory), with
         `device`, its copy queued on the delivery thread's own stream."""
         if filled.slot is None:
@@ -466,7 +470,7 @@ class BatchLoader(LoaderControls):
             memory = self._writer.ring.batch_memory(filled.slot, self._release)
             batch = {**self._writer.layout.views(memory, filled.specs), **filled.extras}
             del memory
-        if self.device is None:
+        if trainer is None:
             return ReadyBatch(batch, passed, in_fresh_memory=filled.slot is None)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -475,6 +479,7 @@ class BatchLoader(LoaderControls):
                          for k, v in batch.items()}
             copied = torch.cuda.Event()
             copied.record()
+            trainer.adopt(on_device)
             del batch  # the slot's last views: its release is recorded on this stream, behind the copy
         return ReadyBatch(on_device, passed, copied, in_fresh_memory=filled.slot is None)
 

@@ -32,7 +32,7 @@ from h5feed.errors import CorruptSampleError
 from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
-from h5feed.loading.delivery import Delivery, trainer_stream_waits
+from h5feed.loading.delivery import Delivery, TrainerStream
 from h5feed.loading.readahead import ReadAhead
 from h5feed.placement import place_items
 from h5feed.store import Store
@@ -168,7 +168,9 @@ class CudaBatchLoader(LoaderControls):
         """The pass on the trainer's thread: each batch, decoded and placed by the delivery thread, only handed over."""
         stream = self.dataset
         stream.schedule.begin_pass()
-        delivery = Delivery(self._decoded_batches, on_take=self._wait_for_decode, name="h5feed-gpu-decode")
+        trainer = TrainerStream(self.device)
+        delivery = Delivery(functools.partial(self._decoded_batches, trainer),
+                            on_take=functools.partial(self._wait_for_decode, trainer), name="h5feed-gpu-decode")
         try:
             for decoded in delivery:
                 if decoded.batch is not None:  # None: all the batch's samples were damaged and skipped
@@ -181,13 +183,14 @@ class CudaBatchLoader(LoaderControls):
             delivery.close()
             self._collect_timings(wait=True)
 
-    def _wait_for_decode(self, decoded: _Decoded) -> None:
+    @staticmethod
+    def _wait_for_decode(trainer: TrainerStream, decoded: _Decoded) -> None:
         """The trainer's kernels start once the batch is placed (on the trainer's thread, as it takes it)."""
         if decoded.batch is not None:
-            trainer_stream_waits(decoded.batch, decoded.ready, self.device)
+            trainer.take(decoded.batch, decoded.ready)
 
     # --- the delivery thread: staged batches decoded on the GPU, a group at a time ----------------
-    def _decoded_batches(self) -> Generator[_Decoded, None, None]:
+    def _decoded_batches(self, trainer: TrainerStream) -> Generator[_Decoded, None, None]:
         """Each staged batch, decoded straight into the trainer's batch on the decode stream, in order.
 
         Each time the trainer takes a batch, every batch staged by then is queued for decoding, up to
@@ -214,7 +217,7 @@ class CudaBatchLoader(LoaderControls):
                 while (len(group) < self.decode_group and (ahead := staging.ready()) is not None
                        and ahead.region == group[-1].region + 1):  # one contiguous copy
                     group.append(staging.take())
-                decoded.extend(self._decode(group))
+                decoded.extend(self._decode(group, trainer))
 
             while staging or decoded:
                 if not decoded:
@@ -255,8 +258,9 @@ class CudaBatchLoader(LoaderControls):
             counters.end_sample(i, window)
         return staged
 
-    def _decode(self, group: list[_Staged]) -> list[_Decoded]:
-        """Queue the group's decode on the decode stream, each frame's rows straight into their place in its batch."""
+    def _decode(self, group: list[_Staged], trainer: TrainerStream) -> list[_Decoded]:
+        """Queue the group's decode on the decode stream, each frame's rows straight into their place in its batch
+        (whose memory is kept for the trainer's stream from here)."""
         side = self._decoder.stream
         placements: list[Placement] = []
         conversions: list[Callable[[], object]] = []  # rows decoded into a temporary, then written into the batch
@@ -271,6 +275,7 @@ class CudaBatchLoader(LoaderControls):
                 spans = [span for staged in sound for span in staged.spans]
                 timing = self._decoder.decode_placed(self._staging, spans, placements)
                 self._pending_timings.append(timing)
+                self.dataset.counters.worker().add_delivered(timing.decoded_bytes)  # the monitor's "decoded"
                 for staged in sound:
                     self._copied[staged.region] = timing.copy_done
             for convert in conversions:
@@ -282,6 +287,7 @@ class CudaBatchLoader(LoaderControls):
                     self.collate.derive_rows(batch, plan)
                     self.collate.write_summary(batch, plan)
                     ready.record(side)
+                    trainer.adopt(batch)
                     results.append(_Decoded(staged.scheduled, batch, ready))
                 else:
                     results.append(_Decoded(staged.scheduled, None, ready))

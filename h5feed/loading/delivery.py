@@ -79,18 +79,39 @@ class Delivery(Generic[Delivered]):
             self._thread.join()
 
 
-def trainer_stream_waits(batch: Mapping[str, Any], ready: torch.cuda.Event, device: torch.device | None) -> None:
-    """The trainer's current stream waits for `ready` (the batch's copy or decode; no wait here), and the batch's
-    GPU memory, made on another stream, is kept for the trainer's stream's work.  Call it on the trainer's thread.
+class TrainerStream:
+    """The CUDA stream the trainer's kernels run on, as its thread had it when the pass began.
 
-    An event that has completed needs no wait (what it follows is done): the query keeps the GIL, where a wait
-    lets it go, and the trainer's thread could then wait for a reader thread to give it back."""
-    consumer = torch.cuda.current_stream(device)
-    if not ready.query():
-        consumer.wait_event(ready)
+    The delivery thread marks each batch's GPU memory as used by that stream as soon as the batch
+    exists (`adopt`), so that taking a batch (`take`) is a stream lookup, a comparison and an event
+    query on the trainer's thread, whatever the number of tensors in the batch."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        # the index, resolved once: given torch.device("cuda"), torch.cuda.current_stream looks the current device
+        # up through several layers of Python at every call
+        device = torch.device("cuda") if device is None else torch.device(device)
+        self.device_index = torch.cuda.current_device() if device.index is None else device.index
+        self.stream = torch.cuda.current_stream(self.device_index)  # on the trainer's thread: its current stream
+
+    def adopt(self, batch: Mapping[str, Any]) -> None:
+        """The batch's GPU memory, made on another stream, is kept for the trainer's stream's work (any thread)."""
+        _record_on(batch, self.stream)
+
+    def take(self, batch: Mapping[str, Any], ready: torch.cuda.Event) -> None:
+        """The trainer's current stream waits for `ready` (the batch's copy or decode); call it on the trainer's
+        thread as it takes the batch.  A trainer that has switched streams since the pass began gets the batch's
+        memory kept for its new stream too.  A completed event needs no wait (what it follows is done)."""
+        consumer = torch.cuda.current_stream(self.device_index)
+        if consumer != self.stream:
+            _record_on(batch, consumer)
+        if not ready.query():
+            consumer.wait_event(ready)
+
+
+def _record_on(batch: Mapping[str, Any], stream: torch.cuda.Stream) -> None:
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.is_cuda:
-            value.record_stream(consumer)
+            value.record_stream(stream)
 
 
 def _deliver(source: Callable[[], Iterator[Delivered]], room: queue.SimpleQueue[None],
