@@ -9,9 +9,12 @@ pydantic-settings==2.16.3 annotated-types==0.8.0 typing-inspection==0.4.5 python
 numcodecs==0.16.6 crc32c==2.9.post0 donfig==0.8.1.post1 google-crc32c==1.9.0:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 bench/speculators_train.py \
-        --make-data 600 --hidden-size 4096 --tokens 512:2048 --total-seq-len 8192 --workers 8 --steps 60 \
+        .whl/*.whl && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 python3 bench/speculators_train.py \
+        --make-data 240 --hidden-size 2048 --tokens 256:1024 --total-seq-len 2048 --workers 8 --steps 20 --cold \
         --work /tmp/spec --out $OUT
+
+(eager: on torch 2.11 speculators' `torch.compile` of its fused loss fails in dynamo; at 8192 tokens a step and a
+full vocabulary its eager loss outgrows an H200's memory)
 
 or on real data: ``--data DATA --store STORE --verifier VERIFIER`` (speculators' data folder, its converted
 store, the verifier it was generated from).  ``--make-data`` writes synthetic samples, converts them, and a
@@ -167,7 +170,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
-    args, train_argv = parser.parse_known_args()
+    # the child's own arguments, then `--` and speculators' (whose --total-seq-len this parser would otherwise take)
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, train_argv = parser.parse_args(argv[:cut]), argv[cut + 1 :]
     if args.child:
         child(args.child, args.record, train_argv)
         return
@@ -194,7 +200,7 @@ def main() -> None:
                       "--no-resume-from-checkpoint", "--log-dir", str(args.work / f"logs_{arm}"), *backend]
         if args.cold:
             drop_page_cache()
-        subprocess.run([sys.executable, __file__, "--child", arm, "--record", str(record), *train_argv], check=True)
+        subprocess.run([sys.executable, __file__, "--child", arm, "--record", str(record), "--", *train_argv], check=True)
         results.append(summary(arm, record, args.warmup, args.total_seq_len))
         print(json.dumps(results[-1]), flush=True)
     (args.out / "speculators_train.json").write_text(json.dumps(results, indent=2))
