@@ -1,8 +1,8 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
-from h5feed.collate import TrainerCollate, trainer_collate
 from h5feed.conversion import ConvertReport, StoreWriter, WriterReport, convert, open_writer
 from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
+from h5feed.flavors import TrainerCollate, trainer_collate
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.cuda_loader import CudaBatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from h5feed.collate import TrainerCollate, trainer_collate
+from h5feed.flavors import TrainerCollate, trainer_collate
 
 
 def pipeline_collate(flavor: str, max_len: int | None = None) -> TrainerCollate:

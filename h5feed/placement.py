@@ -18,7 +18,7 @@ import torch
 
 
 class RowKeyLike(Protocol):
-    """A batch key with one entry per token position (`h5feed.collate.RowKey`)."""
+    """A batch key with one entry per token position (`h5feed.flavors.RowKey`)."""
 
     @property
     def key(self) -> str: ...
@@ -31,7 +31,7 @@ class RowKeyLike(Protocol):
 
 
 class ItemPlace(Protocol):
-    """Where one item's rows go (`h5feed.collate.Placement`): batch row `row`, positions [offset, offset + count)."""
+    """Where one item's rows go (`h5feed.flavors.base.Placement`): batch row `row`, positions [offset, offset + count)."""
 
     @property
     def row(self) -> int: ...
@@ -44,7 +44,7 @@ class ItemPlace(Protocol):
 
 
 class BatchLayout(Protocol):
-    """Where every item of one batch goes (`h5feed.collate.BatchPlan`)."""
+    """Where every item of one batch goes (`h5feed.flavors.BatchPlan`)."""
 
     @property
     def batch_rows(self) -> int: ...

@@ -19,6 +19,7 @@ import h5feed
 from h5feed import HiddenStatesDataset, HiddenStatesStream, StreamLoader, TrainerCollate, trainer_collate
 from h5feed.errors import SourceError, StoreError
 from h5feed.flavors import FLAVORS
+from h5feed.flavors.base import register_flavors
 from h5feed.store import Store
 from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic
@@ -423,6 +424,15 @@ def test_nemo_items_and_batches(made: Any, name: str) -> None:
     assert HiddenStatesDataset(dst, "nemo-eagle3", max_len=30).approx_lengths == LENGTHS
     with pytest.raises(ValueError, match=r"max_len must be None or 30, not 16"):
         HiddenStatesDataset(dst, "nemo-eagle3", max_len=16)
+
+
+def test_each_trainers_module_registers_its_flavors_once() -> None:
+    assert list(FLAVORS) == ["speculators-legacy", "speculators", "specforge", "specforge-shifted", "modelopt",
+                             "modelopt-answer-only", "modelopt-0.45", "angelslim", "nemo-eagle3"]
+    with pytest.raises(ValueError, match="a flavor named 'speculators' is registered already"):
+        register_flavors(FLAVORS["speculators"])
+    with pytest.raises(ValueError, match="unknown flavor 'speculator'"):
+        trainer_collate("speculator", 16)
 
 
 def test_trainer_collate_is_the_collate_of_every_flavor() -> None:

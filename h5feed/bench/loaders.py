@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
-from h5feed.collate import trainer_collate
+from h5feed.flavors import trainer_collate
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.metrics import MAX_WORKERS, LoaderCounters

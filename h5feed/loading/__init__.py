@@ -2,6 +2,6 @@
 thread, and the loaders built on them; each batch is laid out by `h5feed.placement` (which the trainers' collates
 use too).
 
-Import the modules themselves (or the loaders from `h5feed`): this package's loaders import `h5feed.collate`,
+Import the modules themselves (or the loaders from `h5feed`): this package's loaders import `h5feed.flavors`,
 which the package's face must not pull in.
 """

@@ -1,6 +1,6 @@
 """Decode once, straight into the batch: the trainer's batches, built where the GPU copy reads them.
 
-When h5feed knows the trainer's collate (`h5feed.collate`), each sample's stored rows
+When h5feed knows the trainer's collate (`h5feed.flavors`), each sample's stored rows
 are decoded directly into their place in the final, padded batch: no item tensors, no
 cat, no pad, no hand-off copy into shared memory, no pin_memory copy.  Only pad
 positions that an earlier batch left non-zero are zeroed.
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from h5feed.collate import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.errors import CorruptSampleError
+from h5feed.flavors import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
 from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from h5feed.collate import Batch, BatchPlan, RowKey, TensorSpec, trainer_collate
 from h5feed.errors import CorruptSampleError
+from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, trainer_collate
 from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from h5feed.collate import TensorSpec
+from h5feed.flavors import TensorSpec
 
 FREE, FILLING, FILLED, DRAINING = 0, 1, 2, 3  # a slot's states; FREE->FILLED by its writer, then back by the trainer
 _ALIGN = 64  # bytes: every tensor of a slot starts on a cache line

@@ -143,7 +143,7 @@ def main() -> None:
         else:
             on_take = lambda pair: cuda_loader.trainer_stream_waits(*pair, torch.device("cuda"))
 
-        def source():
+        def source(ready=ready, events=events):
             for k in range(args.samples):
                 yield ready[k % len(ready)], events[k % len(events)]
 
