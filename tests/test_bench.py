@@ -20,12 +20,15 @@ import torch
 from h5feed import bench
 from h5feed.baseline import Eagle3SampleFileDataset, list_files
 from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_set, run_bench
-from h5feed.bench.loaders import BASELINE, ITEMS, SHORT_LABELS, USABLE, compare_digests, digest
+from h5feed.bench.loaders import BASELINE, GPU_DECODE, ITEMS, SHORT_LABELS, USABLE, compare_digests, digest
 from h5feed.bench.report import TABLE_COLUMNS
 from h5feed.cli import main
+from h5feed.gpu_decode import why_unavailable
 from h5feed.loading.datasets import HiddenStatesDataset
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
+
+MEASURED = tuple(n for n in LOADERS if n != GPU_DECODE or why_unavailable() is None)  # on this machine
 
 H, K = 64, 3
 LENGTHS = (30, 60)
@@ -55,9 +58,9 @@ def test_baseline_items_equal_h5feed_items(tiny) -> None:
 def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny) -> None:
     """max_len 48 cuts the longer samples: every loader must cut them as speculators 0.4's collate does."""
     result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=LOADERS, progress=False)
-    assert [(p.loader, p.cache) for p in result.passes] == [(name, "warm") for name in LOADERS]
+    assert [(p.loader, p.cache) for p in result.passes] == [(name, "warm") for name in MEASURED]
     assert not result.cold and result.collate == f"speculators 0.4 create_collate_fn({MAX_LEN})"
-    assert result.checks == {name: "reference" if name == BASELINE else "equal" for name in LOADERS}
+    assert result.checks == {name: "reference" if name == BASELINE else "equal" for name in MEASURED}
     n, row_bytes = len(tiny.files), (K + 1) * H * 2  # bfloat16 hidden_states (K layers) + verifier state
     base = result.get(BASELINE, "warm")
     assert base is not None and base.ratio == pytest.approx(1.0)
@@ -70,23 +73,25 @@ def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny
         else:  # one [1, max_len, ...] batch per sample
             assert p.hidden_bytes == n * MAX_LEN * row_bytes
             assert p.ratio == pytest.approx(p.samples_per_s / base.samples_per_s)
-        processes = 1 if p.loader == "BatchLoader-threads" else 2  # reader threads count as one worker
+        processes = 1 if p.loader in ("BatchLoader-threads", GPU_DECODE) else 2  # threads count as one worker
         assert sum(w.samples for w in p.workers) == n and len(p.workers) == processes
         assert p.bytes_read > 0 and p.cpu_seconds > 0
         assert p.peak_memory_bytes > 0 and p.memory_metric in ("pss", "rss")
     assert not any("DIFFER" in note for note in result.notes)
+    if GPU_DECODE not in MEASURED:  # no CUDA or nvCOMP here: said so
+        assert f'BatchLoader(decode="cuda") not measured: {why_unavailable()}' in result.notes
 
     rows = result.rows(verbose=True)
     assert rows[0] == [c if c != "peak mem" else f"peak mem ({result.memory_metric.upper()})" for c in TABLE_COLUMNS]
-    assert [(r[0], r[1]) for r in rows[1:]] == [(LOADER_LABELS[name], "warm") for name in LOADERS]
-    assert [r[TABLE_COLUMNS.index("batches")] for r in rows[1:]] == ["reference"] + ["equal"] * (len(LOADERS) - 1)
+    assert [(r[0], r[1]) for r in rows[1:]] == [(LOADER_LABELS[name], "warm") for name in MEASURED]
+    assert [r[TABLE_COLUMNS.index("batches")] for r in rows[1:]] == ["reference"] + ["equal"] * (len(MEASURED) - 1)
     assert rows[1][TABLE_COLUMNS.index("x baseline")] == "1.00x"
     assert rows[-1][TABLE_COLUMNS.index("x baseline")] == "-"
     short = result.rows()
     assert short[0][:5] == ["loader", "cache", "samples/s", "x baseline", "CPU s/sample"]
-    assert [r[0] for r in short[1:]] == [SHORT_LABELS[name] for name in LOADERS]
+    assert [r[0] for r in short[1:]] == [SHORT_LABELS[name] for name in MEASURED]
     table = result.table()
-    assert all(f"{SHORT_LABELS[name]} = {LOADER_LABELS[name]}" in table for name in LOADERS) and "load average" in table
+    assert all(f"{SHORT_LABELS[name]} = {LOADER_LABELS[name]}" in table for name in MEASURED) and "load average" in table
     code = "To use it: "
     assert max(len(line) for line in table.splitlines() if not line.startswith(code)) <= 120
     assert "per-worker samples/s" not in table and "per-worker samples/s" in result.table(verbose=True)

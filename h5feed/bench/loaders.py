@@ -11,6 +11,9 @@ in the order of the store:
   into recycled (page-locked) batch slots;
 - ``BatchLoader-threads``: `h5feed.BatchLoader(threads=W)`: the same with W reader threads
   in the trainer's process;
+- ``BatchLoader-cuda``: `h5feed.BatchLoader(decode="cuda", threads=W)`: W reader threads read and
+  check the compressed chunks, the GPU decodes them, the batches arrive on the GPU (measured where
+  CUDA and nvCOMP are here and the store's codec allows it);
 - ``StreamLoader``: the drop-in: `HiddenStatesStream` in a `StreamLoader` with the trainer's
   collate and `pin_memory=True`;
 - ``HiddenStatesDataset``: the map-style drop-in in the baseline's DataLoader (not in the default set).
@@ -44,12 +47,14 @@ Batch = dict[str, Any]
 
 BASELINE = "pt-baseline"
 ITEMS = "HiddenStatesStream-items"
-LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", "StreamLoader", "HiddenStatesDataset", ITEMS)
-DEFAULT_LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", "StreamLoader", ITEMS)
+GPU_DECODE = "BatchLoader-cuda"
+LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", GPU_DECODE, "StreamLoader", "HiddenStatesDataset", ITEMS)
+DEFAULT_LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", GPU_DECODE, "StreamLoader", ITEMS)
 LOADER_LABELS = {
     BASELINE: "speculators 0.4 .pt, DataLoader + 0.4 collate + pin_memory (baseline)",
     "BatchLoader": "h5feed BatchLoader, worker processes",
     "BatchLoader-threads": "h5feed BatchLoader, reader threads (num_workers=0)",
+    GPU_DECODE: "h5feed BatchLoader(decode=\"cuda\"), reader threads, decoded on the GPU",
     "StreamLoader": "h5feed HiddenStatesStream, StreamLoader + 0.4 collate + pin_memory",
     "HiddenStatesDataset": "h5feed HiddenStatesDataset, DataLoader + 0.4 collate + pin_memory",
     ITEMS: "[old path, no trainer] HiddenStatesStream items, batch_size=None, no collate",
@@ -58,6 +63,7 @@ SHORT_LABELS = {  # the table's names (the long ones are listed under it)
     BASELINE: ".pt baseline",
     "BatchLoader": "BatchLoader, workers",
     "BatchLoader-threads": "BatchLoader, threads",
+    GPU_DECODE: "BatchLoader, GPU decode",
     "StreamLoader": "StreamLoader + collate",
     "HiddenStatesDataset": "Dataset + collate",
     ITEMS: "items, no trainer",
@@ -69,6 +75,8 @@ USABLE = {
                     'num_workers={workers}, hidden_states_dtype=torch.{dtype})'),
     "BatchLoader-threads": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
                             'threads={workers}, hidden_states_dtype=torch.{dtype})'),
+    GPU_DECODE: ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, decode="cuda", '
+                 'threads={workers}, hidden_states_dtype=torch.{dtype})'),
     "StreamLoader": ('h5feed.StreamLoader(h5feed.HiddenStatesStream(STORE, "{flavor}", {max_len}, '
                      'hidden_states_dtype=torch.{dtype}), batch_size=1, num_workers={workers}, '
                      'collate_fn=YOUR_COLLATE, pin_memory=True)'),
@@ -201,9 +209,10 @@ def make_loader(name: str, s: Setup) -> BuiltLoader:
         baseline = CountedBaseline(Eagle3SampleFileDataset(s.max_len, file_list=s.baseline_files,
                                                            hidden_states_dtype=s.dtype))
         return BuiltLoader(DataLoader(baseline, shuffle=False, **trainer), baseline.counts)
-    if name in ("BatchLoader", "BatchLoader-threads"):
+    if name in ("BatchLoader", "BatchLoader-threads", GPU_DECODE):
         threads = {"num_workers": s.workers} if name == "BatchLoader" else {"threads": max(s.workers, 1)}
-        loader = BatchLoader(s.stream(), batch_size=1, **threads)
+        decode = "cuda" if name == GPU_DECODE else "cpu"
+        loader = BatchLoader(s.stream(), batch_size=1, decode=decode, **threads)
         return BuiltLoader(loader, lambda: h5feed_counts(loader.dataset.counters))
     if name == "StreamLoader":
         stream = s.stream()
@@ -229,7 +238,7 @@ def digest(batch: Batch) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
-            raw = value.contiguous().reshape(-1).view(torch.uint8).numpy()
+            raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             out[key] = (tuple(value.shape), str(value.dtype), crc32c(raw))
         else:
             out[key] = value

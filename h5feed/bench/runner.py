@@ -47,6 +47,7 @@ import torch
 from h5feed.bench.loaders import (
     BASELINE,
     DEFAULT_LOADERS,
+    GPU_DECODE,
     ITEMS,
     LOADER_LABELS,
     LOADERS,
@@ -67,6 +68,7 @@ from h5feed.bench.synthetic_set import (
     ensure_default_set,
 )
 from h5feed.errors import H5feedError
+from h5feed.loading.cuda_loader import gpu_decode_refusal
 from h5feed.store import Store
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -301,7 +303,11 @@ def run_bench(
         else:
             baseline_files = files
             source_bytes = sum(f.stat().st_size for f in files)
-    active = sorted((name for name in loaders if name != BASELINE or baseline_files is not None),
+    gpu_refusal = gpu_decode_refusal(opened) if GPU_DECODE in loaders else None
+    if gpu_refusal is not None:
+        notes.append(f"BatchLoader(decode=\"cuda\") not measured: {gpu_refusal}")
+    active = sorted((name for name in loaders if (name != BASELINE or baseline_files is not None)
+                     and (name != GPU_DECODE or gpu_refusal is None)),
                     key=lambda name: name != BASELINE)  # the baseline first: its batches are the reference
 
     caches: list[str] = []
