@@ -181,6 +181,7 @@ def test_stall_verdicts():
     assert classify(5.0, [2.0, 3.0], stall_after=1.0) == "stuck"  # trainer waits, nobody progresses
     assert classify(5.0, [], stall_after=1.0) == "stuck"  # trainer waits, no worker ever started
     assert classify(None, [2.0, 3.0], stall_after=1.0) == "idle"  # trainer busy elsewhere, queues full
+    assert classify(0.5, [2.0, 3.0], stall_after=1.0) is None  # the trainer asks: not idle, and not yet a stall
     assert classify(0.5, [], stall_after=1.0) is None  # workers still starting
     assert classify(5.0, None, stall_after=1.0) == "waiting"  # a loader without counters
     assert classify(5.0, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) == "writer"  # a following stream

@@ -31,7 +31,7 @@ def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, s
     quiet = all(q > stall_after for q in worker_quiet_s)  # no worker started counts as quiet
     if waited:
         return "stuck" if quiet else "bottleneck"
-    if quiet and worker_quiet_s:
+    if quiet and worker_quiet_s and trainer_wait_s is None:  # idle: nobody asks; a short wait may yet become one
         return "idle"
     return None
 
