@@ -55,7 +55,6 @@ def _angelslim_item(
 _ANGELSLIM_KEYS = ("input_ids", "loss_mask", "hidden_states", "target_hiddens")  # its HF backend's files
 
 
-
 class AngelSlimCollate(PaddedRowsCollate):
     """AngelSlim `DataCollatorWithPadding` (its LLM offline path): each [1, T] item in its own row, zero-padded
     to the longest; `hidden_states` / `target_hiddens` are None unless every item has them; `inputs_embeds` and

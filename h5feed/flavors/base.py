@@ -37,13 +37,10 @@ Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 Item = dict[str, Any]
 Build = Callable[[RawSample, StoreInfo, "torch.dtype | None", "Transform | None", Allocator], Item]
 CollateFactory = Callable[["Flavor", "int | None", "torch.dtype | None"], "TrainerCollate"]
-TARGET_PROBS_ARRAYS = (("target_probs",), ("target_probs_values", "target_probs_indices"))
-_NORM_WORDS = {"pre": "before the final norm (pre-norm)", "post": "after the final norm (post-norm)"}
-
-
 Batch = dict[str, Any]
 TensorSpec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
-
+TARGET_PROBS_ARRAYS = (("target_probs",), ("target_probs_values", "target_probs_indices"))
+_NORM_WORDS = {"pre": "before the final norm (pre-norm)", "post": "after the final norm (post-norm)"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +101,6 @@ def cast_to(tensor: torch.Tensor, dtype: torch.dtype | None, allocate: Allocator
     if dtype is None or tensor.dtype == dtype:
         return tensor
     return allocate(tuple(tensor.shape), dtype).copy_(tensor)
-
 
 
 @dataclass(frozen=True)
@@ -307,7 +303,6 @@ class PaddedRowsCollate(TrainerCollate):
         return item[key][0]  # items carry a leading batch dim of 1
 
 
-
 FLAVORS: dict[str, Flavor] = {}  # by name, in the order the trainers' modules registered them
 
 
@@ -329,7 +324,6 @@ def get_flavor(name: str) -> Flavor:
         return FLAVORS[name]
     except KeyError:
         raise ValueError(unknown_name("flavor", name, FLAVORS)) from None
-
 
 
 def trainer_collate(

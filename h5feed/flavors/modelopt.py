@@ -61,7 +61,6 @@ def _modelopt_item(answer_only_loss: bool, prenorm_key: bool) -> Build:
     return build
 
 
-
 class ModelOptCollate(TrainerCollate):
     """Model-Optimizer `EagleOfflineDataCollator(train_len)` (0.44 to 0.46): each item zero-padded or cut to
     `train_len` (max_len) and stacked, the hidden states under `base_model_outputs`, with 0.46's

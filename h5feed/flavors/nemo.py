@@ -73,7 +73,6 @@ def _nemo_item(
     return transform(item) if transform is not None else item
 
 
-
 NEMO_CACHE_KEYS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "position_mask", "target_probs")
 
 

@@ -62,7 +62,6 @@ def _specforge_shifted_item(
     return transform(item) if transform is not None else item
 
 
-
 class SpecForgeCollate(PaddedRowsCollate):
     """SpecForge `DataCollatorWithPadding` (sp_degree 1): each item in its own row, zero-padded to the longest."""
 

@@ -63,7 +63,6 @@ def _speculators_legacy_item(
     }
 
 
-
 def pack_lengths(lengths: Sequence[int], max_len: int) -> list[int]:
     """speculators' cut of `lengths`: documents while they fit, the last one truncated, the rest dropped."""
     out: list[int] = []
@@ -75,7 +74,6 @@ def pack_lengths(lengths: Sequence[int], max_len: int) -> list[int]:
         out.append(length)
         total += length
     return out
-
 
 
 class SpeculatorsCollate(TrainerCollate):

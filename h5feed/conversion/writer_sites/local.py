@@ -33,6 +33,6 @@ class LocalSite(WriterSite):
 
     def remove_partial_writes(self, writer: str | None, own: Callable[[], list[Path]]) -> None:
         with self.step(ROWS_LOCK):  # no writer starts writing meanwhile
-            alone = not any(w.get("writer") != writer for w in live_writers(self.staging))
+            alone = all(w.get("writer") == writer for w in live_writers(self.staging))
             for partial in list(self.staging.rglob(f"*{PARTIAL_SUFFIX}")) if alone else own():
                 partial.unlink(missing_ok=True)
