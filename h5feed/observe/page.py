@@ -35,10 +35,10 @@ class Section:
     body: str
 
 
-def _escape(text: str, lines: bool = False) -> str:
+def _escape(text: str) -> str:
     """Text as the page shows it: printable (no control characters: a page's text may be copied into a
-    terminal; `lines` keeps line breaks) and HTML-escaped."""
-    return html.escape(printable(text, lines=lines))
+    terminal; line breaks kept, a page shows them as spaces) and HTML-escaped."""
+    return html.escape(printable(text, lines=True))
 
 
 def pyplot(what: str) -> ModuleType:
@@ -81,7 +81,7 @@ def bullets(lines: Iterable[str], element_id: str) -> str:
 
 def preformatted(text: str, element_id: str) -> str:
     """Plain text whose line breaks and spacing matter (code to copy), escaped."""
-    return f'<pre id="{_escape(element_id)}">{_escape(text, lines=True)}</pre>'
+    return f'<pre id="{_escape(element_id)}">{_escape(text)}</pre>'
 
 
 def table(rows: Sequence[Sequence[str]], element_id: str, text_columns: Iterable[int] = ()) -> str:

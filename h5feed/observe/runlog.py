@@ -263,7 +263,7 @@ _KINDS: dict[str, Check] = {
     "resumed": _fields({"step": _integer}, {**_PLACE, "waited(s)": _MAYBE}),
 }
 
-_COMMON = _fields({"kind": _text, "name": _text, "time": _number}, {"rank": _integer, "world_size": _ranks})
+_COMMON = _fields({"kind": _text, "name": _text, "time": _number, "rank": _integer, "world_size": _ranks})
 
 
 def _record(value: Any) -> Record:
