@@ -255,6 +255,7 @@ MISTYPED = {
     "huge integers": '{"kind": "end", "name": "train", "time": 1, "step": ' + "9" * 400 + "}",
     "deep nesting": '{"kind": "report", "name": "train", "time": 1, "workers": ' + "[" * 100_000 + "]" * 100_000 + "}",
     "no time": '{"kind": "end", "name": "train"}',
+    "a line over the 1 MiB cap": '{"kind": "start", "name": "train", "time": 1, "what": "' + "x" * (2 << 20) + '"}',
     "NaN": None,  # a real report record with data_loading(%) NaN: made from the run's own
     "bad UTF-16": None,  # a real start record with a lone surrogate in its name
 }
