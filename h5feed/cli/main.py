@@ -17,6 +17,7 @@ from h5feed.errors import H5feedError, StoreError
 from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
 from h5feed.observe.report import add_report_parser
 from h5feed.observe.watch import add_watch_parser
+from h5feed.text import printable
 
 log = logging.getLogger("h5feed")
 
@@ -106,14 +107,20 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if key == "skipped":
             value = len(value)
             for skipped in summary["skipped"]:
-                print(f"  skipped {skipped['path']}: {skipped['problem']}")
+                _show(f"  skipped {skipped['path']}: {skipped['problem']}")
         if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
-            print(f"{key:<{width}}  {len(value)}")  # one line each below: extra arrays, companions
+            _show(f"{key:<{width}}  {len(value)}")  # one line each below: extra arrays, companions
             for name, entry in value.items():
-                print(f"  {name}: {_readable(name, entry)}")
+                _show(f"  {name}: {_readable(name, entry)}")
             continue
-        print(f"{key:<{width}}  {_readable(key, value)}")
+        _show(f"{key:<{width}}  {_readable(key, value)}")
     return 0
+
+
+def _show(line: str) -> None:
+    """Print one line of `inspect`: its strings come from the store's attributes, which whoever wrote the store
+    chose, so they are shown printable (`--json` escapes them as JSON does)."""
+    print(printable(line))
 
 
 def _readable(key: str, value: Any) -> str:
@@ -269,8 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return int(args.func(args))
-    except H5feedError as exc:
-        log.error("h5feed %s: error: %s", args.command, exc)
+    except H5feedError as exc:  # its message may quote a lock holder's host, a log's name: shown printable
+        log.error("h5feed %s: error: %s", args.command, printable(str(exc), lines=True))
         return 1
     except BrokenPipeError:  # `h5feed inspect STORE | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -21,6 +21,7 @@ TensorBoard events file with increasing steps, and say which epoch a line is of.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from h5feed.observe.renderer import (
     step_figures,
     worker_rows,
 )
+from h5feed.observe.runlog import JSONL_PREFIX, RunLogError, append_line
 from h5feed.observe.scalars import ScalarSink, TensorBoardSink, report_scalars, tensorboard_sink, wandb_sink
 from h5feed.observe.timers import GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
@@ -62,7 +64,6 @@ from h5feed.store import Store
 
 log = logging.getLogger(__name__)
 
-JSONL_PREFIX = "h5feed-monitor"
 BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
 
 T = TypeVar("T")
@@ -115,6 +116,7 @@ class _Run:
     steps_before: int = 0  # batches handed over in the passes that ended
     epochs: int = 0  # passes begun
     tensorboard: TensorBoardSink | None = None
+    log_failed: bool = False  # a write of the JSON-lines file failed: reported once, and the file left alone
 
 
 _RUNS: dict[tuple[str, int, str, str], _Run] = {}  # by (name, rank, JSON-lines file, log_dir): one per run
@@ -140,6 +142,18 @@ def _nbytes(batch: Any) -> int:
 
 
 # --- the monitor --------------------------------------------------------------------------------
+
+
+def _why(exc: OSError | RunLogError, path: Path) -> str:
+    """Why the log could not be written, and what to do, in a sentence naming the file."""
+    if isinstance(exc, RunLogError):
+        return f"{exc}; remove it, or give the monitor another log_dir"
+    what = f"{path}: {exc.strerror or exc}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{what}; free space under {path.parent}, or give the monitor a log_dir on another disk"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{what}; give the monitor a log_dir this user can write"
+    return f"{what}; check {path.parent}, or give the monitor another log_dir"
 
 
 def _say(level: int, line: str) -> None:
@@ -329,7 +343,10 @@ class Monitor(Generic[T]):
                      "DataLoader workers or reader threads may help (`h5feed bench` measures the loaders here)")
         self._emit(rec, line)
         for sink in self._sinks:
-            sink.flush()
+            try:
+                sink.flush()
+            except OSError as exc:  # TensorBoard's events file on a full disk: the loop goes on all the same
+                _say(logging.WARNING, f"{self._label} cannot write its scalars: {exc}")
 
     def summary(self) -> Record:
         """The step figures over the iteration so far (from the second batch on), plus the first batch's wait."""
@@ -476,9 +493,15 @@ class Monitor(Generic[T]):
         rec = {"kind": rec["kind"], "name": self.name, "time": time.time(), "rank": self.rank,
                "world_size": self.world_size} | rec
         with self._write_lock:
-            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            if self._run.log_failed:
+                return
+            try:
+                self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+                append_line(self.jsonl_path, json.dumps(rec) + "\n")
+            except (OSError, RunLogError) as exc:  # watching a run must never stop it
+                self._run.log_failed = True
+                _say(logging.WARNING, f"{self._label} cannot write its log: {_why(exc, self.jsonl_path)}; training "
+                                      "goes on without that file (these lines still go to the trainer's log)")
 
     def _scalars(self, rec: Record) -> None:
         if not self._sinks or not rec["steps"]:

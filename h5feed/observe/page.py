@@ -2,9 +2,9 @@
 
 Why: a page someone can copy, attach to an issue or open offline must carry its plots, so each
 PNG is embedded as base64 and nothing is fetched.  Both pages are built here from a title and
-sections, so they escape text the same way, look the same, and tell a headless browser (the
-tests) whether their images decoded.  matplotlib is an optional extra (`h5feed[report]`): it is
-imported here only, and its absence is one clear error.
+sections, so they escape text the same way (control characters taken out too), look the same, and
+tell a headless browser (the tests) whether their images decoded.  matplotlib is an optional extra
+(`h5feed[report]`): it is imported here only, and its absence is one clear error.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from h5feed.errors import H5feedError
+from h5feed.text import printable
 
 if TYPE_CHECKING:  # matplotlib is optional (h5feed[report])
     from matplotlib.figure import Figure
@@ -32,6 +33,12 @@ class Section:
 
     heading: str | None
     body: str
+
+
+def _escape(text: str) -> str:
+    """Text as the page shows it: printable (no control characters: a page's text may be copied into a
+    terminal; line breaks kept, a page shows them as spaces) and HTML-escaped."""
+    return html.escape(printable(text, lines=True))
 
 
 def pyplot(what: str) -> ModuleType:
@@ -62,19 +69,19 @@ def figure_png(fig: Figure) -> bytes:
 
 def image(png: bytes, element_id: str, alt: str) -> str:
     """An `<img>` carrying `png` inline (a data: URL), so the page is one file."""
-    return (f'<img id="{html.escape(element_id)}" alt="{html.escape(alt)}"\n'
+    return (f'<img id="{_escape(element_id)}" alt="{_escape(alt)}"\n'
             f'     src="data:image/png;base64,{base64.b64encode(png).decode()}">')
 
 
 def bullets(lines: Iterable[str], element_id: str) -> str:
     """A `<ul>` of plain-text lines, escaped."""
-    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
-    return f'<ul id="{html.escape(element_id)}">{items}</ul>'
+    items = "".join(f"<li>{_escape(line)}</li>" for line in lines)
+    return f'<ul id="{_escape(element_id)}">{items}</ul>'
 
 
 def preformatted(text: str, element_id: str) -> str:
     """Plain text whose line breaks and spacing matter (code to copy), escaped."""
-    return f'<pre id="{html.escape(element_id)}">{html.escape(text)}</pre>'
+    return f'<pre id="{_escape(element_id)}">{_escape(text)}</pre>'
 
 
 def table(rows: Sequence[Sequence[str]], element_id: str, text_columns: Iterable[int] = ()) -> str:
@@ -84,10 +91,10 @@ def table(rows: Sequence[Sequence[str]], element_id: str, text_columns: Iterable
 
     def row(cells: Sequence[str], tag: str) -> str:
         opened = [f'<{tag} class="text">' if i in left else f"<{tag}>" for i in range(len(cells))]
-        return "<tr>" + "".join(f"{o}{html.escape(c)}</{tag}>" for o, c in zip(opened, cells)) + "</tr>"
+        return "<tr>" + "".join(f"{o}{_escape(c)}</{tag}>" for o, c in zip(opened, cells)) + "</tr>"
 
     header, *body = rows
-    return f'<table id="{html.escape(element_id)}">{row(header, "th")}{"".join(row(r, "td") for r in body)}</table>'
+    return f'<table id="{_escape(element_id)}">{row(header, "th")}{"".join(row(r, "td") for r in body)}</table>'
 
 
 def page_html(title: str, sections: Sequence[Section]) -> str:
@@ -96,8 +103,8 @@ def page_html(title: str, sections: Sequence[Section]) -> str:
     Once loaded, the body's `data-plot-width` holds each image's decoded width in pixels, space-separated
     (0 for one that did not decode), which a headless browser can read back without looking at pixels.
     """
-    body = "\n".join((f"<h2>{html.escape(s.heading)}</h2>\n" if s.heading else "") + s.body for s in sections)
-    title = html.escape(title)
+    body = "\n".join((f"<h2>{_escape(s.heading)}</h2>\n" if s.heading else "") + s.body for s in sections)
+    title = _escape(title)
     return textwrap.dedent("""\
         <!doctype html>
         <html><head><meta charset="utf-8"><title>{title}</title>

@@ -10,83 +10,181 @@ and embedded, so the page is one file to copy or attach.
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
+from array import array
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from h5feed.errors import H5feedError
+from h5feed.io.local import write_atomically
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, pyplot, table
 from h5feed.observe.renderer import Record, num, slowest_worker
-from h5feed.observe.watch import monitor_files, parse_records
+from h5feed.observe.runlog import RunLog, RunLogError, monitor_files
+
+
+MAX_POINTS = 2000  # per plotted line: a longer series is thinned evenly (the plot is 990 pixels wide)
+MAX_PASSES = 1000  # rows of the page's table of passes: the last ones (the summary counts them all)
+NAMED_STALLS = 5  # stalls the summary names (it counts them all)
+
+
+@dataclass
+class Series:
+    """Points of one plotted line, held as two arrays of floats (a long run's reports stay small)."""
+
+    x: array = field(default_factory=lambda: array("d"))
+    y: array = field(default_factory=lambda: array("d"))
+
+    def add(self, x: float, y: float | None) -> None:
+        self.x.append(x)
+        self.y.append(math.nan if y is None else y)  # a gap in the line
+
+    def thinned(self) -> tuple[array, array]:
+        step = max(1, math.ceil(len(self.x) / MAX_POINTS))
+        return self.x[::step], self.y[::step]
+
+
+@dataclass
+class Mean:
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float | None) -> None:
+        if value is not None:
+            self.total, self.count = self.total + value, self.count + 1
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+@dataclass
+class WorkerTrack:
+    """One DataLoader worker of one track: its samples/s over time and the means of its reports' rates."""
+
+    rates: Series = field(default_factory=Series)
+    samples_per_s: Mean = field(default_factory=Mean)
+    busy_s_per_sample: Mean = field(default_factory=Mean)
+    read_MBps: Mean = field(default_factory=Mean)
+    samples: int = 0
 
 
 @dataclass
 class Track:
-    """One monitor's file: every record of every epoch it wrote, in order."""
+    """One monitor's file, folded record by record as it is streamed: what the page shows of it, in memory
+    that does not grow with the number of records (but for the plotted points, 16 bytes each)."""
 
-    path: Path
-    records: list[Record] = field(default_factory=list)
+    log: RunLog
+    name: str = ""
+    rank: int = 0
+    records: int = 0
+    first_time: float = math.inf
+    epochs: int = 0  # passes begun
+    steps: int = 0
+    waited_s: float = 0.0  # over every pass that ended
+    stepped_s: float = 0.0
+    ends: deque[Record] = field(default_factory=lambda: deque(maxlen=MAX_PASSES))
+    passes: int = 0
+    last_complete: bool | None = None  # the last pass's end: ran to the loader's end, or None: no end yet
+    stalls: int = 0
+    named_stalls: list[Record] = field(default_factory=list)
+    stall_times: Series = field(default_factory=Series)
+    waits: Series = field(default_factory=Series)  # data wait % and samples/s of each report, by its time
+    rates: Series = field(default_factory=Series)
+    workers: dict[int, WorkerTrack] = field(default_factory=dict)
+
+    def add(self, r: Record) -> None:
+        self.records += 1
+        self.name, self.rank = r["name"], r.get("rank", 0)
+        self.first_time = min(self.first_time, r["time"])
+        self.steps = max(self.steps, r.get("global_step", r.get("step", 0)))
+        kind = r["kind"]
+        if kind == "start":
+            self.epochs += 1
+        elif kind == "end":
+            self.passes += 1
+            self.ends.append(r)
+            self.last_complete = r.get("complete", True)
+            self.waited_s += (r["data_loading(s)"] or 0.0) * r["steps"]
+            self.stepped_s += (r["step_time(s)"] or 0.0) * r["steps"]
+        elif kind == "stall":
+            self.stalls += 1
+            self.stall_times.add(r["time"], 0.0)
+            if len(self.named_stalls) < NAMED_STALLS:
+                self.named_stalls.append(r)
+        elif kind == "report":
+            self.waits.add(r["time"], r["data_loading(%)"])
+            self.rates.add(r["time"], r["throughput(samples/s)"])
+            for w in r["workers"]:
+                if w["samples_per_s"] is not None:
+                    worker = self.workers.setdefault(w["worker"], WorkerTrack())
+                    worker.rates.add(r["time"], w["samples_per_s"])
+                    worker.samples_per_s.add(w["samples_per_s"])
+                    worker.busy_s_per_sample.add(w["busy_s_per_sample"])
+                    worker.read_MBps.add(w["read_MBps"])
+                    worker.samples = max(worker.samples, w["samples"])
 
     @property
-    def name(self) -> str:
-        return str(self.records[-1]["name"])
-
-    @property
-    def rank(self) -> int:
-        return int(self.records[-1].get("rank", 0))
-
-    def of(self, kind: str) -> list[Record]:
-        return [r for r in self.records if r.get("kind") == kind]
+    def wait_share(self) -> float | None:
+        """The share of the step spent waiting for data, in %, over every pass that ended."""
+        return 100 * self.waited_s / self.stepped_s if self.stepped_s else None
 
 
-def load_tracks(folder: str | Path) -> list[Track]:
-    """The monitors' files in `folder` and its sub-folders, each read whole (a line cut short is passed over)."""
-    tracks = [Track(path, parse_records(path.read_text().splitlines())) for path in monitor_files(Path(folder))]
-    tracks = [t for t in tracks if t.records]
+def read_track(path: Path) -> Track:
+    """One monitor's file, streamed (see `runlog`)."""
+    track = Track(RunLog(path))
+    for rec in track.log.records():
+        track.add(rec)
+    return track
+
+
+def load_tracks(folder: str | Path) -> tuple[list[Track], list[str]]:
+    """The monitors' files in `folder` and its sub-folders, each streamed, and why any file was refused."""
+    tracks, refused = [], []
+    for path in monitor_files(Path(folder)):
+        try:
+            track = read_track(path)
+        except RunLogError as exc:
+            refused.append(str(exc))
+            continue
+        if track.records:
+            tracks.append(track)
+        elif track.log.skipped:
+            refused.append(track.log.skipped_text() or "")
     if not tracks:
+        why = "".join(f"; {reason}" for reason in refused)
         raise H5feedError(f"{folder}: no h5feed-monitor*.jsonl with records here or in its sub-folders "
-                          "(is it the log_dir given to h5feed.monitor?)")
-    return sorted(tracks, key=lambda t: (t.name, t.rank))
+                          f"(is it the log_dir given to h5feed.monitor?){why}")
+    return sorted(tracks, key=lambda t: (t.name, t.rank)), refused
 
 
-def summary_lines(tracks: list[Track]) -> list[str]:
-    """The run in a few sentences: steps and epochs, the data wait, the slowest rank and worker, the stalls."""
+def summary_lines(tracks: list[Track], refused: Sequence[str] = ()) -> list[str]:
+    """The run in a few sentences: steps and epochs, the data wait, the slowest rank and worker, the stalls;
+    then what the reader skipped or refused."""
     lines = []
     for t in tracks:
-        ends = t.of("end")
-        steps = max((r.get("global_step", r.get("step", 0)) for r in t.records if "step" in r), default=0)
-        epochs = len(t.of("start"))
-        waited, stepped = _wait_and_step_s(t)
-        share = f"{100 * waited / stepped:.1f}%" if stepped else "n/a"
-        state = "finished" if ends and ends[-1].get("complete", True) else "stopped early or still running"
-        lines.append(f"{t.name} rank {t.rank}: {steps} steps over {epochs} epoch(s), {state}; the step waited for "
-                     f"data {share} of the time ({waited:.1f} s of {stepped:.1f} s)")
-    waits = {t.rank: _wait_share(t) for t in tracks}
+        share = f"{t.wait_share:.1f}%" if t.wait_share is not None else "n/a"
+        state = "finished" if t.last_complete else "stopped early or still running"
+        lines.append(f"{t.name} rank {t.rank}: {t.steps} steps over {t.epochs} epoch(s), {state}; the step waited "
+                     f"for data {share} of the time ({t.waited_s:.1f} s of {t.stepped_s:.1f} s)")
+    waits = {t.rank: t.wait_share for t in tracks}
     if len(tracks) > 1 and all(w is not None for w in waits.values()):
         slow = max(waits, key=lambda r: waits[r] or 0.0)
         lines.append(f"slowest rank: rank {slow}, {waits[slow]:.1f}% data wait (under DDP it sets every rank's pace)")
     worker = _slowest_worker(tracks)
     if worker is not None:
         lines.append(worker)
-    stalls = [(t, r) for t in tracks for r in t.of("stall")]
-    lines.append(f"{len(stalls)} stall report(s)" + (": " + "; ".join(
-        f"rank {t.rank} at step {r.get('global_step', r.get('step'))}: {r.get('verdict')}" for t, r in stalls[:5])
+    stalls = sum(t.stalls for t in tracks)
+    named = [(t, r) for t in tracks for r in t.named_stalls][:NAMED_STALLS]
+    lines.append(f"{stalls} stall report(s)" + (": " + "; ".join(
+        f"rank {t.rank} at step {r.get('global_step', r.get('step'))}: {r['verdict']}" for t, r in named)
         if stalls else ""))
+    lines += [skipped for t in tracks if (skipped := t.log.skipped_text()) is not None]
+    lines += [f"refused {reason}" for reason in refused]
     return lines
-
-
-def _wait_and_step_s(t: Track) -> tuple[float, float]:
-    """Seconds the trainer waited for data and seconds of steps, over every pass the track ended."""
-    ends = t.of("end")
-    waited = sum((r.get("data_loading(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
-    stepped = sum((r.get("step_time(s)") or 0.0) * (r.get("steps") or 0) for r in ends)
-    return waited, stepped
-
-
-def _wait_share(t: Track) -> float | None:
-    waited, stepped = _wait_and_step_s(t)
-    return 100 * waited / stepped if stepped else None
 
 
 @dataclass
@@ -101,25 +199,11 @@ class WorkerFigures:
     samples: int
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def worker_figures(tracks: list[Track]) -> list[WorkerFigures]:
     """Each worker's mean rates over the reports that had them, by rank and worker."""
-    rows: dict[tuple[int, int], list[Record]] = {}
-    for t in tracks:
-        for r in t.of("report"):
-            for w in r.get("workers") or []:
-                if w.get("samples_per_s") is not None:
-                    rows.setdefault((t.rank, int(w["worker"])), []).append(w)
-
-    def mean(seen: list[Record], key: str) -> float | None:
-        return _mean([float(w[key]) for w in seen if w.get(key) is not None])
-
-    return [WorkerFigures(rank, worker, mean(seen, "samples_per_s") or 0.0, mean(seen, "busy_s_per_sample"),
-                          mean(seen, "read_MBps"), max(int(w["samples"]) for w in seen))
-            for (rank, worker), seen in sorted(rows.items())]
+    return sorted((WorkerFigures(t.rank, worker, w.samples_per_s.value or 0.0, w.busy_s_per_sample.value,
+                                 w.read_MBps.value, w.samples) for t in tracks for worker, w in t.workers.items()),
+                  key=lambda f: (f.rank, f.worker))
 
 
 def _slowest_worker(tracks: list[Track]) -> str | None:
@@ -130,25 +214,23 @@ def _slowest_worker(tracks: list[Track]) -> str | None:
 def plot_png(tracks: list[Track]) -> bytes:
     """The run's time series as one PNG: data wait % and samples/s per rank, samples/s per worker; stalls marked."""
     plt = pyplot("h5feed report")
-    t0 = min(r["time"] for t in tracks for r in t.records if "time" in r)
+    t0 = min(t.first_time for t in tracks)
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True, constrained_layout=True)
     wait_ax, rate_ax, worker_ax = axes
+
+    def line(ax: Any, series: Series, label: str) -> None:
+        x, y = series.thinned()
+        ax.plot([v - t0 for v in x], y, marker=".", label=label)
+
     for t in tracks:
-        reports = t.of("report")
-        x = [r["time"] - t0 for r in reports]
         label = f"rank {t.rank}" if len(tracks) > 1 else t.name
-        wait_ax.plot(x, [r.get("data_loading(%)") for r in reports], marker=".", label=label)
-        rate_ax.plot(x, [r.get("throughput(samples/s)") for r in reports], marker=".", label=label)
-        workers: dict[int, list[tuple[float, float]]] = {}
-        for r in reports:
-            for w in r.get("workers") or []:
-                if w.get("samples_per_s") is not None:
-                    workers.setdefault(int(w["worker"]), []).append((r["time"] - t0, w["samples_per_s"]))
-        for worker, points in sorted(workers.items()):
-            worker_ax.plot(*zip(*points), marker=".", label=f"{label} worker {worker}")
-        for stall in t.of("stall"):
+        line(wait_ax, t.waits, label)
+        line(rate_ax, t.rates, label)
+        for worker, w in sorted(t.workers.items()):
+            line(worker_ax, w.rates, f"{label} worker {worker}")
+        for when in t.stall_times.thinned()[0]:
             for ax in axes:
-                ax.axvline(stall["time"] - t0, color="red", alpha=0.5, linestyle="--")
+                ax.axvline(when - t0, color="red", alpha=0.5, linestyle="--")
     if not worker_ax.lines:
         worker_ax.text(0.5, 0.5, "no per-worker counters: the loader is not one of h5feed's", ha="center",
                        va="center", transform=worker_ax.transAxes)
@@ -163,11 +245,12 @@ def plot_png(tracks: list[Track]) -> bytes:
     return figure_png(fig)
 
 
-def report_html(tracks: list[Track], png: bytes) -> str:
-    """The page: the summary, the plots (embedded), and a table of every pass's end figures."""
+def report_html(tracks: list[Track], png: bytes, refused: Sequence[str] = ()) -> str:
+    """The page: the summary, the plots (embedded), and a table of every pass's end figures (the last
+    MAX_PASSES of each track)."""
     rows = [["rank", "epoch", "steps", "step", "data wait", "GPU idle", "samples/s"]]
     for t in tracks:
-        for r in t.of("end"):
+        for r in t.ends:
             rows.append([str(t.rank), str(r.get("epoch", "")), str(r.get("step", "")),
                          num(r.get("step_time(s)"), ".3f", " s"), num(r.get("data_loading(%)"), ".1f", "%"),
                          num(r.get("gpu_idle(%)"), ".1f", "%"), num(r.get("throughput(samples/s)"), ".2f")])
@@ -175,23 +258,26 @@ def report_html(tracks: list[Track], png: bytes) -> str:
     workers += [[str(f.rank), str(f.worker), str(f.samples), f"{f.samples_per_s:.2f}", num(f.busy_s_per_sample, ".3f"),
                  num(f.read_MBps, ".1f")] for f in worker_figures(tracks)]
     sections = [
-        Section(None, bullets(summary_lines(tracks), "summary")),
+        Section(None, bullets(summary_lines(tracks, refused), "summary")),
         Section(None, image(png, "plots", "data wait, samples/s per rank and per worker over time")),
         Section("Each pass", table(rows, "passes")),
     ]
     if len(workers) > 1:  # h5feed's loaders count what each worker does
         sections.append(Section("Each worker (mean over the reports)", table(workers, "workers")))
-    return page_html(f"h5feed run {tracks[0].name}: {tracks[0].path.parent}", sections)
+    return page_html(f"h5feed run {tracks[0].name}: {tracks[0].log.path.parent}", sections)
 
 
 def write_report(folder: str | Path, out: str | Path | None = None, png: str | Path | None = None) -> Path:
-    """Write the run's page (default: `report.html` in `folder`), and its plots as a PNG if asked; returns the page."""
-    tracks = load_tracks(folder)
+    """Write the run's page (default: `report.html` in `folder`), and its plots as a PNG if asked; returns the page.
+
+    Each file is written under a temporary name and renamed into place: a link planted at its name (in a
+    shared run folder) is replaced, never written through."""
+    tracks, refused = load_tracks(folder)
     image = plot_png(tracks)
     page = Path(out) if out is not None else Path(folder) / "report.html"
-    page.write_text(report_html(tracks, image))
+    write_atomically(page, report_html(tracks, image, refused).encode("utf-8"), durable=False)
     if png is not None:
-        Path(png).write_bytes(image)
+        write_atomically(Path(png), image, durable=False)
     return page
 
 

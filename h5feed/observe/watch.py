@@ -3,58 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import textwrap
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-from h5feed.errors import H5feedError
-from h5feed.observe.monitor import JSONL_PREFIX
 from h5feed.observe.renderer import Column, Record, format_line, format_table, format_workers, num
-
-
-def parse_records(lines: Iterable[str | bytes]) -> list[Record]:
-    """The monitor's JSON lines as records; an empty line, or one still being written (cut short), is passed over."""
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def _tail_records(path: Path, chunk: int = 1 << 16) -> list[Record]:
-    """The records of the file's current run (since its last "start"), read from the end of the file."""
-    size = path.stat().st_size
-    span = chunk
-    while True:
-        with open(path, "rb") as f:
-            f.seek(max(0, size - span))
-            lines = f.read(span).split(b"\n")
-        if size > span:
-            lines = lines[1:]  # cut mid-line
-        records = parse_records(lines)
-        starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
-        if starts or span >= size:
-            return records[starts[-1]:] if starts else records
-        span *= 4
-
-
-def monitor_files(path: Path) -> list[Path]:
-    """The monitors' files: the one given, or those in the folder and its sub-folders (a parent of several runs);
-    none while the folder does not exist yet (the run creates it)."""
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(path.rglob(f"{JSONL_PREFIX}*.jsonl"), key=lambda p: p.stat().st_mtime)
-    if path.exists():
-        raise H5feedError(f"{path}: neither a run folder nor a JSON-lines file")
-    return []
+from h5feed.observe.runlog import JSONL_PREFIX, WATCH_WINDOW_BYTES, RunLog, RunLogError, monitor_files
+from h5feed.text import printable
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -103,12 +61,24 @@ def _last_stall(records: list[Record], now: float) -> str | None:
     return text
 
 
-def render(path: Path, records: list[Record], now: float) -> str:
+def _notes(log: RunLog) -> list[str]:
+    """What the reader did not show of a file: a pass begun before its window, lines skipped."""
+    notes = []
+    if log.began_before:
+        notes.append(f"   this pass began before the last {WATCH_WINDOW_BYTES >> 20} MiB of {log.path}, which is all "
+                     "watch reads: its start and its earliest records are not shown")
+    if (skipped := log.skipped_text()) is not None:
+        notes.append(f"   {skipped}")
+    return notes
+
+
+def render(log: RunLog, records: list[Record], now: float) -> str:
     """The frame of one monitor's file: status, the report line, per-worker rows."""
     if not records:
-        return f"{path}: no records yet"
+        return "\n".join([f"{log.path}: no records yet", *_notes(log)])
     last = records[-1]
-    out = [f"== {last['name']}  {path}  ({_state(records, now)}; last record {now - last['time']:.0f} s ago)"]
+    out = [f"== {last['name']}  {log.path}  ({_state(records, now)}; last record {now - last['time']:.0f} s ago)",
+           *_notes(log)]
     if records[0].get("kind") == "start":
         out.append(f"   {records[0]['what']}")
     first = next((r for r in records if r.get("kind") == "first_batch"), None)
@@ -164,7 +134,7 @@ def slowest_rank(rows: list[Record]) -> str | None:
             "under DDP every rank waits for it at each gradient all-reduce, so its input pipeline sets the pace of all")
 
 
-def render_ranks(run: list[tuple[Path, list[Record]]], now: float) -> str:
+def render_ranks(run: list[tuple[RunLog, list[Record]]], now: float) -> str:
     """The frame of one run of several ranks: a row per rank, the slowest rank named, a row per rank and worker."""
     run = sorted(run, key=lambda track: track[1][-1]["rank"])
     newest = max(records[-1]["time"] for _, records in run)
@@ -172,7 +142,8 @@ def render_ranks(run: list[tuple[Path, list[Record]]], now: float) -> str:
     name, world = first[-1]["name"], first[-1]["world_size"]
     ranks = [records[-1]["rank"] for _, records in run]
     found = f"{len(run)} of {world} ranks" + ("" if len(run) == world else f" (files of ranks {ranks} only)")
-    out = [f"== {name}  {run[0][0].parent}  ({found}; last record {now - newest:.0f} s ago)"]
+    out = [f"== {name}  {run[0][0].path.parent}  ({found}; last record {now - newest:.0f} s ago)"]
+    out += [note for log, _ in run for note in _notes(log)]
     if first[0].get("kind") == "start":
         out.append(f"   rank {ranks[0]}: {first[0]['what']}")
     rows = [_rank_row(records, now) for _, records in run]
@@ -189,32 +160,46 @@ def render_ranks(run: list[tuple[Path, list[Record]]], now: float) -> str:
 
 
 def frame(target: Path, now: float | None = None) -> str | None:
-    """What `h5feed watch` shows for a run folder or one file: a block per monitor, one per run of several ranks."""
+    """What `h5feed watch` shows for a run folder or one file: a block per monitor, one per run of several ranks,
+    and a line per file refused; None while there is no file.  Raises RunLogError when every file is refused."""
     now = time.time() if now is None else now
-    runs: dict[Any, list[tuple[Path, list[Record]]]] = {}
+    runs: dict[Any, list[tuple[RunLog, list[Record]]]] = {}
+    refused = []
     for path in monitor_files(target):
-        records = _tail_records(path)
+        log = RunLog(path)
+        try:
+            records = log.last_pass()
+        except RunLogError as exc:
+            refused.append(str(exc))
+            continue
         world = records[-1].get("world_size", 1) if records else 1
         key = (records[-1]["name"], world) if world > 1 else path
-        runs.setdefault(key, []).append((path, records))
+        runs.setdefault(key, []).append((log, records))
     if not runs:
+        if refused:
+            raise RunLogError("\n".join(refused))
         return None
-    return "\n\n".join(render_ranks(run, now) if isinstance(key, tuple) else render(key, run[0][1], now)
-                        for key, run in runs.items())
+    return "\n\n".join([*(render_ranks(run, now) if isinstance(key, tuple) else render(*run[0], now)
+                           for key, run in runs.items()), *refused])
 
 
 def watch(path: str | os.PathLike[str], *, once: bool = False, interval: float = 1.0, out: TextIO | None = None) -> int:
-    """Show the figures of a monitored run from another shell, refreshed every `interval` seconds."""
+    """Show the figures of a monitored run from another shell, refreshed every `interval` seconds.  Everything
+    shown is made printable: a log's strings carry no terminal control sequence to the screen."""
     out = out or sys.stdout
     target = Path(path)
     while True:
-        text = frame(target)
         if once:
-            out.write((text or _nothing(target)) + "\n")
+            text = frame(target)  # a file refused is the command's error
+            out.write(printable(text or _nothing(target), lines=True) + "\n")
             return 0 if text is not None else 1
+        try:
+            text = frame(target) or _nothing(target)
+        except RunLogError as exc:  # one may yet appear that can be read
+            text = str(exc)
         if out.isatty():
             out.write("\x1b[H\x1b[2J")
-        out.write((text or _nothing(target)) + "\n")
+        out.write(printable(text, lines=True) + "\n")
         out.flush()
         try:
             time.sleep(interval)
