@@ -7,6 +7,14 @@ has read them all, waits for more (re-reading the store's small index), until a 
 (one, or several appending together) let the store go with nothing left unread, a number of samples,
 or a time without a new one.
 
+Letting the store go is a writer's `close()`, which removes its lock; a writer that went away without
+closing (killed, its machine lost) leaves its lock behind, and its journaled samples come only once
+the same writer id is opened again.  Such a crash never ends a stream as if the writer had finished:
+the follower warns, naming the writer and what to do, waits for the restart as long as its bound
+allows (`WriterWatch`), then raises a `StoreError` naming the writer.  A store replaced or rewritten
+under the follower (the index rows it read no longer the first rows of the store's) raises too
+(`Store.reload`), so a stream never hands out two stores' samples as one.
+
 The order is publication order from the pass's start position s, sharded as every schedule is:
 rank r of W takes positions s + q*W + r (its q-th sample), and worker w of K the batches j of its
 rank's samples with j % K == w, so the DataLoader hands the rank's samples over in order.  A worker
@@ -70,6 +78,8 @@ class Follow:
         poll_s: seconds between looks at the store's index while waiting.
 
     With neither bound, the stream ends once no writer holds the store and every published sample is read.
+    A writer that went away without closing is waited for up to `idle_timeout`, or with `samples` alone until
+    the samples come, and then (at once with neither bound) named in a `StoreError` (see `WriterWatch`).
     """
 
     samples: int | None = None
