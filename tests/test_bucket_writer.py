@@ -19,6 +19,7 @@ import pytest
 import torch
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from test_convert_remote import bucket_objects
+from test_follow import CRASHED, SAFETY_S, kill_9, restarted_once_seen_gone, writer_process
 from test_multi_writer import (
     CHUNK,
     SHARD,
@@ -31,7 +32,7 @@ from test_multi_writer import (
 )
 
 import h5feed
-from h5feed import Follow, HiddenStatesStream, StoreError, StreamLoader, open_writer
+from h5feed import Follow, HiddenStatesDataset, HiddenStatesStream, StoreError, StreamLoader, open_writer
 from h5feed.conversion.publish import is_shard
 from h5feed.conversion.writer_sites.bucket import BucketSite
 from h5feed.store import Store
@@ -262,6 +263,35 @@ def test_a_follower_of_a_bucket_store_reads_every_sample_once_as_published_and_s
     assert got == [tuple(make_sample(*map(int, name.removeprefix("w").split("-")))["input_ids"][1:].tolist())
                    for name in published.source_paths]
     assert stream.counters.snapshot().total("writer_wait_seconds") > 0  # it waited for the writers, and said so
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["no restart", "restarted"])
+def test_a_bucket_follower_of_a_killed_writer_raises_naming_it_unless_its_id_comes_back(s3, bucket, tmp_path, caplog,
+                                                                                          restarted):
+    """Writer 'w0' killed with 3 samples published and a fourth journaled in its staging folder: the follower
+    waits for the same id up to its idle_timeout, then names the writer; restarted, it reads every sample once."""
+    url, n = f"s3://{bucket}/hs.zarr", 8
+    samples = [make_sample(0, i) for i in range(n)]
+    options = {"storage_options": s3.storage_options, "staging_dir": str(tmp_path / "staging")}
+    writer = writer_process(url, tmp_path, samples, upto=4, unpublished=1, options=options)
+    follow = Follow(samples=n, idle_timeout=SAFETY_S if restarted else 1.0, poll_s=0.02)
+    it = iter(HiddenStatesStream(url, flavor="speculators", shuffle=False, follow=follow,
+                                 storage_options=s3.storage_options))
+    got = [next(it) for _ in range(3)]
+    kill_9(writer)
+    if not restarted:
+        since = time.monotonic()
+        with pytest.raises(StoreError, match=CRASHED + r".*restart it with writer='w0'.*3 samples were read"):
+            next(it)
+        assert time.monotonic() - since >= 1.0
+        return
+    thread = restarted_once_seen_gone(caplog, url, tmp_path, samples, options)
+    got += list(it)
+    thread.join()
+    want = HiddenStatesDataset(url, flavor="speculators", storage_options=s3.storage_options)
+    assert [tuple(item["input_ids"].tolist()) for item in got] == [tuple(s["input_ids"].tolist()) for s in samples]
+    for i, item in enumerate(got):  # each once, in order, bit for bit
+        assert list(item) == list(want[i]) and all(torch.equal(item[k], want[i][k]) for k in item)
 
 
 def test_a_follower_of_a_bucket_prefix_no_writer_holds_is_told_there_is_no_store(s3, bucket):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -343,6 +345,143 @@ def test_a_batch_loader_refuses_a_following_stream_saying_to_use_stream_loader(s
         h5feed.BatchLoader(follower(dst), batch_size=1)
     with pytest.raises(ValueError, match="is read with StreamLoader"):
         h5feed.BatchLoader(dst, flavor="speculators", shuffle=False, follow=Follow(), batch_size=1)
+
+
+# =========================================================================== 5. a writer that crashes, a store replaced
+
+
+CRASHING_WRITER = """
+import json, sys, time, torch, h5feed
+store, source, options, ready, upto, unpublished, end = sys.argv[1:]
+samples = torch.load(source, weights_only=True)
+w = h5feed.open_writer(store, writer="w0", chunk_tokens=16, shard_tokens=64, publish_every=1000, **json.loads(options))
+for i in range(w.report.samples, int(upto)):  # a restarted writer resumes after what it journaled
+    w.append(samples[i], name=f"data_{i}.pt")
+    if i + 1 == int(upto) - int(unpublished):
+        w.publish()
+open(ready, "w").close()
+if end == "close":
+    w.close()
+else:
+    time.sleep(600)  # until killed
+"""
+
+
+def writer_process(store: str | Path, tmp_path: Path, samples: list[dict], upto: int, unpublished: int = 0,
+                   end: str = "hang", options: dict | None = None) -> subprocess.Popen:
+    """Writer 'w0' in a process of its own: appends samples up to `upto` (after what it journaled before), the last
+    `unpublished` of them journaled but not published, then hangs until killed (or, `end="close"`, closes)."""
+    source, ready = tmp_path / "samples.pt", tmp_path / f"ready-{time.monotonic_ns()}"
+    if not source.exists():
+        torch.save(samples, source)
+    process = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(store), str(source),
+                                json.dumps(options or {}), str(ready), str(upto), str(unpublished), end])
+    deadline = time.monotonic() + SAFETY_S
+    while not ready.exists():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    return process
+
+
+def kill_9(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(SAFETY_S) == -signal.SIGKILL  # reaped: its pid no longer runs
+
+
+def restarted_once_seen_gone(caplog, store: str | Path, tmp_path: Path, samples: list[dict],
+                             options: dict | None = None) -> threading.Thread:
+    """Writer 'w0' restarted (resuming what it journaled, appending the rest, closing) once a follower has said
+    that it went away: in a thread, started."""
+    caplog.set_level("WARNING", logger="h5feed")
+
+    def restart() -> None:
+        deadline = time.monotonic() + SAFETY_S
+        while "went away without closing" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert writer_process(store, tmp_path, samples, len(samples), end="close",
+                              options=options).wait(SAFETY_S) == 0
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    return thread
+
+
+CRASHED = r"writer 'w0' \(host [^,]+, pid \d+, started at [^)]+\) went away without closing"
+
+
+@pytest.mark.parametrize("idle_timeout", [None, 0.5])
+def test_a_follower_whose_writer_is_killed_raises_naming_it_instead_of_ending(samples, tmp_path, caplog,
+                                                                               idle_timeout):
+    """With no bound the follower raises as soon as it finds the writer gone; with an idle_timeout, once it passed
+    with no writer coming back.  Sample 3 was journaled, never published: the follower cannot have it."""
+    dst = tmp_path / "store"
+    writer = writer_process(dst, tmp_path, samples, upto=4, unpublished=1)
+    it = iter(follower(dst, follow=Follow(idle_timeout=idle_timeout, poll_s=0.01)))
+    got = [next(it) for _ in range(3)]
+    kill_9(writer)
+    since = time.monotonic()
+    with pytest.raises(StoreError, match=CRASHED + r".*restart it with writer='w0'.*3 samples were read"):
+        next(it)
+    assert time.monotonic() - since >= (idle_timeout or 0.0)
+    assert ids_of(got, samples) == [0, 1, 2]
+    assert re.search(CRASHED + r".*; last seen .*: restart it with writer='w0'", caplog.text)  # said as it was found
+
+
+@pytest.mark.parametrize("follow", [Follow(samples=N, poll_s=0.01), Follow(idle_timeout=SAFETY_S, poll_s=0.01)],
+                         ids=["samples", "idle_timeout"])
+def test_a_follower_waits_for_its_killed_writer_restarted_with_its_id_and_reads_every_sample_once(
+        samples, tmp_path, caplog, follow):
+    dst = tmp_path / "store"
+    writer = writer_process(dst, tmp_path, samples, upto=5, unpublished=2)
+    it = iter(follower(dst, follow=follow))
+    got = [next(it) for _ in range(3)]
+    kill_9(writer)
+    thread = restarted_once_seen_gone(caplog, dst, tmp_path, samples)
+    got += list(it)
+    thread.join()
+    assert ids_of(got, samples) == list(range(N))  # each once, in order
+    assert_items_are_the_stores(got, dst, list(range(N)))
+
+
+def test_a_follower_of_a_writer_that_closed_ends_without_error_or_warning(samples, tmp_path, caplog):
+    dst = tmp_path / "store"
+    writer = writer_process(dst, tmp_path, samples, upto=4, end="close")  # closing while the follower starts
+    got = list(follower(dst, follow=Follow(poll_s=0.01)))
+    assert writer.wait(SAFETY_S) == 0
+    assert ids_of(got, samples) == [0, 1, 2, 3] and "went away" not in caplog.text
+    assert not (dst / "h5feed-writers" / "id-w0.lock").exists()  # a clean close removes its lock file
+
+
+def test_a_store_replaced_under_its_follower_is_refused_never_mixed(samples, tmp_path):
+    """The follower read samples 0-4 of one store, then another store is put in its place (written beside it, then
+    renamed over it) while it waits for sample 5: it raises, never handing out the other store's samples as 5, ..."""
+    dst, got, raised = tmp_path / "store", [], []
+    first = writer_for(dst)
+    published(first, samples, 0, 5)
+
+    def follow() -> None:
+        try:
+            for item in follower(dst):
+                got.append(item)
+        except StoreError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    deadline = time.monotonic() + SAFETY_S
+    while len(got) < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with writer_for(tmp_path / "other") as second:
+        for j, i in enumerate(range(N - 1, 3, -1)):  # other samples, more of them
+            second.append(samples[i], name=f"other_{j}.pt")
+    dst.rename(tmp_path / "old")
+    (tmp_path / "other").rename(dst)
+    thread.join(SAFETY_S)
+    first.close()
+    assert ids_of(got, samples) == [0, 1, 2, 3, 4]
+    assert len(raised) == 1 and re.search(r"was (replaced|removed) .*while it was read", str(raised[0]))
 
 
 # =========================================================================== 2. for real: two gloo ranks under DDP

@@ -7,6 +7,14 @@ has read them all, waits for more (re-reading the store's small index), until a 
 (one, or several appending together) let the store go with nothing left unread, a number of samples,
 or a time without a new one.
 
+Letting the store go is a writer's `close()`, which removes its lock; a writer that went away without
+closing (killed, its machine lost) leaves its lock behind, and its journaled samples come only once
+the same writer id is opened again.  Such a crash never ends a stream as if the writer had finished:
+the follower warns, naming the writer and what to do, waits for the restart as long as its bound
+allows (`WriterWatch`), then raises a `StoreError` naming the writer.  A store replaced or rewritten
+under the follower (the index rows it read no longer the first rows of the store's) raises too
+(`Store.reload`), so a stream never hands out two stores' samples as one.
+
 The order is publication order from the pass's start position s, sharded as every schedule is:
 rank r of W takes positions s + q*W + r (its q-th sample), and worker w of K the batches j of its
 rank's samples with j % K == w, so the DataLoader hands the rank's samples over in order.  A worker
@@ -31,6 +39,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +49,20 @@ from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
 from h5feed.store.reader import local_path
-from h5feed.store.writer_state import WRITER_API, bucket_writers, current_writer, holds_no_samples
+from h5feed.store.writer_state import (
+    WRITER_API,
+    WRITERS_DIR,
+    DepartedWriter,
+    WriterLocks,
+    bucket_writer_locks,
+    current_writer,
+    holds_no_samples,
+    writer_locks,
+)
 
 log = logging.getLogger(__name__)
+
+REMIND_S = 60.0  # how often a follower waiting for a writer that went away says so again
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,8 @@ class Follow:
         poll_s: seconds between looks at the store's index while waiting.
 
     With neither bound, the stream ends once no writer holds the store and every published sample is read.
+    A writer that went away without closing is waited for up to `idle_timeout`, or with `samples` alone until
+    the samples come, and then (at once with neither bound) named in a `StoreError` (see `WriterWatch`).
     """
 
     samples: int | None = None
@@ -156,24 +178,83 @@ class FollowedPositions(Iterator[int]):
 
 def wait_for(store: Store, position: int, follow: Follow, counters: WorkerCounters) -> bool:
     """Whether sample `position` is published, waiting for it (the wait counted as the writer's); False once it
-    will not be: the writer let the store go without it, or `idle_timeout` passed with no new sample."""
+    will not be: the writers let the store go without it, or `idle_timeout` passed with no new sample.  A writer
+    that went away without closing is waited for (see `WriterWatch`), never taken for one that let go."""
     if position < len(store):
         return True
     since = time.monotonic()
-    objects = open_url(store.path, store.storage_options) if store.remote else None  # uncached: lock objects change
+    watch = WriterWatch(store, follow)
     counters.begin_writer_wait()
     try:
         while True:
-            writing = writing_now(store.path, objects)  # first: what any writer published is seen below
+            writers = watch.look()  # first: what any writer published is seen below
             if store.reload() > position:
                 return True
-            if not writing:
-                return False  # every writer is gone and left nothing more
-            if follow.idle_timeout is not None and time.monotonic() - since >= follow.idle_timeout:
+            if not writers.live:
+                if not writers.departed:
+                    return False  # every writer let the store go and left nothing more
+                watch.went_away(writers.departed, position, time.monotonic() - since)
+            elif follow.idle_timeout is not None and time.monotonic() - since >= follow.idle_timeout:
                 return False
             time.sleep(follow.poll_s)
     finally:
         counters.end_writer_wait(time.monotonic() - since)
+
+
+class WriterWatch:
+    """A follower's look at its store's writers while it waits for a sample.
+
+    A writer that went away without closing (killed, or its machine lost) leaves its lock behind: its samples
+    journaled and not yet published come once the same writer id is opened again, which publishes them and goes
+    on.  So it is said (a warning naming the writer and what to do), and waited for: with `idle_timeout`, as long
+    as that; with `samples` alone, until the samples come (said again every `REMIND_S`); with neither bound, not
+    at all: the stream raises at once rather than end as if the writer had finished.  Once the wait is over, a
+    `StoreError` names the writer and what was read."""
+
+    def __init__(self, store: Store, follow: Follow) -> None:
+        self.store, self.follow = store, follow
+        self._objects = open_url(store.path, store.storage_options) if store.remote else None  # uncached: locks change
+        self._seen_ns: dict[str | None, int] = {}  # writer id -> when this follower last saw it hold the store
+        self._said_at: float | None = None
+
+    def look(self) -> WriterLocks:
+        """The writers holding the store now, and when none does, those that went away without closing."""
+        if self._objects is not None:
+            writers = bucket_writer_locks(self._objects)
+        else:
+            holder = current_writer(Path(self.store.path))
+            writers = writer_locks(Path(self.store.path)) if holder is None else WriterLocks(
+                holder.get("writers", [holder]), [])
+        now = time.time_ns()
+        self._seen_ns.update((holder.get("writer"), now) for holder in writers.live)
+        return writers
+
+    def went_away(self, departed: list[DepartedWriter], position: int, waited_s: float) -> None:
+        """Say that the writers in `departed` went away without closing, and raise once the wait for them is over."""
+        follow, read = self.follow, len(self.store)
+        who = "; ".join(self._describe(writer) for writer in departed)
+        bound = follow.idle_timeout
+        if follow.samples is None and bound is None:
+            waits = "this follower stops (give Follow an idle_timeout to wait for the restart)"
+        elif bound is not None:
+            waits = f"this follower waits for it up to {bound:g} s (Follow's idle_timeout)"
+        else:
+            waits = f"this follower waits for it until sample {position} comes (Follow(samples={follow.samples}))"
+        if self._said_at is None or time.monotonic() - self._said_at >= REMIND_S:
+            self._said_at = time.monotonic()
+            log.warning("%s: %s; %s", self.store.path, who, waits)
+        if (follow.samples is None and bound is None) or (bound is not None and waited_s >= bound):
+            waited = "" if bound is None else f" and did not come back in {bound:g} s"
+            raise StoreError(self.store.path, f"{who}{waited}. {read} samples were read (every one published); "
+                             f"sample {position} and those after it come only once the writer is restarted: "
+                             "restart it, then follow the store again from where this stream stopped")
+
+    def _describe(self, writer: DepartedWriter) -> str:
+        seen = max(filter(None, (self._seen_ns.get(writer.writer), writer.last_heard_ns)), default=None)
+        when = "?" if seen is None else datetime.fromtimestamp(seen / 1e9, timezone.utc).isoformat(timespec="seconds")
+        return (f"{writer.describe()} went away without closing ({WRITERS_DIR}/{writer.lock}: {writer.why}); last "
+                f"seen {when}: restart it with writer={writer.writer!r} (open_writer on this store) to publish what "
+                "it journaled and go on")
 
 
 def open_followed(location: str | os.PathLike[str], follow: Follow, **store_options: Any) -> Store:
@@ -211,7 +292,7 @@ def writing_now(where: Path | str, objects: FsspecStore | None) -> bool:
     (`objects`: the bucket store's, read uncached)."""
     if objects is None:
         return current_writer(Path(where)) is not None
-    return bool(bucket_writers(objects))
+    return bool(bucket_writer_locks(objects).live)
 
 
 def _status(location: Path | FsspecStore) -> str | None:

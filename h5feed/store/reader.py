@@ -348,13 +348,17 @@ class Store:
         recorded = self._recorded_digest
         if recorded is None or recorded.rows != len(self) or len(self) != self.info.num_samples:
             return
-        got = index_digest({"sample_start": self.sample_starts, "sample_length": self.sample_lengths,
-                            "source_path": self.source_paths, "source_index": self.source_indices,
-                            "checksum": self.checksums, "has_loss_mask": self.has_loss_mask})
+        got = index_digest(self._index_columns())
         if got != recorded.crc32c:
             raise StoreError(self.path, f"the sample index fails the checksum recorded at conversion (crc32c "
                              f"{got:#010x}, recorded {recorded.crc32c:#010x}): its rows were changed; "
                              f"{edited_hint(self.path)}")
+
+    def _index_columns(self, rows: int | None = None) -> dict[str, Any]:
+        """The index rows read (the first `rows` of them), as `index_digest` takes them."""
+        return {"sample_start": self.sample_starts[:rows], "sample_length": self.sample_lengths[:rows],
+                "source_path": self.source_paths[:rows], "source_index": self.source_indices[:rows],
+                "checksum": self.checksums[:rows], "has_loss_mask": self.has_loss_mask[:rows]}
 
     def _check_stored(self, i: int) -> None:
         """In a local store, the file holding sample i's last row exists: checked before buffers are sized from
@@ -403,20 +407,36 @@ class Store:
     def reload(self) -> int:
         """Take up the samples a writer published since the store was opened (`h5feed.open_writer`, or
         `h5feed convert` appending); returns the count now.  Earlier samples stay as they were: the index
-        only grows.  In a bucket, the root is fetched again, and the index with it once the root publishes more:
-        shards are never rewritten once a published sample is in them, so what was cached stays good."""
-        info = read_info(self._objects if self._objects is not None else self.path)
-        if info.status != "complete" or info.num_samples <= len(self):
+        only grows, and a store whose first rows are no longer the ones read (removed, replaced or rewritten
+        under its reader) is refused, never read on from another store's rows.  In a bucket, the root is fetched
+        again, and the index with it once the root publishes more: shards are never rewritten once a published
+        sample is in them, so what was cached stays good."""
+        try:
+            info = read_info(self._objects if self._objects is not None else self.path)
+        except StoreError as exc:
+            raise self._replaced(f"its root no longer reads as an h5feed store ({exc.problem})") from None
+        if info.num_samples < len(self):
+            raise self._replaced(f"it publishes {info.num_samples} samples, fewer than the {len(self)} read")
+        if info.status != "complete" or info.num_samples == len(self):
             return len(self)
         sizes = ("hidden_size", "num_aux_layers", "dtype", "chunk_tokens", "shard_tokens", "codec", "precision")
-        if any(getattr(info, name) != getattr(self.info, name) for name in sizes):
-            raise StoreError(self.path, "was rewritten with other settings while it was read: open it again")
+        changed = [name for name in sizes if getattr(info, name) != getattr(self.info, name)]
+        if changed:
+            raise self._replaced(f"its {', '.join(changed)} changed")
+        read = IndexDigest.of(self._index_columns())
         self.info = info
         self.__dict__.pop("_zarr_store", None)  # a bucket's: the index objects as fetched then
         self._load_index(info.num_samples)
+        if IndexDigest.of(self._index_columns(read.rows)) != read:
+            raise self._replaced(f"the first {read.rows} rows of its index are no longer the ones read")
         self._check_index()
         self._check_index_digest()
         return len(self)
+
+    def _replaced(self, what: str) -> StoreError:
+        return StoreError(self.path, f"was replaced or rewritten while it was read: {what}; its samples read so far "
+                          "belong to another store than those that would come next. Open it again (a stream: start "
+                          "over, not from a saved position)")
 
     @property
     def max_sample_tokens(self) -> int:

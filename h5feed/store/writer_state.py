@@ -8,7 +8,10 @@ inspect`, `h5feed verify` and a follower tell the cases apart the same way.
 
 `h5feed convert` holds `LOCK_FILE` exclusively.  `h5feed.open_writer` writers, several at once,
 hold it shared (so a converter and writers exclude each other), and each holds its own lock in
-`WRITERS_DIR`, with who it is inside: the store is being written while any lock is held.
+`WRITERS_DIR`, with who it is inside: the store is being written while any lock is held.  A clean
+close removes the writer's lock; a crash leaves it behind, held by nobody (in a bucket: no longer
+renewed, or naming a process of this host that no longer runs), so a follower tells a writer that
+went away without closing (`WriterLocks.departed`) from one that finished.
 """
 
 from __future__ import annotations
@@ -60,7 +63,40 @@ class WriterFiles:
     @property
     def name(self) -> str:
         """The writer as messages name it."""
-        return "the unnamed writer (writer=None)" if self.writer is None else f"writer {self.writer!r}"
+        return writer_name(self.writer)
+
+
+def writer_name(writer: str | None) -> str:
+    """A writer id as messages name it."""
+    return "the unnamed writer (writer=None)" if writer is None else f"writer {writer!r}"
+
+
+@dataclass(frozen=True)
+class DepartedWriter:
+    """An `open_writer` writer that went away without closing: its lock is left behind, and nobody holds it."""
+
+    holder: dict[str, Any]  # as its lock describes it: "writer" id, host, pid, started_at
+    lock: str  # the lock's name in `WRITERS_DIR`
+    why: str  # how it is known to be gone
+    last_heard_ns: int | None  # when its lock was last written (a bucket lock's last heartbeat), Unix ns
+
+    @property
+    def writer(self) -> str | None:
+        return self.holder.get("writer")
+
+    def describe(self) -> str:
+        """"writer 'w0' (host h, pid 12, started at ...)": the writer as messages name it, with its process."""
+        return f"{writer_name(self.writer)} ({_describe_one(self.holder)})"
+
+
+@dataclass(frozen=True)
+class WriterLocks:
+    """The `open_writer` writers a store's locks in `WRITERS_DIR` name: those holding it now (`live`, each as its
+    lock describes it), and those that went away without closing (`departed`), whose samples not yet published
+    wait for the same id to be opened again."""
+
+    live: list[dict[str, Any]]
+    departed: list[DepartedWriter]
 
 
 def current_writer(store: Path) -> dict[str, Any] | None:
@@ -88,16 +124,41 @@ def is_writer_lock(name: str) -> bool:
 
 def live_writers(store: Path) -> list[dict[str, Any]]:
     """The `open_writer` writers that hold the store now, each as its lock describes it (with its "writer" id)."""
+    return writer_locks(store).live
+
+
+def writer_locks(store: Path) -> WriterLocks:
+    """The `open_writer` writers of a local store, by their lock files: held (live), or left behind by a process
+    that died without closing (departed: the kernel let its flock go, nobody removed the file).  A lock file still
+    empty is one being taken this instant, not a writer gone."""
     folder = store / WRITERS_DIR
     try:
         locks = sorted(p for p in folder.iterdir() if is_writer_lock(p.name))
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    return [holder for holder in map(_exclusive_holder, locks) if holder is not None]
+        return WriterLocks([], [])
+    live, departed = [], []
+    for lock in locks:
+        probe = _probe(lock)
+        if probe is None:
+            continue
+        held, holder = probe
+        if held:
+            live.append(holder)
+        elif holder:
+            departed.append(DepartedWriter(holder, lock.name, "its lock file is left and no process holds it",
+                                           _mtime_ns(lock)))
+    return WriterLocks(live, departed)
 
 
 def _exclusive_holder(lock: Path) -> dict[str, Any] | None:
     """The description of the process holding `lock` exclusively, or None when none does."""
+    probe = _probe(lock)
+    return probe[1] if probe is not None and probe[0] else None
+
+
+def _probe(lock: Path) -> tuple[bool, dict[str, Any]] | None:
+    """(whether a process holds `lock` exclusively, its description), or None where there is no lock file: none,
+    or one its holder removed (a clean close) while it was looked at."""
     try:
         fd = os.open(lock, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
@@ -106,11 +167,27 @@ def _exclusive_holder(lock: Path) -> dict[str, Any] | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return read_holder(fd)
+            return True, read_holder(fd)
+        try:  # a holder removes its file before it unlocks: the file still there was left behind
+            if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+                return None
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(os.pread(fd, 1 << 16, 0) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            holder = None
         fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        return False, holder if isinstance(holder, dict) else {}
     finally:
         os.close(fd)
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 def read_holder(fd: int) -> dict[str, Any]:
@@ -212,19 +289,31 @@ def why_lock_is_free(holder: dict[str, Any], modified_ns: int | None, stale_afte
 def bucket_writers(objects: FsspecStore) -> list[dict[str, Any]]:
     """The `open_writer` writers that hold a store in a bucket now, each as its lock object describes it (with
     its "writer" id): every writer's lock in `WRITERS_DIR` that is not stale (see `why_lock_is_free`)."""
+    return bucket_writer_locks(objects).live
+
+
+def bucket_writer_locks(objects: FsspecStore) -> WriterLocks:
+    """The `open_writer` writers of a store in a bucket, by their lock objects: held (live), or left behind by a
+    writer that went away without closing (departed: free to take over, as `why_lock_is_free` judges it)."""
     from h5feed.io import ObjectError
 
-    holders = []
+    live, departed = [], []
     for key, info in objects.list_info(WRITERS_DIR).items():
-        if not is_writer_lock(key.rsplit("/", 1)[-1]):
+        name = key.rsplit("/", 1)[-1]
+        if not is_writer_lock(name):
             continue
         try:
             holder = json.loads(objects.get(key))
         except (ObjectError, ValueError):  # released meanwhile, or cut: not a writer to wait for
             continue
-        if isinstance(holder, dict) and why_lock_is_free(holder, info.modified_ns, STALE_AFTER_S) is None:
-            holders.append(holder)
-    return holders
+        if not isinstance(holder, dict):
+            continue
+        why = why_lock_is_free(holder, info.modified_ns, STALE_AFTER_S)
+        if why is None:
+            live.append(holder)
+        elif holder:
+            departed.append(DepartedWriter(holder, name, f"its lock object is left: {why}", info.modified_ns))
+    return WriterLocks(live, departed)
 
 
 def bucket_being_written(objects: FsspecStore) -> str | None:
