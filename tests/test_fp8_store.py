@@ -555,3 +555,41 @@ def test_the_extreme_scales_an_fp8_writer_makes_are_accepted(tmp_path):
     save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(files[0]))
     h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, last_state_norm="pre")
     assert verify_store(tmp_path / "store", tmp_path / "src", progress=False).ok
+
+
+@pytest.mark.parametrize(("value", "layer", "place"), [(float("nan"), 1, "aux layer 1 of 3"),
+                                                       (float("inf"), K, "the last hidden state")])
+def test_a_token_holding_nan_or_inf_is_refused_by_an_fp8_conversion_and_kept_by_an_exact_one(tmp_path, value, layer,
+                                                                                             place):
+    """Quantized, one NaN or Inf makes the token's scale NaN or Inf and every value of it NaN: refused, naming the
+    file, the token and the layer; an exact conversion keeps the file's bits, NaN and Inf included."""
+    files = write_synthetic(tmp_path / "src", "speculators-legacy-pt", 4, H, K, lengths=(8, 20), seed=5)
+    d = torch.load(files[2], weights_only=True)
+    d["hidden_states"][layer][3, 5] = value
+    torch.save(d, files[2])
+    with pytest.raises(h5feed.SourceError) as refused:
+        h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    assert refused.value.path == str(files[2])
+    assert refused.value.problem.startswith(f"token 3 holds {value} in {place} (value 5 of {H}), and quantized to "
+                                            "FP8 every value of that token would be NaN")
+    skipped = h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8",
+                             skip_bad=True, overwrite=True)
+    assert (skipped.num_samples, Store(tmp_path / "fp8").info.skipped[0]["path"]) == (3, "data_2.pt")
+    h5feed.convert(tmp_path / "src", tmp_path / "exact", workers=0, progress=False)
+    assert verify_store(tmp_path / "exact", tmp_path / "src", progress=False).ok
+
+
+@pytest.mark.parametrize("write_behind", [0, 2])
+def test_an_fp8_writer_refuses_a_token_holding_nan_or_inf_and_keeps_the_others(tmp_path, write_behind):
+    files = write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, K, lengths=(8, 20), seed=6)
+    samples = [torch.load(f, weights_only=True) for f in files]
+    samples[1]["hidden_states"][0][2, 7] = float("-inf")
+    with h5feed.open_writer(tmp_path / "w", precision="fp8", chunk_tokens=16, write_behind=write_behind) as writer:
+        writer.append(samples[0], name="data_0.pt")
+        with pytest.raises(h5feed.SourceError) as refused:
+            writer.append(samples[1], name="data_1.pt")
+        writer.append(samples[2], name="data_2.pt")
+    assert refused.value.path == str(tmp_path / "w" / "data_1.pt")
+    assert refused.value.problem.startswith(f"token 2 holds -inf in aux layer 0 of 3 (value 7 of {H}), and quantized")
+    assert Store(tmp_path / "w").source_paths == ["data_0.pt", "data_2.pt"]
+    assert verify_store(tmp_path / "w", progress=False).ok

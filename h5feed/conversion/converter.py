@@ -69,6 +69,7 @@ from h5feed.conversion.samples import (
     publish_samples,
     rows_taken,
     settings_difference,
+    with_fp8_scales,
     write_sample,
 )
 from h5feed.errors import H5feedError, SourceError, StoreError
@@ -1084,6 +1085,8 @@ def _convert_one(
     if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")
+    if info.lossy:
+        sample = with_fp8_scales(source.path, sample)
     record = write_sample(Path(dst), info, sample, start, durable)
     return {**record, "bytes_in": fmt.source_nbytes(source)}
 

@@ -54,7 +54,9 @@ from h5feed.conversion.samples import (
     new_store_info,
     publish_columns,
     published_columns,
+    quantizes,
     rows_taken,
+    with_fp8_scales,
     write_sample,
 )
 from h5feed.conversion.writer_sites import WriterSite, open_site
@@ -286,6 +288,8 @@ class StoreWriter:
         copy = self._behind is not None  # written later: the caller may reuse its buffers meanwhile
         d = {key: _to_host(value, copy) for key, value in sample.items()}
         loaded = self.format.sample_from(d, where)
+        if quantizes(self.precision, loaded.shape.dtype):
+            loaded = with_fp8_scales(where, loaded)  # a sample it refuses takes no rows
         shape = loaded.shape
         if self._behind is not None:
             self._behind.raise_failure()  # before rows are reserved for a sample that would not be written
