@@ -221,3 +221,58 @@ def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as
     assert [sorted(entry) for entry in plan["samples"][3:]] == [
         ["mtime_ns", "num_tokens", "relpath", "sample_index", "size", "start"]] * 2
     assert Store(dst).source_paths == [f"data_{i}.pt" for i in range(5)]
+
+
+_CLAIMS = r"""
+import resource, sys, torch, h5feed
+from pathlib import Path
+from h5feed.errors import SourceError
+
+root, t, h = Path(sys.argv[1]), 1 << 20, 1024  # each layer claims 2 GiB, the sample 8 GiB
+
+def peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def refused(run) -> None:
+    before = peak()
+    try:
+        run()
+    except SourceError as exc:
+        print(exc.path, "|", exc.problem, "|", peak() - before, flush=True)
+    else:
+        print("converted |  | ", peak() - before, flush=True)
+
+small = {"input_ids": torch.arange(3), "hidden_states": [torch.ones(3, h, dtype=torch.bfloat16) for _ in range(4)]}
+expanded = {"input_ids": torch.zeros(1, dtype=torch.int64).expand(t),
+            "hidden_states": [torch.ones(1, h, dtype=torch.bfloat16).expand(t, h) for _ in range(4)]}
+meta = {"input_ids": torch.zeros(t, dtype=torch.int64, device="meta"),
+        "hidden_states": [torch.empty(t, h, dtype=torch.bfloat16, device="meta") for _ in range(4)]}
+h5feed.convert(root / "warm", root / "warm.zarr", workers=0, progress=False)  # the imports, the first allocations
+for name, d in (("expanded", expanded), ("meta", meta)):
+    (root / name).mkdir()
+    torch.save(d, root / name / "data_0.pt")
+    refused(lambda: h5feed.convert(root / name, root / f"{name}.zarr", workers=0, progress=False))
+    with h5feed.open_writer(root / f"written_{name}.zarr") as writer:
+        writer.append(small, name="small")
+        refused(lambda: writer.append(d, name=name))
+"""
+
+
+def test_tensors_that_claim_more_than_they_hold_are_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    """An expanded view (stride 0) or a meta tensor claims 8 GiB here while holding bytes or nothing: the file, and
+    the sample given to a writer, are refused naming the key, and the process grows by no more than a few MB."""
+    (tmp_path / "warm").mkdir()
+    torch.save({"input_ids": torch.arange(3), "hidden_states": [torch.ones(3, 1024, dtype=torch.bfloat16)] * 4},
+               tmp_path / "warm" / "data_0.pt")
+    run = subprocess.run([sys.executable, "-c", _CLAIMS, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line.split(" | ") for line in run.stdout.splitlines()]
+    assert [path for path, _, _ in lines] == [
+        str(tmp_path / "expanded" / "data_0.pt"), str(tmp_path / "written_expanded.zarr" / "expanded"),
+        str(tmp_path / "meta" / "data_0.pt"), str(tmp_path / "written_meta.zarr" / "meta")]
+    for (_, problem, grown), what in zip(lines, ("expanded", "expanded", "meta", "meta")):
+        assert int(grown) < 64 << 20, (problem, grown)
+        if what == "expanded":
+            assert problem.startswith("'input_ids' claims [1048576] (8388608 bytes) but holds 8 bytes: ")
+        else:
+            assert problem.startswith("'input_ids' is a meta tensor [1048576]: ")

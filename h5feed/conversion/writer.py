@@ -62,6 +62,7 @@ from h5feed.conversion.samples import (
 from h5feed.conversion.writer_sites import WriterSite, open_site
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceSample
+from h5feed.formats.checks import refuse_unbacked_tensors
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store.layout import (
@@ -286,6 +287,7 @@ class StoreWriter:
         label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
         copy = self._behind is not None  # written later: the caller may reuse its buffers meanwhile
+        refuse_unbacked_tensors(where, sample)  # before the copies below would allocate what a view claims
         d = {key: _to_host(value, copy) for key, value in sample.items()}
         loaded = self.format.sample_from(d, where)
         if quantizes(self.precision, loaded.shape.dtype):
