@@ -82,6 +82,7 @@ from h5feed.formats import (
     detect_format,
     last_state_norm_of,
 )
+from h5feed.formats.checks import check_token_values
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import contained_path
@@ -1082,6 +1083,7 @@ def _convert_one(
     if sample.shape.num_tokens != num_tokens:
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
     check_same_shape(source.path, sample.shape, expected, "the first sample")
+    check_token_values(source.path, sample)
     if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")

@@ -62,7 +62,7 @@ from h5feed.conversion.samples import (
 from h5feed.conversion.writer_sites import WriterSite, open_site
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceSample
-from h5feed.formats.checks import refuse_unbacked_tensors
+from h5feed.formats.checks import check_token_values, refuse_unbacked_tensors
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store.layout import (
@@ -290,6 +290,7 @@ class StoreWriter:
         refuse_unbacked_tensors(where, sample)  # before the copies below would allocate what a view claims
         d = {key: _to_host(value, copy) for key, value in sample.items()}
         loaded = self.format.sample_from(d, where)
+        check_token_values(where, loaded)
         if quantizes(self.precision, loaded.shape.dtype):
             loaded = with_fp8_scales(where, loaded)  # a sample it refuses takes no rows
         shape = loaded.shape

@@ -13,7 +13,7 @@ from h5feed.errors import SourceError
 from h5feed.formats.base import SampleShape, SourceSample
 
 __all__ = [
-    "CheckedSample", "aux_and_last", "check_hidden", "fmt_shape", "ids_to_int64", "is_integer_dtype",
+    "CheckedSample", "aux_and_last", "check_hidden", "check_token_values", "fmt_shape", "ids_to_int64", "is_integer_dtype",
     "mask_to_int64", "mask_vector", "refuse_unbacked_tensors", "refuse_unknown_keys", "require_keys",
     "require_tensor", "token_vector",
 ]
@@ -152,6 +152,24 @@ def ids_to_int64(path: Path, ids: torch.Tensor, key: str) -> torch.Tensor:
             raise SourceError(path, f"{key!r} is uint64 with values above the int64 range; cannot convert losslessly")
         return as_int64
     return ids.to(torch.int64).contiguous()  # every other integer dtype widens without loss
+
+
+def check_token_values(path: Path, sample: SourceSample) -> None:
+    """Token ids are >= 0 and a loss mask holds only 0 and 1: a trainer indexes its embedding with the ids and
+    weights its loss with the mask, so another value would train on garbage or fail far from its cause.  Every
+    sample is checked so, converted or appended (O(T): the ids and mask only)."""
+    ids, mask = sample.input_ids, sample.loss_mask
+    negative = (ids < 0).nonzero()
+    if len(negative):
+        token = int(negative[0])
+        raise SourceError(path, f"'input_ids' holds {int(ids[token])} at token {token} ({len(negative)} negative "
+                          "ids): token ids are >= 0; the pipeline that wrote it padded or marked them otherwise")
+    if mask is not None:
+        other = ((mask != 0) & (mask != 1)).nonzero()
+        if len(other):
+            token = int(other[0])
+            raise SourceError(path, f"'loss_mask' holds {int(mask[token])} at token {token} ({len(other)} such "
+                              "values): a loss mask holds 0 (no loss on the token) or 1 (loss on it), nothing else")
 
 
 def mask_to_int64(mask: torch.Tensor | None) -> torch.Tensor | None:
