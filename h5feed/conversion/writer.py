@@ -54,12 +54,15 @@ from h5feed.conversion.samples import (
     new_store_info,
     publish_columns,
     published_columns,
+    quantizes,
     rows_taken,
+    with_fp8_scales,
     write_sample,
 )
 from h5feed.conversion.writer_sites import WriterSite, open_site
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceSample
+from h5feed.formats.checks import check_token_values, refuse_unbacked_tensors
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store.layout import (
@@ -284,8 +287,12 @@ class StoreWriter:
         label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
         copy = self._behind is not None  # written later: the caller may reuse its buffers meanwhile
+        refuse_unbacked_tensors(where, sample)  # before the copies below would allocate what a view claims
         d = {key: _to_host(value, copy) for key, value in sample.items()}
         loaded = self.format.sample_from(d, where)
+        check_token_values(where, loaded)
+        if quantizes(self.precision, loaded.shape.dtype):
+            loaded = with_fp8_scales(where, loaded)  # a sample it refuses takes no rows
         shape = loaded.shape
         if self._behind is not None:
             self._behind.raise_failure()  # before rows are reserved for a sample that would not be written
