@@ -86,12 +86,12 @@ class BucketMirror:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def fetch(self, keys: list[str]) -> None:
-        """Fetch the objects `keys` into the staging folder, each checked first to be a path inside it, and note
-        that the bucket holds their bytes."""
-        paths = {key: self._staging_path(key) for key in keys}
+    def fetch(self, keys: list[str], as_keys: list[str] | None = None) -> None:
+        """Fetch the objects `keys` into the staging folder (at `as_keys`, one for each, when given), each checked
+        first to be a path inside it, and note that the bucket holds their bytes there."""
+        paths = {key: self._staging_path(key) for key in (keys if as_keys is None else as_keys)}
         held = {}
-        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
+        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, keys)):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, data, durable=False)
             held[key] = (len(data), _digest(data))
