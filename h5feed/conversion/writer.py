@@ -303,18 +303,20 @@ class StoreWriter:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
         planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end)
+        if self._behind is None:
+            self._write(planned)  # a failure before its journal line (a full disk) takes neither its number nor rows
         self._next_row += taken
         self._appended += 1
         if self._behind is None:
-            self._write(planned)
+            self._publish_due(planned.label)
         else:
-            self._behind.submit(lambda: self._write(planned))
+            self._behind.submit(lambda: (self._write(planned), self._publish_due(planned.label)))
         self._seconds += time.perf_counter() - t0
         return index
 
     def _write(self, planned: _PlannedSample) -> None:
-        """The sample's shards, then its journal line; published when `publish_every` are due (in append order:
-        with write_behind, on the writer's own thread, one sample at a time)."""
+        """The sample's shards, then its journal line (with write_behind, on the writer's own thread, one sample
+        at a time, in append order)."""
         assert self.info is not None
         try:
             self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
@@ -331,12 +333,18 @@ class StoreWriter:
         self._rows.append(IndexRow(planned.start, num_tokens, planned.index, planned.label, record["checksum"],
                                    record["has_loss_mask"]))
         self._bytes_out += record["bytes_out"]
-        if len(self._rows) - self._published >= self.publish_every:
-            try:
-                self._publish()
-            except Exception as exc:
-                raise StoreError(self.location, f"{planned.label!r} is appended and kept (do not append it again), "
-                                 f"but publishing it failed: {exc}; publish() or close() tries again") from exc
+
+    def _publish_due(self, label: str) -> None:
+        """Publish when `publish_every` samples are due.  A publication that fails leaves them kept (journaled,
+        published by the next publication): the error says so, so that a caller does not append the sample
+        `label` again, which would store it twice."""
+        if len(self._rows) - self._published < self.publish_every:
+            return
+        try:
+            self._publish()
+        except Exception as exc:
+            raise StoreError(self.location, f"{label!r} is appended and kept (do not append it again), but "
+                             f"publishing it failed: {exc}; publish() or close() tries again") from exc
 
     def _reserve(self, shape: SampleShape, taken: int) -> None:
         """Rows for a sample of `taken` rows, made this writer's once the step committed."""
