@@ -14,8 +14,10 @@ next `open_writer` on the store resumes after the last journaled one and says wh
 Several writers (the ranks of a parallel extraction, several servers) append to one store at once,
 each under its own id (`writer="rank3"`), with no lock held while samples are written: each writes
 its own shards and its own journal.  Rows are reserved in blocks of whole shards (a sample starts
-on a shard boundary) under a short lock, in which the arrays are grown to cover them: the arrays'
-row count is where the next block starts.  A writer alone in the store extends its block, so its
+on a shard boundary) in a short shared step, in which the arrays are grown to cover them: the arrays'
+row count is where the next block starts.  A step is a commit (`WriterSite.commit`): under a flock on a
+local store, by compare-and-swap in a bucket, where its body may run again on a fresh state; so a body
+only computes from the store's state, and the writer takes what it returns once the commit returned.  A writer alone in the store extends its block, so its
 samples lie back to back, as one process's always did.  Publishing is another short lock: the
 published index gains this writer's journaled rows that it lacks (a sample's first row is its
 identity: no two share one), in one atomic write of the attributes.  A writer restarted with the
@@ -152,8 +154,9 @@ def open_writer(
         storage_options: for a bucket, fsspec's options (endpoint_url, credentials, ...).
         staging_dir: for a bucket, the local folder this writer works in: its journal and the samples being
             uploaded (default: one per store and writer id under `$XDG_CACHE_HOME/h5feed/staging`; the same
-            folder resumes a writer restarted with its id).  A sample is journaled once its shards are in the
-            bucket, and the index is published there by one atomic PUT of the store's root.
+            folder resumes a writer restarted with its id; a second writer given a folder in use is refused).  A
+            sample is journaled once its shards are in the bucket, and the index is published there by one
+            conditional PUT of the store's root.
     """
     site = open_site(store, writer, storage_options, staging_dir)
     return StoreWriter(site, writer=writer, format=format, chunk_tokens=chunk_tokens,
