@@ -175,3 +175,15 @@ def test_a_second_bucket_writer_on_one_staging_folder_is_refused_naming_the_firs
         first.append(make_sample(0, 1), name=name_of(0, 1))
     store = Store(url, storage_options=s3.storage_options)
     assert [check_sample(store, j) for j in range(len(store))] == [name_of(0, 0), name_of(0, 1)]
+
+
+def test_verify_opens_the_index_the_root_of_a_bucket_writers_store_names(s3, bucket, tmp_path):
+    from h5feed.verify import verify_store
+
+    url = f"s3://{bucket}/hs.zarr"
+    with open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "a",
+                     **options()) as writer:
+        for i in range(3):
+            writer.append(make_sample(0, i), name=name_of(0, i))
+    report = verify_store(url, progress=False, storage_options=s3.storage_options)
+    assert report.ok and report.samples_checked == 3
