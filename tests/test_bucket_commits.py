@@ -187,3 +187,19 @@ def test_verify_opens_the_index_the_root_of_a_bucket_writers_store_names(s3, buc
             writer.append(make_sample(0, i), name=name_of(0, i))
     report = verify_store(url, progress=False, storage_options=s3.storage_options)
     assert report.ok and report.samples_checked == 3
+
+
+def test_index_versions_superseded_long_enough_are_deleted_and_the_store_reads_on(s3, bucket, tmp_path, monkeypatch):
+    import h5feed.conversion.writer_sites.bucket as bucket_site
+    from test_convert_remote import bucket_objects
+
+    monkeypatch.setattr(bucket_site, "OLD_INDEX_AFTER_S", 0.0)  # "long enough": at once, for the test
+    url = f"s3://{bucket}/hs.zarr"
+    with open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "a",
+                     **options()) as writer:
+        for i in range(5):
+            writer.append(make_sample(0, i), name=name_of(0, i))
+    versions = {key.split("/")[1] for key in bucket_objects(s3, bucket, "hs.zarr") if key.startswith("index-v/")}
+    assert len(versions) == 2  # the one the root names and the one before it (commit n+2 witnesses n's end)
+    store = Store(url, storage_options=s3.storage_options)
+    assert [check_sample(store, j) for j in range(len(store))] == [name_of(0, i) for i in range(5)]

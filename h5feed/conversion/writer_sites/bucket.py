@@ -11,8 +11,8 @@ metadata and the index the root names into the staging folder, runs as on a loca
 
 1. grows the arrays' metadata it grew, each by a conditional PUT on the ETag just read of the largest of
    the shape there and the one wanted (shapes only grow: a stale writer can never shrink one);
-2. uploads an index it changed under a fresh prefix, `index-v/<seq>-<writer>-<token>/`, that no other
-   writer or commit uses (an index is never rewritten in place: a writer that loses the race could
+2. uploads an index it changed under a fresh prefix, `index-v/<number>-<writer>-<token>/`, that no other
+   writer or commit uses (its number one more than the index it adds to) (an index is never rewritten in place: a writer that loses the race could
    otherwise overwrite the winner's rows);
 3. puts the root, naming that index and the commit's number (`Commit`), with If-Match on the ETag read
    at the step's start: the single commit point.  On 412 Precondition Failed another writer committed
@@ -214,7 +214,8 @@ class BucketSite(WriterSite):
         index = fetched.commit.index
         digests = _digests(self.staging / DEFAULT_INDEX)
         if digests and digests != fetched.index:
-            index = f"{INDEX_VERSIONS}/{fetched.commit.seq + 1:010d}-{self.writer or 'unnamed'}-{token}"
+            number = _version_number(fetched.commit.index) + 1
+            index = f"{INDEX_VERSIONS}/{number:010d}-{self.writer or 'unnamed'}-{token}"
             mirror.run_all(lambda key: self.objects.put_atomic(f"{index}{key[len(DEFAULT_INDEX):]}",
                                                                (self.staging / key).read_bytes()), list(digests))
         root = json.loads((self.staging / "zarr.json").read_bytes())
@@ -260,20 +261,22 @@ class BucketSite(WriterSite):
         return "the unnamed writer" if by is None else f"writer {by!r}"
 
     def _delete_old_indexes(self, current: str) -> None:
-        """Delete the index versions superseded for `OLD_INDEX_AFTER_S` (best effort).  Commit n+2's index was
-        written after commit n+1 superseded version n, so version n goes once one of n+2 or later is that old,
-        by the bucket's Last-Modified of both (`current` was written just now): no reader still reads it."""
+        """Delete the index versions superseded for `OLD_INDEX_AFTER_S` (best effort).  Version n+2 (any writer's,
+        committed or not) was made from a root naming version n+1, so after version n was superseded: version n
+        goes once one numbered n+2 or more is that old, by the bucket's Last-Modified of both (`current` was
+        written just now), and no reader still reads it."""
         try:
             listed = self.objects.list_info(INDEX_VERSIONS)
             versions: dict[str, list[str]] = {}
             for key in listed:
                 versions.setdefault("/".join(key.split("/")[:2]), []).append(key)
             now = max((listed[key].modified_ns or 0 for key in versions.get(current, [])), default=0)
-            old = [_seq(v) for v, keys in versions.items()
+            old = [_version_number(v) for v, keys in versions.items()
                    if max(listed[k].modified_ns or now for k in keys) <= now - OLD_INDEX_AFTER_S * 1e9]
             if not now or not old:
                 return
-            gone = [key for v, keys in versions.items() if v != current and _seq(v) <= max(old) - 2 for key in keys]
+            gone = [key for v, keys in versions.items() if v != current and _version_number(v) <= max(old) - 2
+                    for key in keys]
             assert self._mirror is not None
             self._mirror.run_all(self.objects.delete, gone)
         except Exception as exc:  # noqa: BLE001 (left for a later publication)
@@ -284,7 +287,8 @@ def _rows(metadata: Path) -> int:
     return int(json.loads(metadata.read_bytes())["shape"][0])
 
 
-def _seq(version: str) -> int:
+def _version_number(version: str) -> int:
+    """An index version's number: one more than the one its publication added to (-1: `index/`)."""
     try:
         return int(version.split("/")[1].split("-")[0])
     except (IndexError, ValueError):
