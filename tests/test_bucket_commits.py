@@ -168,8 +168,8 @@ def test_a_second_bucket_writer_on_one_staging_folder_is_refused_naming_the_firs
                      **options()) as first:
         first.append(make_sample(0, 0), name=name_of(0, 0))
         with pytest.raises(StoreError, match=r"staging: is the staging folder of writer 'a' \(host [^,]+, pid "
-                                             rf"{os.getpid()}, started at [^)]+\), which is writing now: give each writer its own "
-                                             "staging_dir"):
+                                             rf"{os.getpid()}, started at [^)]+\), which is writing now: give each "
+                                             "writer its own staging_dir"):
             open_writer(url, writer="b", storage_options=s3.storage_options, staging_dir=tmp_path / "staging",
                         **options())
         first.append(make_sample(0, 1), name=name_of(0, 1))

@@ -13,6 +13,7 @@ from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
 import h5feed.conversion.lock
 import h5feed.conversion.writer
 from h5feed import StoreError, open_writer
+from h5feed.errors import DiskFullError
 from h5feed.conversion.lock import held_briefly
 from h5feed.store import Store
 from h5feed.store.writer_state import PUBLISH_LOCK, ROWS_LOCK, WRITER_API, WRITERS_DIR
@@ -79,8 +80,9 @@ def test_a_full_disk_is_said_as_the_converter_says_it_and_the_sample_can_be_appe
     with writer_of(store, writer="a") as writer:
         writer.append(make_sample(0, 0), name=name_of(0, 0))
         monkeypatch.setattr(h5feed.conversion.writer, "write_sample", disk_full_once)
-        with pytest.raises(StoreError, match=rf"{store}: disk full while writing 'w0-1': free space, then append it "
-                                             r"again \(the samples appended before it are kept\)"):
+        with pytest.raises(DiskFullError, match=rf"{store}: disk full while writing 'w0-1' \(No space left on "
+                                                r"device\): free space, then append it again \(the samples appended "
+                                                r"before it are kept\)"):
             writer.append(make_sample(0, 1), name=name_of(0, 1))
         writer.append(make_sample(0, 1), name=name_of(0, 1))
     published = Store(store)

@@ -11,19 +11,19 @@ published every `publish_every` samples and at close, so a trainer can open the 
 it to see more, while extraction goes on.  A kill loses only the samples not yet journaled: the
 next `open_writer` on the store resumes after the last journaled one and says which that was.
 
-Several writers (the ranks of a parallel extraction, several servers) append to one store at once,
-each under its own id (`writer="rank3"`), with no lock held while samples are written: each writes
-its own shards and its own journal.  Rows are reserved in blocks of whole shards (a sample starts
-on a shard boundary) in a short shared step, in which the arrays are grown to cover them: the arrays'
-row count is where the next block starts.  A step is a commit (`WriterSite.commit`): under a flock on a
-local store, by compare-and-swap in a bucket, where its body may run again on a fresh state; so a body
-only computes from the store's state, and the writer takes what it returns once the commit returned.  A writer alone in the store extends its block, so its
-samples lie back to back, as one process's always did.  Publishing is another short lock: the
-published index gains this writer's journaled rows that it lacks (a sample's first row is its
-identity: no two share one), in one atomic write of the attributes.  A writer restarted with the
-same id resumes its own journal; rows a killed writer reserved but never journaled are holes that
-no index row points at.  The unnamed writer (`writer=None`) journals where a store written by one
-process always had its journal, so such a store resumes as it is.
+Several writers (the ranks of a parallel extraction, several servers) append to one store at once, each
+under its own id (`writer="rank3"`), with no lock held while samples are written: each writes its own
+shards and its own journal.  Rows are reserved in blocks of whole shards (a sample starts on a shard
+boundary) in a short shared step, in which the arrays are grown to cover them: the arrays' row count is
+where the next block starts.  A step is a commit (`WriterSite.commit`): under a flock on a local store,
+by compare-and-swap in a bucket, where its body may run again on a fresh state; so a body only computes
+from the store's state, and the writer takes what it returns once the commit returned.  A writer alone
+in the store extends its block, so its samples lie back to back, as one process's always did.
+Publishing is another short step: the published index gains this writer's journaled rows that it lacks
+(a sample's first row is its identity: no two share one), in one atomic write of the attributes.  A
+writer restarted with the same id resumes its own journal; rows a killed writer reserved but never
+journaled are holes that no index row points at.  The unnamed writer (`writer=None`) journals where a
+store written by one process always had its journal, so such a store resumes as it is.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from h5feed.conversion.samples import (
     write_sample,
 )
 from h5feed.conversion.writer_sites import WriterSite, open_site
-from h5feed.errors import SourceError, StoreError
+from h5feed.errors import DiskFullError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceSample
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
@@ -329,9 +329,10 @@ class StoreWriter:
             self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
                                  "num_tokens": num_tokens, "block_end": planned.block_end, **record}, sync=self.durable)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise StoreError(self.path, f"disk full while writing {planned.label!r}: free space, then append it "
-                                 "again (the samples appended before it are kept)") from exc
+            if exc.errno == errno.ENOSPC:  # the folder the writer works in: the store, or a bucket's staging folder
+                raise DiskFullError(self.path, f"disk full while writing {planned.label!r} ({os.strerror(exc.errno)}): "
+                                    "free space, then append it again (the samples appended before it are kept)"
+                                    ) from exc
             raise
         self._rows.append(IndexRow(planned.start, num_tokens, planned.index, planned.label, record["checksum"],
                                    record["has_loss_mask"]))

@@ -11,9 +11,9 @@ metadata and the index the root names into the staging folder, runs as on a loca
 
 1. grows the arrays' metadata it grew, each by a conditional PUT on the ETag just read of the largest of
    the shape there and the one wanted (shapes only grow: a stale writer can never shrink one);
-2. uploads an index it changed under a fresh prefix, `index-v/<number>-<writer>-<token>/`, that no other
-   writer or commit uses (its number one more than the index it adds to) (an index is never rewritten in place: a writer that loses the race could
-   otherwise overwrite the winner's rows);
+2. uploads an index it changed under a fresh prefix, `index-v/<number>-<writer>-<token>/` (its number one
+   more than the index it adds to), that no other writer or commit uses: an index is never rewritten in
+   place, where a writer that loses the race could otherwise overwrite the winner's rows;
 3. puts the root, naming that index and the commit's number (`Commit`), with If-Match on the ETag read
    at the step's start: the single commit point.  On 412 Precondition Failed another writer committed
    first: the step runs again on the fresh state.  So rows are reserved once (the commit's number
