@@ -214,6 +214,8 @@ class BucketSite(WriterSite):
         index = fetched.commit.index
         digests = _digests(self.staging / DEFAULT_INDEX)
         if digests and digests != fetched.index:
+            if fetched.root_etag is not None and self.objects.info("zarr.json").etag != fetched.root_etag:
+                return self._last_committer()  # lost already: a HEAD spares uploading an index no root will name
             number = _version_number(fetched.commit.index) + 1
             index = f"{INDEX_VERSIONS}/{number:010d}-{self.writer or 'unnamed'}-{token}"
             mirror.run_all(lambda key: self.objects.put_atomic(f"{index}{key[len(DEFAULT_INDEX):]}",
