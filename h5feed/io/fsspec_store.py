@@ -233,8 +233,9 @@ class FsspecStore(ObjectStore):
         if self.protocol not in ("s3", "s3a"):
             if not _warned_unconditional:
                 _warned_unconditional.append(self.protocol)
-                log.warning("%s: %s has no conditional writes here: the writer's lock is checked, then written, "
-                            "so two writers starting the same instant could both proceed", self.url, self.protocol)
+                log.warning("%s: %s has no conditional writes here: a lock or commit is checked, then written, so "
+                            "one writer at a time is safe; two committing in the same instant could both go, one's "
+                            "commit lost", self.url, self.protocol)
             try:
                 current = self.info(key).etag
             except ObjectNotFound:
