@@ -16,7 +16,7 @@ from test_trainers import angelslim_collate, assert_same, modelopt_collate, nemo
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.synthetic import write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

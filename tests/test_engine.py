@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import h5feed
-from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu_decode, trainer_collate
+from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu, trainer_collate
 from h5feed.loading.delivery import Delivery
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule
@@ -200,7 +200,7 @@ def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_stor
 
 
 def test_decode_auto_without_the_gpu_is_the_cpu_loader_and_its_batches(legacy_store, assert_same_batch):
-    if gpu_decode.available():
+    if gpu.available():
         pytest.skip("CUDA and nvCOMP are here: auto decodes on the GPU")
     with BatchLoader(legacy_store.path, decode="auto", flavor="speculators-legacy", max_len=64, threads=2,
                      shuffle=False) as loader:
@@ -218,7 +218,7 @@ def test_decode_cuda_says_what_it_needs(legacy_store):
         BatchLoader(legacy_store.path, decode="gpu", max_len=64)
     with pytest.raises(ValueError, match=r"num_workers belong to decode='cpu'; decode='cuda' reads with threads"):
         BatchLoader(legacy_store.path, decode="cuda", max_len=64, num_workers=2)
-    if gpu_decode.available():
+    if gpu.available():
         from h5feed.loading.cuda_loader import CudaBatchLoader
 
         assert type(BatchLoader(legacy_store.path, decode="cuda", max_len=64)) is CudaBatchLoader

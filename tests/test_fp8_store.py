@@ -24,7 +24,7 @@ import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store, plain_allocator
 from h5feed.store import layout as store_layout

@@ -7,7 +7,7 @@ import torch
 
 from h5feed import HiddenStatesStream, StreamLoader
 from h5feed.flavors import trainer_collate
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 
 gpu = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}")
 

@@ -18,7 +18,7 @@ import torch
 
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, convert, trainer_collate
 from h5feed.errors import WorkerDiedError
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import Batch, RowKey, TensorSpec, TrainerCollate, trainer_collate
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.cuda_loader import CudaBatchLoader, store_refusal
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers, stream_of

@@ -4,7 +4,7 @@ Reader threads, one batch each, copy its samples' still-compressed chunk frames,
 every one checked against its crc32c (`Store.copy_frames_into`), into the batch's
 region of one page-locked staging memory.  A delivery thread (`h5feed.loading.delivery`)
 sends the frames of up to `decode_group` consecutive staged batches to the GPU in one
-copy and decodes them in one nvCOMP batch on a stream of its own (`h5feed.gpu_decode`:
+copy and decodes them in one nvCOMP batch on a stream of its own (`h5feed.gpu`:
 the GPU decodes several times faster per byte in large batches), each chunk's rows
 written straight into their place in the trainer's batch (no temporary, no placement
 copy, pads zeroed), one group ahead of the trainer.  The trainer's thread only makes
@@ -29,7 +29,7 @@ import torch
 
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, trainer_collate
-from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
+from h5feed.gpu import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.delivery import Delivery, TrainerStream

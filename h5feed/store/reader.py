@@ -553,7 +553,7 @@ class Store:
     ) -> list[tuple[int, int, int]]:
         """Copy the still-compressed frames of the chunks holding rows [0, stop) of sample i's `array`,
         each checked against its crc32c, back to back into the byte buffer `out`, for decoding
-        elsewhere (on the GPU: `h5feed.gpu_decode`).  Returns (chunk, offset in `out`, length) of each.
+        elsewhere (on the GPU: `h5feed.gpu`).  Returns (chunk, offset in `out`, length) of each.
 
         Raises `CorruptSampleError` like the reads that decode, and ValueError when `out` is too small.
         An FP8 store's hidden states decode to their FP8 bytes: the numbers are those bytes times their tokens'

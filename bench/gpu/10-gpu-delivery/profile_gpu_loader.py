@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, "bench"); sys.path.insert(0, ".")
 import train_step as ts
 
-from h5feed.gpu_decode import CudaBloscDecoder
+from h5feed.gpu import CudaBloscDecoder
 from h5feed.loading.cuda_loader import CudaBatchLoader
 from h5feed.store import Store
 
