@@ -133,7 +133,7 @@ def test_a_short_batch_after_a_long_one_in_the_same_slot(store: Any, name: str, 
                               (2, [1, 7, 3, 5, 2, 4, 0, 6])):  # slot 0: 30 and 28 tokens, then 11 and 9
         loader = BatchLoader(path, flavor=flavor, max_len=max_len, batch_size=batch_size, threads=1, prefetch=1,
                              samples=order, shuffle=False)
-        assert loader.slots_per_worker == 3
+        assert loader.backend.slots_per_worker == 3
         assert_same(one_pass(loader), reference(path, flavor, max_len, batch_size, samples=order, shuffle=False))
 
 
@@ -211,7 +211,7 @@ def on_cpu(value: Any) -> Any:
 @gpu
 @pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)
 def test_gpu_batches_equal_the_trainers_collate(store: Any, name: str, flavor: str, max_len: int | None) -> None:
-    from h5feed.loading.cuda_loader import CudaBatchLoader
+    from h5feed import CudaBatchLoader
 
     path = store(name)
     loader = CudaBatchLoader(path, flavor=flavor, max_len=max_len, batch_size=3, seed=2, threads=2)

@@ -178,7 +178,7 @@ def test_slots_are_recycled_only_after_release(legacy_store, assert_same_batch):
                 held = None  # released: the slot may come back
     assert len(set(addresses)) <= 4  # four slots, reused: 14 batches
     del batch
-    states = loader._writer.ring.states
+    states = loader.backend.writer.ring.states
     deadline = time.monotonic() + 10  # with CUDA, a thread frees a slot once its release event has completed
     while not (states == FREE).all() and time.monotonic() < deadline:
         time.sleep(0.01)

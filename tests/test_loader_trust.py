@@ -168,7 +168,7 @@ def skipping_loader(kind: str, path: Path, seed: int, batch_size: int, workers: 
     if kind == "batch":
         return BatchLoader(stream, batch_size=batch_size, num_workers=workers, threads=2)
     if kind == "cuda":
-        from h5feed.loading.cuda_loader import CudaBatchLoader
+        from h5feed import CudaBatchLoader
 
         return CudaBatchLoader(stream, batch_size=batch_size, threads=2, prefetch=3, decode_group=2)
     collate = trainer_collate(FLAVOR, MAX_LEN, hidden_states_dtype=stream.hidden_states_dtype)

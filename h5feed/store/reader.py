@@ -678,8 +678,8 @@ class Store:
         the node cache, the file mapped again), from the chunk that failed: bytes damaged on their way are
         not damage in the store.  Only when the fresh bytes fail too does the ValueError go on.
         A frame is a view of a mapped file or of fetched bytes, valid until the next one is yielded."""
-        if hasattr(stats, "add_request"):  # a loader's counters: the network's figures go there too
-            self.io_stats = stats  # type: ignore[assignment]
+        if isinstance(stats, IOCounters):  # a loader's counters: the network's figures go there too
+            self.io_stats = stats
         per_object = self.info.chunks_per_shard if self.info.sharded else 1
         for j, (key, inner, whole) in enumerate(self._objects_of(i, name, chunks)):
             first = (chunks.start // per_object + j) * per_object  # the sample's chunk number of inner chunk 0

@@ -12,7 +12,7 @@ import train_step as ts
 
 import h5feed
 from h5feed.bench import drop_page_cache
-from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed import CudaBatchLoader
 from h5feed.store import Store
 
 store = Store("/root/.cache/h5feed/bench/speculators-legacy-pt-H7168-K3-T1500-1900-n64-s0/store")

@@ -14,7 +14,7 @@ sys.path.insert(0, "bench"); sys.path.insert(0, ".")
 import train_step as ts
 
 from h5feed.gpu import CudaBloscDecoder
-from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed import CudaBatchLoader
 from h5feed.store import Store
 
 OUT = os.environ["OUT"]

@@ -158,7 +158,7 @@ def next_under_step(store: Store) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import train_step as ts  # bench/train_step.py: its drafter step
 
-    from h5feed.loading.cuda_loader import CudaBatchLoader
+    from h5feed import CudaBatchLoader
 
     shape = ts.Shape.for_hidden(store.hidden_size, store.num_aux_layers)
     trainer, shape, alone_ms = ts.calibrate(shape, torch.device("cuda"), ts.warm_batch(shape, 2048), 65)
