@@ -25,6 +25,7 @@ from h5feed.loading.backends import DecodeBackend, ReadyBatch, get_backend
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.delivery import Delivery, TrainerStream
+from h5feed.loading.options import Batching
 from h5feed.store import Store
 
 Decode = Literal["cpu", "cuda", "auto"]
@@ -102,11 +103,13 @@ class BatchLoader(LoaderControls):
     ) -> None:
         if decode not in ("cpu", "cuda", "auto"):
             raise ValueError(f"decode must be 'cpu', 'cuda' or 'auto', not {decode!r}")
-        given = {"num_workers": num_workers, "slots_per_worker": slots_per_worker, "timeout": timeout,
-                 "multiprocessing_context": multiprocessing_context, "worker_init_fn": worker_init_fn,
-                 "decode_group": decode_group, "decode_ahead": decode_ahead}
-        cpu_only = [name for name in _CPU_DECODE_ONLY if given[name]]
-        gpu_only = [name for name in _GPU_DECODE_ONLY if given[name] is not None]
+        batching = Batching(batch_size, drop_last)
+        arguments = {"num_workers": num_workers, "threads": threads, "prefetch": prefetch, "device": device,
+                     "slots_per_worker": slots_per_worker, "multiprocessing_context": multiprocessing_context,
+                     "worker_init_fn": worker_init_fn, "timeout": timeout, "decode_group": decode_group,
+                     "decode_ahead": decode_ahead}  # the backends' own: each takes those its options have
+        cpu_only = [name for name in _CPU_DECODE_ONLY if arguments[name]]
+        gpu_only = [name for name in _GPU_DECODE_ONLY if arguments[name] is not None]
         if decode == "cuda" and cpu_only:
             raise ValueError(f"{', '.join(cpu_only)} belong to decode='cpu'; decode='cuda' reads with threads in this "
                              "process (threads=, prefetch=)")
@@ -122,31 +125,14 @@ class BatchLoader(LoaderControls):
             on_gpu = False
         if decode == "auto" and not on_gpu and gpu_only:
             raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda', which cannot run here")
-        prefetch = prefetch if prefetch is not None else 8 if on_gpu else 2
-        if batch_size < 1 or num_workers < 0 or prefetch < 1:
-            raise ValueError("batch_size and prefetch must be >= 1 and num_workers >= 0")
         store = stream.store
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
                                        ).for_store(store.info)
         stream.batch_size = batch_size
         stream.schedule.counted_by_loader = True
-        batching = {"batch_size": batch_size, "drop_last": drop_last}
-        self.backend: DecodeBackend
-        if on_gpu:
-            self.backend = get_backend("cuda")(
-                stream, self.collate, **batching, device=device if device is not None else "cuda",
-                threads=threads if threads is not None else 2, prefetch=prefetch,
-                decode_group=decode_group if decode_group is not None else 4,
-                decode_ahead=decode_ahead if decode_ahead is not None else 8)
-        elif num_workers:
-            self.backend = get_backend("workers")(
-                stream, self.collate, **batching, device=device, num_workers=num_workers, prefetch=prefetch,
-                slots_per_worker=slots_per_worker, multiprocessing_context=multiprocessing_context,
-                worker_init_fn=worker_init_fn, timeout=timeout)
-        else:
-            self.backend = get_backend("threads")(stream, self.collate, **batching, device=device, threads=threads,
-                                                  prefetch=prefetch, slots_per_worker=slots_per_worker)
+        backend = get_backend("cuda" if on_gpu else "workers" if num_workers else "threads")
+        self.backend: DecodeBackend = backend.from_arguments(stream, self.collate, batching, arguments)
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.drop_last, self.device = batch_size, drop_last, self.backend.device
         # as a DataLoader has them (h5feed.monitor reads them)

@@ -14,14 +14,16 @@ decodes them on the GPU.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 
-from h5feed.flavors import Batch
+from h5feed.flavors import Batch, TrainerCollate
+from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
+from h5feed.loading.options import Batching
 from h5feed.errors import unknown_name
 from h5feed.store import Store
 
@@ -40,18 +42,30 @@ class ReadyBatch:
 class DecodeBackend(ABC):
     """Turns the stream's scheduled batches into the trainer's batches, for `BatchLoader`.
 
+    A backend is made as `Backend(stream, collate, batching, options)`: the loader's stream, the
+    trainer's collate bound to the store, the loader's `Batching` and options of its own
+    (`Options`, a frozen dataclass that checks them); nothing starts before the first pass.
     `ready_batches` runs in the loader's delivery thread, one batch ahead of the trainer; everything
     else runs on the trainer's thread.  A backend keeps what it allocates (slots, staging memory)
     until `close`.
     """
 
     name: ClassVar[str]  # the registry's name for it
+    Options: ClassVar[type]  # its own options: a frozen dataclass whose fields are the loader's keyword arguments
     delivery_thread: ClassVar[str]  # the name of the pass's delivery thread (the monitor and tests look for it)
     memory: ClassVar[str]  # what `close` gives back, in words for the user who iterates a closed loader
     device: torch.device | None  # where batches arrive; None: CPU memory
     gpu_decode_ms: float = 0.0  # GPU time spent decoding, added up (backends that decode on the GPU)
     num_workers: int = 0  # worker processes it decodes in, and how they start: as a DataLoader has them
     multiprocessing_context: Any = None
+
+    @classmethod
+    def from_arguments(cls, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
+                       arguments: Mapping[str, Any]) -> DecodeBackend:
+        """The backend, its options made of the loader's keyword arguments it has a field for (None: its default)."""
+        own = {f.name for f in fields(cls.Options)}
+        return cls(stream, collate, batching, cls.Options(**{name: value for name, value in arguments.items()
+                                                              if name in own and value is not None}))
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -78,6 +92,12 @@ class DecodeBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Give the backend's memory back, at once or once the trainer drops the batches it still holds."""
+
+    @property
+    @abstractmethod
+    def holds_memory(self) -> bool:
+        """Whether the backend's memory (slots, staging) is still held: until `close`, and after it while the
+        trainer holds a batch in it."""
 
     def crowded_warning(self) -> str:
         """What to tell a trainer whose batch came in fresh memory (`ReadyBatch.in_fresh_memory`)."""

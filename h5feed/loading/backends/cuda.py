@@ -31,6 +31,7 @@ from h5feed.gpu import CudaBloscDecoder, Placement, why_unavailable
 from h5feed.loading.backends.base import DecodeBackend, ReadyBatch, register_backend
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
+from h5feed.loading.options import Batching
 from h5feed.loading.readahead import ReadAhead
 from h5feed.placement import place_items
 from h5feed.store import Store
@@ -67,16 +68,31 @@ def gpu_decode_refusal(store: Store) -> str | None:
     return why_unavailable() or store_refusal(store)
 
 
+@dataclass(frozen=True)
+class CudaOptions:
+    """The cuda backend's own options.
+
+    threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
+    prefetch: batches staged ahead (read by the threads in parallel).
+    decode_group: consecutive staged batches decoded in one GPU call.
+    decode_ahead: batches decoded ahead of the trainer on the GPU (each holds its batch's GPU memory).
+    device: the CUDA device the batches arrive on.
+    """
+
+    threads: int = 2
+    prefetch: int = 8
+    decode_group: int = 4
+    decode_ahead: int = 8
+    device: torch.device | str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, not {self.prefetch}")
+
+
 @register_backend
 class CudaBackend(DecodeBackend):
     """Reader threads stage each batch's checked, compressed frames; the delivery thread decodes them on the GPU.
-
-    Its own arguments:
-        threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
-        prefetch: batches staged ahead (read by the threads in parallel).
-        decode_group: consecutive staged batches decoded in one GPU call.
-        decode_ahead: batches decoded ahead of the trainer on the GPU (each holds its batch's GPU memory).
-        device: the CUDA device the batches arrive on.
 
     `gpu_decode_ms` adds up the GPU time spent decoding (copy in, zstd, unshuffle): what decoding
     takes from training on that GPU.
@@ -85,6 +101,7 @@ class CudaBackend(DecodeBackend):
     name = "cuda"
     delivery_thread = "h5feed-gpu-decode"
     memory = "staging memory"
+    Options = CudaOptions
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -94,9 +111,8 @@ class CudaBackend(DecodeBackend):
     def refusal(cls, store: Store) -> str | None:
         return store_refusal(store)
 
-    def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, *, batch_size: int, drop_last: bool,
-                 device: torch.device | str, threads: int, prefetch: int, decode_group: int,
-                 decode_ahead: int) -> None:
+    def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
+                 options: CudaOptions) -> None:
         reason = why_unavailable()
         if reason is not None:
             raise RuntimeError(f"decode on the GPU is not available ({reason}); use h5feed.BatchLoader, which "
@@ -105,10 +121,10 @@ class CudaBackend(DecodeBackend):
         reason = store_refusal(store)
         if reason is not None:
             raise ValueError(f"{store.path}: {reason}; use h5feed.BatchLoader(decode='cpu')")
-        self.stream, self.collate, self.batch_size, self.drop_last = stream, collate, batch_size, drop_last
-        self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
-        self.decode_ahead = max(decode_ahead, 1)
-        self.device = torch.device(device)
+        self.stream, self.collate, self.batching, self.options = stream, collate, batching, options
+        self.threads, self.prefetch, self.decode_group = options.threads, options.prefetch, options.decode_group
+        self.decode_ahead = max(options.decode_ahead, 1)
+        self.device = torch.device(options.device)
         info = store.info
         self._trailing: dict[str, TensorSpec] = self.collate.trailing()
         self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None}
@@ -116,8 +132,8 @@ class CudaBackend(DecodeBackend):
         longest = max((stream.tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
-        self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
-        self._region_bytes = batch_size * per_sample
+        self._regions = self.prefetch + self.decode_group  # a region is reused only after its batch was decoded
+        self._region_bytes = batching.batch_size * per_sample
         self._staging = torch.empty(self._regions * self._region_bytes, dtype=torch.uint8, pin_memory=True)
         self._copied: list[torch.cuda.Event | None] = [None] * self._regions
         self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
@@ -127,6 +143,10 @@ class CudaBackend(DecodeBackend):
     def close(self) -> None:
         """The pinned staging memory goes back."""
         self.__dict__.pop("_staging", None)
+
+    @property
+    def holds_memory(self) -> bool:
+        return "_staging" in vars(self)
 
     def pass_stopped(self) -> None:
         self._collect_timings(wait=True)
@@ -144,7 +164,7 @@ class CudaBackend(DecodeBackend):
         # drawn as each batch is submitted, `prefetch` batches ahead of the one taken: the batch that used its
         # region before was decoded by then, and its copy to the GPU is queued or done (the event)
         work = ((indices, j % self._regions, self._copied[j % self._regions])
-                for j, indices in enumerate(stream.schedule.worker_batches(self.drop_last)))
+                for j, indices in enumerate(stream.schedule.worker_batches(self.batching.drop_last)))
 
         def announce(batch: tuple[list[int], int, torch.cuda.Event | None]) -> None:
             for i in batch[0]:

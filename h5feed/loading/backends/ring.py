@@ -42,6 +42,7 @@ from h5feed.flavors import Batch, RowKey, TensorSpec, TrainerCollate
 from h5feed.loading.backends.base import DecodeBackend, ReadyBatch
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
+from h5feed.loading.options import Batching
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
 from h5feed.metrics import WorkerCounters
 from h5feed.placement import place_items
@@ -176,12 +177,12 @@ class RingBackend(DecodeBackend):
     delivery_thread = "h5feed-batch-delivery"
     memory = "batch memory"
 
-    def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, *, batch_size: int, drop_last: bool,
+    def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
                  device: torch.device | str | None, slots: int, slots_per_writer: int) -> None:
         """`slots_per_writer` slots for each of `slots // slots_per_writer` writers (worker processes, or the
-        threads together)."""
-        store = stream.store
-        self.stream, self.collate, self.batch_size, self.drop_last = stream, collate, batch_size, drop_last
+        threads together); with `device`, batches are copied there."""
+        store, batch_size = stream.store, batching.batch_size
+        self.stream, self.collate, self.batching = stream, collate, batching
         self.device = torch.device(device) if device is not None and torch.device(device).type != "cpu" else None
         self.slots_per_worker = slots_per_writer
         trailing = collate.trailing()
@@ -223,6 +224,10 @@ class RingBackend(DecodeBackend):
             self._closed = True
             if not self._handed_out:
                 self._free_ring()
+
+    @property
+    def holds_memory(self) -> bool:
+        return self.writer.ring.fd != -1
 
     def ready_batches(self, trainer: TrainerStream | None) -> Generator[ReadyBatch, None, None]:
         """Each filled slot wrapped as the trainer's batch (and queued to the GPU)."""
