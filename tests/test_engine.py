@@ -241,15 +241,3 @@ def test_read_ahead_held_keeps_the_taken_result_in_its_place_until_the_next_take
         assert list(reads) == [2, 3]
 
 
-def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_slots_back(legacy_store):
-    loader = BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, threads=2)
-    batches = iter(loader)
-    next(batches)
-    assert any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
-    del batches
-    assert not any(t.name == "h5feed-batch-delivery" for t in threading.enumerate())
-    loader.close()
-    deadline = time.monotonic() + 10  # with CUDA the last slot goes back once its copy's event has completed
-    while loader.backend.writer.ring.fd != -1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert loader.backend.writer.ring.fd == -1  # the ring's memory went with the loader's close

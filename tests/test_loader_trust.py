@@ -289,17 +289,13 @@ def kill_when_reading(counters, sample: int, killed: list[tuple[int, int]]) -> t
     return thread
 
 
-@pytest.mark.parametrize("kind", ["stream", "batch"])
-def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch, kind):
+def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch):
+    """StreamLoader's workers; BatchLoader's backends with worker processes: test_decode_backends.py."""
     _, sound = stores
     victim = 5
-    method = "read_sample" if kind == "stream" else "read_rows_into"
-    monkeypatch.setattr(Store, method, hold_sample(LENGTHS[victim], getattr(Store, method)))
+    monkeypatch.setattr(Store, "read_sample", hold_sample(LENGTHS[victim], Store.read_sample))
     stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, shuffle=False, prefetch=0)
-    if kind == "stream":
-        loader = StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context="fork")
-    else:
-        loader = BatchLoader(stream, num_workers=2, multiprocessing_context="fork")
+    loader = StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context="fork")
     killed: list[tuple[int, int]] = []
     killer = kill_when_reading(stream.counters, victim, killed)
     started = time.monotonic()
