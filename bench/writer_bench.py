@@ -24,6 +24,14 @@ bucket's bytes.  moto keeps objects in its own process's memory, so this is the 
 loopback's cost, not a cloud's.
 
     python bench/writer_bench.py --samples 8 --hidden-size 2048 --bucket --bucket-delay 0.02 --out /tmp/writer_bench
+
+`--bucket --writers N` times N writer processes appending to one bucket store at once instead (each its share of
+the samples, publishing every `--publish-every`): time per sample from the first append to the last close, and
+the requests (and PUTs) per sample the proxy saw.
+The local `--writers` comparison is skipped then.
+
+    python bench/writer_bench.py --samples 8 --hidden-size 256 --tokens 100:200 --publish-every 1 --bucket \
+        --writers 4 --out /tmp/writer_bench
 """
 
 from __future__ import annotations
@@ -93,26 +101,30 @@ def timed_writer(samples: list[dict], store: Path | str, publish_every: int, ext
 
 
 def append_share(store: str, writer: str | None, seeds: list[int], shape: dict[str, Any], publish_every: int,
-                 ready: Any, times: Any) -> None:
+                 ready: Any, times: Any, options: dict[str, Any]) -> None:
     """One writer process: makes its samples, waits for the others, appends them; reports (start, end, tokens).
     Its torch threads are its share of the cores: a process each with all of them spin against each other."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ready.parties))
     samples = [make_samples(1, seed=seed, **shape)[0] for seed in seeds]
     ready.wait()
     start = time.monotonic()
-    with h5feed.open_writer(store, writer=writer, publish_every=publish_every) as w:
+    with h5feed.open_writer(store, writer=writer, publish_every=publish_every, **options) as w:
         for seed, sample in zip(seeds, samples):
             w.append(sample, name=f"sample-{seed}")
     times.put((start, time.monotonic(), w.report.tokens))
 
 
-def timed_processes(store: Path, writers: int, samples: int, shape: dict[str, Any], publish_every: int) -> dict:
+def timed_processes(store: Path | str, writers: int, samples: int, shape: dict[str, Any], publish_every: int,
+                    storage_options: dict[str, Any] | None = None, staging: Path | None = None) -> dict:
     """`writers` processes appending `samples` samples in all to one store: samples/s from the first append on."""
     spawn = multiprocessing.get_context("spawn")
     ready, times = spawn.Barrier(writers), spawn.Queue()
     ids = [None] if writers == 1 else [f"w{w}" for w in range(writers)]
+    options = [{} if staging is None else {"storage_options": storage_options, "staging_dir": str(staging / f"w{w}")}
+               for w in range(writers)]
     processes = [spawn.Process(target=append_share, args=(str(store), ids[w], list(range(w, samples, writers)), shape,
-                                                          publish_every, ready, times)) for w in range(writers)]
+                                                          publish_every, ready, times, options[w]))
+                 for w in range(writers)]
     for process in processes:
         process.start()
     spans = [times.get(timeout=3600) for _ in processes]
@@ -122,7 +134,8 @@ def timed_processes(store: Path, writers: int, samples: int, shape: dict[str, An
             raise SystemExit(f"a writer process exited with {process.exitcode}")
     seconds = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
     return {"writers": writers, "seconds": seconds, "samples_per_s": samples / seconds,
-            "tokens_per_s": sum(tokens for *_, tokens in spans) / seconds, "samples_in_store": len(h5feed.Store(store))}
+            "tokens_per_s": sum(tokens for *_, tokens in spans) / seconds,
+            "samples_in_store": len(h5feed.Store(store, storage_options=storage_options))}
 
 
 def timed_bucket_writer(samples: list[dict], args: argparse.Namespace, extract_s: float) -> dict[str, Any]:
@@ -133,6 +146,16 @@ def timed_bucket_writer(samples: list[dict], args: argparse.Namespace, extract_s
     with running_s3() as s3:
         bucket = s3.new_bucket()
         s3.proxy.delay = args.bucket_delay
+        if args.writers:
+            shape = {"hidden": args.hidden_size, "aux": args.aux_layers, "lengths": args.lengths}
+            timed = timed_processes(f"s3://{bucket}/store.zarr", args.writers, len(samples), shape, args.publish_every,
+                                    s3.storage_options, args.out / "staging")
+            requests = s3.proxy.requests()
+            n = len(samples)
+            return {"writers": args.writers, "ms_per_sample": 1e3 * timed["seconds"] / n,
+                    "requests_per_sample": len(requests) / n,
+                    "puts_per_sample": sum(r.method == "PUT" for r in requests) / n,
+                    "samples_in_store": timed["samples_in_store"], "delay_s": args.bucket_delay}
         seconds, cpu, report = timed_writer(samples, f"s3://{bucket}/store.zarr", args.publish_every, extract_s,
                                             args.write_behind, storage_options=s3.storage_options,
                                             staging_dir=args.out / "staging")
@@ -163,6 +186,7 @@ def main() -> None:
     p.add_argument("--bucket-delay", type=float, default=0.0, help="seconds added to every request to the bucket")
     args = p.parse_args()
     low, high = (int(x) for x in args.tokens.split(":"))
+    args.lengths = (low, high)
     shutil.rmtree(args.out, ignore_errors=True)
     samples = make_samples(args.samples, args.hidden_size, args.aux_layers, (low, high), seed=0)
     if args.device != "cpu":
@@ -186,7 +210,7 @@ def main() -> None:
     }
     if args.bucket:
         result["bucket_writer"] = timed_bucket_writer(samples, args, extract_s)
-    if args.writers > 1:
+    if args.writers > 1 and not args.bucket:
         shape = {"hidden": args.hidden_size, "aux": args.aux_layers, "lengths": (low, high)}
         one = timed_processes(args.out / "one.zarr", 1, args.samples, shape, args.publish_every)
         several = timed_processes(args.out / "several.zarr", args.writers, args.samples, shape, args.publish_every)

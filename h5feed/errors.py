@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,6 +38,21 @@ class SourceError(_PathError):
 
 class StoreError(_PathError):
     """A store that cannot be opened or read: unfinished, corrupt or of another layout."""
+
+
+class DiskFullError(StoreError, OSError):
+    """A store's disk filled up (ENOSPC), said as a StoreError naming what was being written and what to do; still
+    an OSError with errno ENOSPC, for code that handles a full disk as the system reports it."""
+
+    def __new__(cls, path: str | Path, problem: str) -> DiskFullError:
+        return super().__new__(cls, errno.ENOSPC, problem)  # OSError's own fields: its errno and message
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(path, problem)
+        self.errno, self.strerror = errno.ENOSPC, f"{path}: {problem}"
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class CorruptSampleError(StoreError):

@@ -23,7 +23,7 @@ from h5feed.io import cache_state
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store, StoreInfo, checksums
 from h5feed.store.fp8 import quantize, token_scales
-from h5feed.store.layout import HIDDEN_SCALES, INDEX_COLUMNS, crc32c
+from h5feed.store.layout import HIDDEN_SCALES, INDEX_COLUMNS, Commit, crc32c
 
 
 @dataclass
@@ -104,7 +104,8 @@ def _unreadable_arrays(store: Store) -> list[Mismatch]:
 
     problems = []
     group = store.zarr_group()
-    for name in (*store.info.array_names, *(f"index/{c}" for c in INDEX_COLUMNS)):
+    index = Commit.of_root({"attributes": group.attrs.asdict()}).index  # a bucket writer's: under its own prefix
+    for name in (*store.info.array_names, *(f"{index}/{c}" for c in INDEX_COLUMNS)):
         try:
             array = group[name]
             if not isinstance(array, zarr.Array):

@@ -221,3 +221,91 @@ def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as
     assert [sorted(entry) for entry in plan["samples"][3:]] == [
         ["mtime_ns", "num_tokens", "relpath", "sample_index", "size", "start"]] * 2
     assert Store(dst).source_paths == [f"data_{i}.pt" for i in range(5)]
+
+
+_CLAIMS = r"""
+import resource, sys, torch, h5feed
+from pathlib import Path
+from h5feed.errors import SourceError
+
+root, t, h = Path(sys.argv[1]), 1 << 20, 1024  # each layer claims 2 GiB, the sample 8 GiB
+
+def peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def refused(run) -> None:
+    before = peak()
+    try:
+        run()
+    except SourceError as exc:
+        print(exc.path, "|", exc.problem, "|", peak() - before, flush=True)
+    else:
+        print("converted |  | ", peak() - before, flush=True)
+
+small = {"input_ids": torch.arange(3), "hidden_states": [torch.ones(3, h, dtype=torch.bfloat16) for _ in range(4)]}
+expanded = {"input_ids": torch.zeros(1, dtype=torch.int64).expand(t),
+            "hidden_states": [torch.ones(1, h, dtype=torch.bfloat16).expand(t, h) for _ in range(4)]}
+meta = {"input_ids": torch.zeros(t, dtype=torch.int64, device="meta"),
+        "hidden_states": [torch.empty(t, h, dtype=torch.bfloat16, device="meta") for _ in range(4)]}
+h5feed.convert(root / "warm", root / "warm.zarr", workers=0, progress=False)  # the imports, the first allocations
+for name, d in (("expanded", expanded), ("meta", meta)):
+    (root / name).mkdir()
+    torch.save(d, root / name / "data_0.pt")
+    refused(lambda: h5feed.convert(root / name, root / f"{name}.zarr", workers=0, progress=False))
+    with h5feed.open_writer(root / f"written_{name}.zarr") as writer:
+        writer.append(small, name="small")
+        refused(lambda: writer.append(d, name=name))
+"""
+
+
+def test_tensors_that_claim_more_than_they_hold_are_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    """An expanded view (stride 0) or a meta tensor claims 8 GiB here while holding bytes or nothing: the file, and
+    the sample given to a writer, are refused naming the key, and the process grows by no more than a few MB."""
+    (tmp_path / "warm").mkdir()
+    torch.save({"input_ids": torch.arange(3), "hidden_states": [torch.ones(3, 1024, dtype=torch.bfloat16)] * 4},
+               tmp_path / "warm" / "data_0.pt")
+    run = subprocess.run([sys.executable, "-c", _CLAIMS, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line.split(" | ") for line in run.stdout.splitlines()]
+    assert [path for path, _, _ in lines] == [
+        str(tmp_path / "expanded" / "data_0.pt"), str(tmp_path / "written_expanded.zarr" / "expanded"),
+        str(tmp_path / "meta" / "data_0.pt"), str(tmp_path / "written_meta.zarr" / "meta")]
+    for (_, problem, grown), what in zip(lines, ("expanded", "expanded", "meta", "meta")):
+        assert int(grown) < 64 << 20, (problem, grown)
+        if what == "expanded":
+            assert problem.startswith("'input_ids' claims [1048576] (8388608 bytes) but holds 8 bytes: ")
+        else:
+            assert problem.startswith("'input_ids' is a meta tensor [1048576]: ")
+
+
+def test_a_skipped_file_that_vanished_is_named_as_gone_by_retry_skipped(tmp_path: Path) -> None:
+    """A file skipped while planning (damaged) and one skipped while converting (damaged after planning), both
+    deleted since: --retry-skipped --skip-bad keeps a record of each that says it is gone, not the old reason."""
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = write_synthetic(src, "speculators-legacy-pt", 5, 16, lengths=(4, 9), seed=2)
+    files[1].write_bytes(files[1].read_bytes()[:100])
+    convert(src, dst, workers=0, progress=False, skip_bad=True)
+    assert [s["path"] for s in Store(dst).info.skipped] == ["data_1.pt"]
+    files[1].unlink()
+    convert(src, dst, workers=0, progress=False, skip_bad=True, retry_skipped=True)
+    skipped = Store(dst).info.skipped
+    assert [s["path"] for s in skipped] == ["data_1.pt"] and len(Store(dst)) == 4
+    assert skipped[0]["problem"].startswith("is gone: it was skipped (not a readable torch.save file")
+    assert skipped[0]["problem"].endswith("; --retry-skipped found no file to try again")
+
+
+def test_a_file_skipped_while_converting_then_deleted_is_named_as_gone_by_retry_skipped(
+        tmp_path: Path, interrupted_convert) -> None:
+    src, dst = tmp_path / "src", tmp_path / "store"
+    files = write_synthetic(src, "speculators-legacy-pt", 5, 16, lengths=(4, 9), seed=2)
+    assert sorted(interrupted_convert(src, dst, after=2)) == [0, 1]
+    files[3].write_bytes(files[3].read_bytes()[:100])  # damaged after it was planned: skipped while converting
+    convert(src, dst, workers=0, progress=False, skip_bad=True)
+    assert [s["path"] for s in Store(dst).info.skipped] == ["data_3.pt"]
+    files[3].unlink()
+    for _ in range(2):  # and again: the record stays as it is
+        convert(src, dst, workers=0, progress=False, skip_bad=True, retry_skipped=True)
+        skipped = Store(dst).info.skipped
+        assert [s["path"] for s in skipped] == ["data_3.pt"] and len(Store(dst)) == 4
+        assert skipped[0]["problem"].startswith("is gone: it was skipped (not a readable torch.save file")
+        assert skipped[0]["problem"].endswith("; --retry-skipped found no file to try again")

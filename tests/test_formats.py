@@ -1257,3 +1257,15 @@ def test_nemo_caches_that_are_incomplete_or_of_another_version_are_refused(tmp_p
         f3.probe(f3.discover(root)[0])
     assert info.value.problem == ("'aux_hidden_states' is [2, 9, 144] torch.bfloat16; the manifest says [2, 9, 144] "
                                   "torch.float16")
+
+
+@pytest.mark.parametrize("fmt", ["speculators-legacy-pt", "speculators-v0-pt"])
+def test_an_unknown_key_in_a_speculators_dict_is_refused_not_dropped(tmp_path: Path, fmt: str) -> None:
+    """As in Model-Optimizer's, AngelSlim's and vLLM's files: a key the store would not keep is refused, naming it."""
+    root, files = write(tmp_path, fmt)
+    d = torch.load(files[0], weights_only=True)
+    d["attention_mask"] = torch.ones_like(d["input_ids"])
+    torch.save(d, files[0])
+    f = FORMATS[fmt]
+    expect_error(lambda: f.load(f.discover(root)[0]), files[0], "has key(s) 'attention_mask' that format "
+                 f"{fmt} does not have; h5feed keeps every key the trainer reads and will not drop others in silence")

@@ -516,3 +516,80 @@ def test_vllm_files_of_the_fp8_connector_convert_to_an_fp8_store(tmp_path, asser
         item = dataset[i]
         assert torch.equal(item["hidden_states"].view(torch.int16), want[:, :K].reshape(-1, K * H).view(torch.int16))
         assert torch.equal(item["verifier_last_hidden_states"].view(torch.int16), want[:, K].view(torch.int16))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf"), float("-inf"), 1e-40, 1e-13, 3e38, 1e36])
+def test_an_fp8_file_with_a_scale_no_fp8_writer_makes_is_refused(fp8_files, tmp_path, scale):
+    """hs-connectors' scale is max(amax / 448, 1e-12) of finite states: zero, negative, non-finite, subnormal or
+    tiny scales, and scales above the largest float32 / 448, would be read back as zeros, flipped signs, NaN or
+    Inf; they are refused, naming the file (the sample) and the token, before anything is written."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(fp8_files / "fp8", tmp_path / "src")
+    path = tmp_path / "src" / "hidden_states" / "hs_4.safetensors"  # 40 tokens
+    tensors = load_file(str(path))
+    tensors[SCALES_KEY][7] = scale
+    save_file(tensors, str(path))
+    with pytest.raises(h5feed.SourceError) as refused:
+        h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False)
+    assert refused.value.path == str(path)
+    stored = torch.tensor(scale).item()  # as float32
+    assert refused.value.problem.startswith(f"token 7 has the scale {stored:g} in 'hidden_states_scales': ")
+    assert "between 1e-12 and 7.6e+35" in refused.value.problem
+    assert not (tmp_path / "store" / "zarr.json").exists()
+
+
+def test_the_extreme_scales_an_fp8_writer_makes_are_accepted(tmp_path):
+    """A token of zeros (scale 1e-12) and one whose amax is the largest float32 (scale float32 max / 448) convert."""
+    from safetensors.torch import load_file
+
+    files = write_synthetic(tmp_path / "src", "vllm-safetensors", 1, H, K, lengths=[3], seed=13)
+    tensors = load_file(str(files[0]))
+    layers = tensors["hidden_states"].float()
+    layers[0] = 0
+    layers[1, 0, 0] = torch.finfo(torch.float32).max
+    fp8, scales = quantize_tensor_to_fp8(layers)
+    assert scales[0].item() == np.float32(1e-12) and scales[1].item() == np.float32(3.4028234663852886e38 / 448)
+    save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(files[0]))
+    h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, last_state_norm="pre")
+    assert verify_store(tmp_path / "store", tmp_path / "src", progress=False).ok
+
+
+@pytest.mark.parametrize(("value", "layer", "place"), [(float("nan"), 1, "aux layer 1 of 3"),
+                                                       (float("inf"), K, "the last hidden state")])
+def test_a_token_holding_nan_or_inf_is_refused_by_an_fp8_conversion_and_kept_by_an_exact_one(tmp_path, value, layer,
+                                                                                             place):
+    """Quantized, one NaN or Inf makes the token's scale NaN or Inf and every value of it NaN: refused, naming the
+    file, the token and the layer; an exact conversion keeps the file's bits, NaN and Inf included."""
+    files = write_synthetic(tmp_path / "src", "speculators-legacy-pt", 4, H, K, lengths=(8, 20), seed=5)
+    d = torch.load(files[2], weights_only=True)
+    d["hidden_states"][layer][3, 5] = value
+    torch.save(d, files[2])
+    with pytest.raises(h5feed.SourceError) as refused:
+        h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    assert refused.value.path == str(files[2])
+    assert refused.value.problem.startswith(f"token 3 holds {value} in {place} (value 5 of {H}), and quantized to "
+                                            "FP8 every value of that token would be NaN")
+    skipped = h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8",
+                             skip_bad=True, overwrite=True)
+    assert (skipped.num_samples, Store(tmp_path / "fp8").info.skipped[0]["path"]) == (3, "data_2.pt")
+    h5feed.convert(tmp_path / "src", tmp_path / "exact", workers=0, progress=False)
+    assert verify_store(tmp_path / "exact", tmp_path / "src", progress=False).ok
+
+
+@pytest.mark.parametrize("write_behind", [0, 2])
+def test_an_fp8_writer_refuses_a_token_holding_nan_or_inf_and_keeps_the_others(tmp_path, write_behind):
+    files = write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, K, lengths=(8, 20), seed=6)
+    samples = [torch.load(f, weights_only=True) for f in files]
+    samples[1]["hidden_states"][0][2, 7] = float("-inf")
+    with h5feed.open_writer(tmp_path / "w", precision="fp8", chunk_tokens=16, write_behind=write_behind) as writer:
+        writer.append(samples[0], name="data_0.pt")
+        with pytest.raises(h5feed.SourceError) as refused:
+            writer.append(samples[1], name="data_1.pt")
+        writer.append(samples[2], name="data_2.pt")
+    assert refused.value.path == str(tmp_path / "w" / "data_1.pt")
+    assert refused.value.problem.startswith(f"token 2 holds -inf in aux layer 0 of 3 (value 7 of {H}), and quantized")
+    assert Store(tmp_path / "w").source_paths == ["data_0.pt", "data_2.pt"]
+    assert verify_store(tmp_path / "w", progress=False).ok

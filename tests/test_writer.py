@@ -337,3 +337,25 @@ def test_an_error_in_the_with_block_is_the_one_raised_when_writing_behind_failed
         time.sleep(0.2)  # the write behind fails meanwhile
         raise KeyError("the extraction's own error")
     assert "writing behind failed as well" in caplog.text and "No space left on device" in caplog.text
+
+
+@pytest.mark.parametrize(("key", "value", "problem"), [
+    ("loss_mask", 2, "'loss_mask' holds 2 at token 3 (1 such values): a loss mask holds 0 (no loss on the token) or 1"),
+    ("input_ids", -100, "'input_ids' holds -100 at token 3 (1 negative ids): token ids are >= 0;"),
+])
+def test_a_loss_mask_value_other_than_0_or_1_and_a_negative_id_are_refused_by_a_writer_as_by_convert(
+        source, tmp_path, key, value, problem):
+    sample = samples_of(source[1][:1])[0]
+    sample[key] = sample[key].clone()
+    sample[key][3] = value
+    (tmp_path / "src").mkdir()
+    torch.save(sample, tmp_path / "src" / "data_0.pt")
+    with pytest.raises(SourceError) as converting:
+        convert(tmp_path / "src", tmp_path / "converted", workers=0, progress=False)
+    with open_writer(tmp_path / "written", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+        with pytest.raises(SourceError) as appending:
+            writer.append(sample, name="data_0.pt")
+    assert converting.value.path == str(tmp_path / "src" / "data_0.pt")
+    assert appending.value.path == str(tmp_path / "written" / "data_0.pt")
+    assert converting.value.problem == appending.value.problem
+    assert converting.value.problem.startswith(problem)

@@ -1,7 +1,7 @@
 """One conformance suite over every `WriterSite` (where an `open_writer` store can live): a local folder and a
 bucket (moto's S3 server on loopback).  Each site must give a writer the same store for the same samples, refuse a
-second process with a writer's id, let one writer at a time into a shared step, and hold a sample's shards in the
-store by the time `sample_written` returns."""
+second process with a writer's id, give each commit of a shared step the state the last one left, and hold a
+sample's shards in the store by the time `sample_written` returns."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3,
 from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
 
 from h5feed import StoreError, open_writer
+from h5feed.conversion.samples import array_rows, grow_arrays
 from h5feed.conversion.writer_sites import BucketSite, LocalSite, WriterSite, open_site
 from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store import Store
@@ -80,25 +81,31 @@ def test_a_second_process_with_a_writers_id_is_refused_on_each_site(place):
             place.writer(staging="other", writer="a")
 
 
-def test_each_sites_shared_step_takes_one_writer_at_a_time(place):
+def test_each_sites_commits_give_each_step_the_state_the_last_commit_left(place):
+    with place.writer() as first:  # the store, with its arrays
+        first.append(make_sample(1, 0), name=name_of(1, 0))
+    base = array_rows(Path(first.path))
     sites = [place.site(f"w{k}", staging=f"staging-{k}") for k in range(2)]
-    inside, overlaps, rounds = [], [], 6
+    starts, rounds = [], 6
 
     def take_steps(site: WriterSite, k: int) -> None:
+        def reserve() -> int:  # a rows step: the rows where the arrays end, taken by growing them
+            start = array_rows(site.staging)
+            time.sleep(0.01)  # the other writer's step runs meanwhile, or waits
+            grow_arrays(site.staging, start + SHARD, durable=False)
+            return start
+
         with site.hold(WriterFiles(site.staging, f"w{k}")):
             for _ in range(rounds):
-                with site.step(ROWS_LOCK):
-                    inside.append(k)
-                    overlaps.append(len(inside) > 1)
-                    time.sleep(0.01)
-                    inside.remove(k)
+                starts.append(site.commit(ROWS_LOCK, reserve))
 
     threads = [threading.Thread(target=take_steps, args=(site, k)) for k, site in enumerate(sites)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert len(overlaps) == 2 * rounds and not any(overlaps)
+    taken = sorted(starts)  # no rows given twice (in a bucket, rows a losing step grew may be left as holes)
+    assert len(taken) == 2 * rounds and taken[0] >= base and all(b - a >= SHARD for a, b in zip(taken, taken[1:]))
 
 
 def test_a_samples_shards_are_in_the_store_once_sample_written_returns(place, monkeypatch):

@@ -69,6 +69,7 @@ from h5feed.conversion.samples import (
     publish_samples,
     rows_taken,
     settings_difference,
+    with_fp8_scales,
     write_sample,
 )
 from h5feed.errors import H5feedError, SourceError, StoreError
@@ -81,6 +82,7 @@ from h5feed.formats import (
     detect_format,
     last_state_norm_of,
 )
+from h5feed.formats.checks import check_token_values
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import contained_path
@@ -862,12 +864,18 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
     kept = sum("checksum" in r for r in done.values())
     finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
     failed = _failed_while_converting(plan, done) if job.settings.retry_skipped else {}
+    gone: list[dict[str, str]] = []  # the records of the files skipped before that are no longer there
     if job.settings.retry_skipped and (plan.skipped or failed):
         retried = [s for s in plan.skipped if s["path"] not in {p.relpath for p in samples}]
         log.info("%s: trying the %d file(s) skipped before again", dst, len(retried) + len(failed))
         plan = dataclasses.replace(plan, skipped=tuple(s for s in plan.skipped if s not in retried))
+        present = {f.relpath for f in listing.files} | {s["path"] for s in listing.unreadable + listing.unfinished}
+        gone = [_gone(s["path"], s["problem"]) for s in retried if s["path"] not in present] + \
+            [_gone(relpath, done[found[0]]["skipped"]) for relpath, found in failed.items() if relpath not in present]
+        for record in gone:
+            log.warning("%s: %s %s", dst, record["path"], record["problem"])
     known = plan.known() - set(failed)
-    new_skips = [s for s in listing.unreadable if s["path"] not in known]
+    new_skips = [s for s in listing.unreadable if s["path"] not in known] + gone
     for changed, problem in _changed_since_planned(src, plan):
         if changed in failed:
             continue  # none of its samples is in the store: it is planned again below
@@ -885,12 +893,21 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
                              "an append rewrites the index from it; convert into another DST, or pass --overwrite")
         log.info("%s: appending %d new sample file(s) after its %d samples", dst, len(new), info.num_samples)
-        retried_positions = sorted(i for relpath in failed for i in failed[relpath] if relpath in {f.relpath for f in new})
+        superseded = {f.relpath for f in new} | {record["path"] for record in gone}  # planned again, or gone
+        retried_positions = sorted(i for relpath in failed for i in failed[relpath] if relpath in superseded)
         return plan, _Append(new, new_skips, len(samples) if finished else published, listing.unfinished,
                              retried_positions)
     if finished or not journal_sound:
         return None  # done, or a damaged journal: the index is checked (and rebuilt from the journal if need be)
     return plan, None  # an append killed before it published its index: finish it
+
+
+def _gone(relpath: str, problem: str) -> dict[str, str]:
+    """The skipped record of a file skipped before (for `problem`) that --retry-skipped no longer finds in SRC."""
+    if problem.startswith("is gone: "):
+        return {"path": relpath, "problem": problem}  # gone at an earlier retry already
+    return {"path": relpath, "problem": f"is gone: it was skipped ({problem}); --retry-skipped found no file to try "
+            "again"}
 
 
 def _failed_while_converting(plan: _Plan, done: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
@@ -1081,9 +1098,12 @@ def _convert_one(
     if sample.shape.num_tokens != num_tokens:
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
     check_same_shape(source.path, sample.shape, expected, "the first sample")
+    check_token_values(source.path, sample)
     if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")
+    if info.lossy:
+        sample = with_fp8_scales(source.path, sample)
     record = write_sample(Path(dst), info, sample, start, durable)
     return {**record, "bytes_in": fmt.source_nbytes(source)}
 

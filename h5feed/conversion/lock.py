@@ -18,9 +18,18 @@ created with a conditional PUT (If-None-Match: *, so of two writers starting
 together exactly one creates it) and rewritten by its holder every
 `HEARTBEAT_S` seconds (If-Match on its own ETag, so a holder whose lock was
 taken over learns it).  A lock whose last heartbeat is older than
-`STALE_AFTER_S` (by the server's clock of its last write, against this
-machine's clock), or whose holder is a process of this host that no longer
+`STALE_AFTER_S`, or whose holder is a process of this host that no longer
 runs (a converter killed with SIGKILL), is taken over, saying whose it was.
+Its age is judged on one clock, the bucket's: its Last-Modified against the
+server's time now (`FsspecStore.server_time_ns`), never against this machine's
+clock, which may be minutes off the bucket's.  Such locks are kept only where
+nothing else will do: a converter's, and each `open_writer` writer's own id
+(what tells a follower that a writer is alive).  Writers of one bucket store
+share no lock: they commit by compare-and-swap (`writer_sites.bucket`).
+
+`held_briefly` is the short step local writers share (a flock); a writer that
+waits for one says every `WAIT_LOG_S` who holds it and how long it has waited.
+A writer's staging folder is its own while it runs (`WriterLock.of_staging`).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from h5feed.store.writer_state import (
     WriterFiles,
     current_writer,
     describe_writer,
+    lock_age_s,
     read_holder,
     why_lock_is_free,
 )
@@ -59,8 +69,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
-WAIT_POLL_S = 0.05  # how often a bucket lock is asked for again while waiting for it
 PATIENCE_S = 1.0  # how long a writer asks for a local lock again before naming its holder
+WAIT_LOG_S = 30.0  # how often a writer waiting for a shared step says who holds it
+STAGING_LOCK = "h5feed-staging.lock"  # in a bucket writer's staging folder: whose folder it is
 _SHM = Path("/dev/shm")
 
 
@@ -113,6 +124,24 @@ class WriterLock:
         lock._write({"by": WRITER_API, "writer": files.writer, **_this_process()})
         return lock
 
+    @classmethod
+    def of_staging(cls, folder: Path, files: WriterFiles) -> WriterLock:
+        """Claim a bucket writer's staging folder for this process, or raise StoreError naming the writer that
+        works in it now.  Why: two writers in one folder would upload each other's shards and index as their
+        own, and both report success over a damaged store."""
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / STAGING_LOCK
+
+        def refusal(fd: int) -> StoreError:
+            holder = read_holder(fd)
+            named = WriterFiles(folder, holder.get("writer")).name if holder else "another writer"
+            return StoreError(folder, f"is the staging folder of {named} ({describe_writer({**holder, 'writer': None})}"
+                              "), which is writing now: give each writer its own staging_dir")
+
+        lock = cls(path, _take(path, fcntl.LOCK_EX, refusal, patience_s=PATIENCE_S))
+        lock._write({"by": WRITER_API, "writer": files.writer, **_this_process()})
+        return lock
+
     def record_semaphores(self) -> None:
         """Note the named semaphores this process maps now (its process pool's), for a later cleanup."""
         self._write({**self._info, "semaphores": _mapped_semaphores(os.getpid())})
@@ -143,12 +172,27 @@ class WriterLock:
 
 
 @contextmanager
-def held_briefly(path: Path) -> Iterator[None]:
-    """A short critical section among a store's writers (reserving rows, publishing): waits for its turn.
+def held_briefly(path: Path, holder: dict[str, Any]) -> Iterator[None]:
+    """A short critical section among a store's writers (reserving rows, publishing): waits for its turn,
+    saying every `WAIT_LOG_S` who holds it (`holder`, written into the file while held, describes this one).
     The file stays (removing it would let two writers lock two files of one name)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        said, pause = started, 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - said >= WAIT_LOG_S:
+                    said = time.monotonic()
+                    log.warning("%s: waiting %.0f s for %s, held by %s", path.parent.parent, said - started,
+                                path.name, describe_writer(read_holder(fd)) if os.fstat(fd).st_size else "a writer")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**holder, **_this_process()}).encode(), 0)
         yield
     finally:
         os.close(fd)
@@ -202,13 +246,10 @@ class BucketLock:
     """A lock object in a bucket (see the module docstring); `release()` deletes it.
 
     `acquire()` is `h5feed convert`'s, at `LOCK_FILE`.  An `open_writer` writer of a bucket store holds one at
-    its own id's key for its lifetime, and takes the short ones its writers share (reserving rows, publishing)
-    with `wait=True`: it waits for its turn, and takes over a lock whose holder died."""
+    its own id's key for its lifetime (a second process with its id is refused; a follower sees it alive)."""
 
-    def __init__(self, objects: FsspecStore, key: str, etag: str, info: dict[str, Any], heartbeat_s: float,
-                 stale_after_s: float) -> None:
+    def __init__(self, objects: FsspecStore, key: str, etag: str, info: dict[str, Any]) -> None:
         self.objects, self.key, self._etag, self.info = objects, key, etag, info
-        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.lost: str | None = None  # why the lock is no longer ours, once the heartbeat found out
         self._stop = threading.Event()
         self._guard = threading.Lock()
@@ -217,19 +258,15 @@ class BucketLock:
 
     @classmethod
     def acquire(cls, objects: FsspecStore, key: str = LOCK_FILE, *, by: str = CONVERTER,
-                who: dict[str, Any] | None = None, refusal: Callable[[str], str] | None = None, wait: bool = False,
-                heartbeat_s: float | None = None, stale_after_s: float | None = None) -> BucketLock:
-        """Create the lock object, or take over a stale one; else raise StoreError naming its holder (`refusal`
-        says what to do, given the holder as words), or with `wait`, ask again until it is free.  `by` and
-        `who` go into the object (who holds it, for messages); the heartbeat and staleness default to
-        `HEARTBEAT_S` and `STALE_AFTER_S`."""
-        heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
-        stale_after_s = STALE_AFTER_S if stale_after_s is None else stale_after_s
+                who: dict[str, Any] | None = None, refusal: Callable[[str], str] | None = None) -> BucketLock:
+        """Create the lock object, or take over a stale one (see the module docstring); else raise StoreError
+        naming its holder (`refusal` says what to do, given the holder as words).  `by` and `who` go into the
+        object (who holds it, for messages)."""
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         info = {"by": by, **(who or {}), "host": socket.gethostname(), "pid": os.getpid(), "started_at": now,
                 "token": uuid.uuid4().hex}
         body = json.dumps(info).encode()
-        made = lambda etag: cls(objects, key, etag, info, heartbeat_s, stale_after_s)
+        made = lambda etag: cls(objects, key, etag, info)
         while True:
             etag = objects.put_if(key, body, None)
             if etag is not None:
@@ -247,15 +284,12 @@ class BucketLock:
                 holder = {}  # damaged: taken over (`why_lock_is_free`)
             if holder.get("token") == info["token"]:  # our own PUT went through, its answer was lost
                 return made(held.etag or "")
-            why = why_lock_is_free(holder, held.modified_ns, stale_after_s)
+            why = why_lock_is_free(holder, lock_age_s(held.modified_ns, objects.server_time_ns()), STALE_AFTER_S)
             if why is None:
-                if wait:
-                    time.sleep(WAIT_POLL_S)
-                    continue
                 described = _describe(holder, held.modified_ns)
                 raise StoreError(objects.url, refusal(described) if refusal is not None else (
                     f"another {holder.get('by', CONVERTER)} ({described}) is writing this store; wait for it to "
-                    f"finish, or stop it and run this command again (a lock not renewed for {stale_after_s:.0f} s "
+                    f"finish, or stop it and run this command again (a lock not renewed for {STALE_AFTER_S:.0f} s "
                     "is taken over)"))
             etag = objects.put_if(key, body, held.etag)
             if etag is not None:
@@ -269,7 +303,7 @@ class BucketLock:
             raise StoreError(self.objects.url, self.lost)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        while not self._stop.wait(HEARTBEAT_S):
             with self._guard:
                 if self._stop.is_set():
                     return
@@ -280,7 +314,7 @@ class BucketLock:
                     continue
                 if etag is None:
                     self.lost = (f"another {self.info['by']} took over this store's lock {self.key} (this one did "
-                                 f"not renew it for {self.stale_after_s:.0f} s): stop this one; the other goes on")
+                                 f"not renew it for {STALE_AFTER_S:.0f} s): stop this one; the other goes on")
                     return
                 self._etag = etag
 

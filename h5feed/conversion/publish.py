@@ -67,15 +67,14 @@ def is_shard(key: str) -> bool:
 class BucketMirror:
     """A local staging copy of one store in a bucket: its files go up as objects (each only when the bucket does
     not hold those bytes already), its metadata and index come down into it.  `h5feed convert` publishes
-    through one (`BucketPublisher`), and so does an `open_writer` writer of a bucket store.
+    through one (`BucketPublisher`), and so does an `open_writer` writer of a bucket store (its shards up, the
+    store's state down; its commits are its own, `writer_sites.bucket`).
 
-    `local_only(key)`: the staging files that are never uploaded (locks; a writer's journal).  `journaled`: what
-    the bucket holds is noted in `<root>/uploads.jsonl` too, for a later run (a converter resumes from it; a
-    writer fetches what it needs at every step)."""
+    `journaled`: what the bucket holds is noted in `<root>/uploads.jsonl` too, for a later run (a converter
+    resumes from it; a writer fetches what it needs at every step)."""
 
-    def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock,
-                 local_only: Callable[[str], bool] = lambda key: key == LOCK_FILE, journaled: bool = True) -> None:
-        self.objects, self.root, self.lock, self.local_only = objects, root, lock, local_only
+    def __init__(self, objects: FsspecStore, root: Path, lock: BucketLock, journaled: bool = True) -> None:
+        self.objects, self.root, self.lock = objects, root, lock
         self.journaled = journaled
         self.store = root / "store"
         self._uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, digest) of what the bucket holds
@@ -86,12 +85,12 @@ class BucketMirror:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def fetch(self, keys: list[str]) -> None:
-        """Fetch the objects `keys` into the staging folder, each checked first to be a path inside it, and note
-        that the bucket holds their bytes."""
-        paths = {key: self._staging_path(key) for key in keys}
+    def fetch(self, keys: list[str], as_keys: list[str] | None = None) -> None:
+        """Fetch the objects `keys` into the staging folder (at `as_keys`, one for each, when given), each checked
+        first to be a path inside it, and note that the bucket holds their bytes there."""
+        paths = {key: self._staging_path(key) for key in (keys if as_keys is None else as_keys)}
         held = {}
-        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, paths)):
+        for (key, path), data in zip(paths.items(), self._pool.map(self.objects.get_large, keys)):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, data, durable=False)
             held[key] = (len(data), _digest(data))
@@ -136,11 +135,11 @@ class BucketMirror:
             future.result()
 
     def local_keys(self) -> list[str]:
-        """The staging folder's files that belong in the bucket (not a partial write, not local-only)."""
+        """The staging folder's files that belong in the bucket (not a partial write, not the lock)."""
         keys = []
         for path in sorted(self.store.rglob("*")):
             key = path.relative_to(self.store).as_posix()
-            if path.is_file() and not self.local_only(key) and not key.endswith(PARTIAL_SUFFIX):
+            if path.is_file() and key != LOCK_FILE and not key.endswith(PARTIAL_SUFFIX):
                 keys.append(key)
         return keys
 

@@ -50,7 +50,7 @@ def new_store_info(fmt: SourceFormat, reference: SampleShape, *, codec: str, chu
     stays FP8 whatever `precision` says, and `precision="fp8"` quantizes the others."""
     source_dtype = dtype_name(reference.dtype)
     fp8_source = reference.dtype == FP8_DTYPE  # kept as it is, whatever precision was asked
-    fp8 = precision == "fp8" or fp8_source
+    fp8 = quantizes(precision, reference.dtype) or fp8_source
     info = StoreInfo(
         source_format=fmt.name,
         hidden_size=reference.hidden_size,
@@ -69,6 +69,46 @@ def new_store_info(fmt: SourceFormat, reference: SampleShape, *, codec: str, chu
         quantized_from=source_dtype if fp8 and not fp8_source else "",
     )
     return dataclasses.replace(info, format_version=info.format_version_needed)
+
+
+def quantizes(precision: Precision, dtype: torch.dtype) -> bool:
+    """Whether a store of `precision` quantizes hidden states of `dtype` (an FP8 source's are kept as they are)."""
+    return precision == "fp8" and dtype != FP8_DTYPE
+
+
+def with_fp8_scales(where: Path, sample: SourceSample) -> SourceSample:
+    """The sample with the per-token scales a store that quantizes it divides its hidden states by
+    (`hidden_scales`, as `token_scales` computes them), for `write_sample`: a token holding NaN or Inf is refused
+    here, naming `where`, the token and the layer.  Its scale, the amax of its values, would be NaN or Inf and
+    every one of its values NaN once quantized (hs-connectors' arithmetic, which says nothing).  The check costs
+    a pass over the T scales: the amax over the token's values is taken to quantize anyway."""
+    last = sample.last_hidden_state
+    scales = token_scales([*sample.aux_parts, *([last] if last is not None else [])])
+    bad = (~torch.isfinite(scales)).nonzero()
+    if len(bad):
+        raise SourceError(where, _non_finite_token(sample, int(bad[0]), len(bad)))
+    return dataclasses.replace(sample, hidden_scales=scales)
+
+
+def _non_finite_token(sample: SourceSample, token: int, count: int) -> str:
+    """Where in `token` (of non-finite scale) the first NaN or Inf lies, and what to do about it."""
+    h = sample.shape.hidden_size
+    layers = [*sample.aux_parts, *([sample.last_hidden_state] if sample.last_hidden_state is not None else [])]
+    column = 0
+    for part in layers:
+        found = (~torch.isfinite(part[token])).nonzero()
+        if len(found):
+            column += int(found[0])
+            value = part[token, int(found[0])].item()
+            break
+        column += int(part.shape[1])
+    layer, k = column // h, sample.shape.num_aux_layers
+    place = f"aux layer {layer} of {k}" if layer < k else "the last hidden state"
+    return (f"token {token} holds {value} in {place} (value {column % h} of {h}), and quantized to FP8 every value "
+            f"of that token would be NaN (its scale is its largest absolute value; {count} of the sample's "
+            f"{len(sample.input_ids)} tokens hold NaN or Inf): fix the extraction that made it, leave the sample out "
+            "(convert's --skip-bad), or store exactly (precision exact keeps NaN and Inf as they are); "
+            "`(~torch.isfinite(t)).nonzero()` finds such values in a tensor t")
 
 
 def check_same_shape(where: Path, shape: SampleShape, reference: SampleShape, whose: str) -> None:
@@ -93,10 +133,12 @@ def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, d
     def chunks(tensor: torch.Tensor, name: str) -> Iterable[torch.Tensor]:  # one chunk's rows at a time
         return (tensor[r : r + c].view(info.storage_dtype(name)) for r in rows)
 
-    last, scales = sample.last_hidden_state, sample.hidden_scales  # an FP8 source's scales, kept as they are
-    quantizing = info.lossy  # quantized here, as hs-connectors' fp8 backend does (the aux states one chunk at a time)
+    # An FP8 source's scales, kept as they are, or those `with_fp8_scales` checked, which the states are quantized
+    # with here, as hs-connectors' fp8 backend does (the aux states one chunk at a time).
+    last, scales = sample.last_hidden_state, sample.hidden_scales
+    quantizing = info.lossy
     if quantizing:
-        scales = token_scales([*sample.aux_parts, *([last] if last is not None else [])])
+        assert scales is not None, "a sample to quantize comes from with_fp8_scales"
         last = None if last is None else quantize(last, scales)
     blocks: dict[str, Iterable[torch.Tensor]] = {}
     if scales is not None:

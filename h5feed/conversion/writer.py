@@ -11,21 +11,24 @@ published every `publish_every` samples and at close, so a trainer can open the 
 it to see more, while extraction goes on.  A kill loses only the samples not yet journaled: the
 next `open_writer` on the store resumes after the last journaled one and says which that was.
 
-Several writers (the ranks of a parallel extraction, several servers) append to one store at once,
-each under its own id (`writer="rank3"`), with no lock held while samples are written: each writes
-its own shards and its own journal.  Rows are reserved in blocks of whole shards (a sample starts
-on a shard boundary) under a short lock, in which the arrays are grown to cover them: the arrays'
-row count is where the next block starts.  A writer alone in the store extends its block, so its
-samples lie back to back, as one process's always did.  Publishing is another short lock: the
-published index gains this writer's journaled rows that it lacks (a sample's first row is its
-identity: no two share one), in one atomic write of the attributes.  A writer restarted with the
-same id resumes its own journal; rows a killed writer reserved but never journaled are holes that
-no index row points at.  The unnamed writer (`writer=None`) journals where a store written by one
-process always had its journal, so such a store resumes as it is.
+Several writers (the ranks of a parallel extraction, several servers) append to one store at once, each
+under its own id (`writer="rank3"`), with no lock held while samples are written: each writes its own
+shards and its own journal.  Rows are reserved in blocks of whole shards (a sample starts on a shard
+boundary) in a short shared step, in which the arrays are grown to cover them: the arrays' row count is
+where the next block starts.  A step is a commit (`WriterSite.commit`): under a flock on a local store,
+by compare-and-swap in a bucket, where its body may run again on a fresh state; so a body only computes
+from the store's state, and the writer takes what it returns once the commit returned.  A writer alone
+in the store extends its block, so its samples lie back to back, as one process's always did.
+Publishing is another short step: the published index gains this writer's journaled rows that it lacks
+(a sample's first row is its identity: no two share one), in one atomic write of the attributes.  A
+writer restarted with the same id resumes its own journal; rows a killed writer reserved but never
+journaled are holes that no index row points at.  The unnamed writer (`writer=None`) journals where a
+store written by one process always had its journal, so such a store resumes as it is.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -54,12 +57,15 @@ from h5feed.conversion.samples import (
     new_store_info,
     publish_columns,
     published_columns,
+    quantizes,
     rows_taken,
+    with_fp8_scales,
     write_sample,
 )
 from h5feed.conversion.writer_sites import WriterSite, open_site
-from h5feed.errors import SourceError, StoreError
+from h5feed.errors import DiskFullError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceSample
+from h5feed.formats.checks import check_token_values, refuse_unbacked_tensors
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
 from h5feed.store.layout import (
@@ -151,8 +157,9 @@ def open_writer(
         storage_options: for a bucket, fsspec's options (endpoint_url, credentials, ...).
         staging_dir: for a bucket, the local folder this writer works in: its journal and the samples being
             uploaded (default: one per store and writer id under `$XDG_CACHE_HOME/h5feed/staging`; the same
-            folder resumes a writer restarted with its id).  A sample is journaled once its shards are in the
-            bucket, and the index is published there by one atomic PUT of the store's root.
+            folder resumes a writer restarted with its id; a second writer given a folder in use is refused).  A
+            sample is journaled once its shards are in the bucket, and the index is published there by one
+            conditional PUT of the store's root.
     """
     site = open_site(store, writer, storage_options, staging_dir)
     return StoreWriter(site, writer=writer, format=format, chunk_tokens=chunk_tokens,
@@ -231,6 +238,11 @@ class StoreWriter:
 
     def _adopt(self, info: StoreInfo) -> None:
         """Write into an existing store: one open_writer made, with this writer's settings."""
+        self.info = self._checked_settings(info)
+        self._reference = _reference_of(info)
+
+    def _checked_settings(self, info: StoreInfo) -> StoreInfo:
+        """`info`, once it is the store of an open_writer, with this writer's settings; else StoreError."""
         if (self.path / PLAN_FILE).exists() or info.source_root != WRITER_SOURCE:
             raise StoreError(self.location, "was made by `h5feed convert`, not by open_writer: append files to it with "
                              "`h5feed convert`, or write into another store")
@@ -241,8 +253,7 @@ class StoreWriter:
         if differ is not None:
             raise StoreError(self.location, f"was written with {differ[0]}, not {differ[1]}: open every writer of a "
                              "store with its settings, or write into another store")
-        self.info = info
-        self._reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
+        return info
 
     def _own_partial_writes(self) -> list[Path]:
         """The partial files a kill mid-write left in the rows this writer reserved (and has not used yet)."""
@@ -284,8 +295,12 @@ class StoreWriter:
         label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
         copy = self._behind is not None  # written later: the caller may reuse its buffers meanwhile
+        refuse_unbacked_tensors(where, sample)  # before the copies below would allocate what a view claims
         d = {key: _to_host(value, copy) for key, value in sample.items()}
         loaded = self.format.sample_from(d, where)
+        check_token_values(where, loaded)
+        if quantizes(self.precision, loaded.shape.dtype):
+            loaded = with_fp8_scales(where, loaded)  # a sample it refuses takes no rows
         shape = loaded.shape
         if self._behind is not None:
             self._behind.raise_failure()  # before rows are reserved for a sample that would not be written
@@ -298,51 +313,76 @@ class StoreWriter:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
         planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end)
+        if self._behind is None:
+            self._write(planned)  # a failure before its journal line (a full disk) takes neither its number nor rows
         self._next_row += taken
         self._appended += 1
         if self._behind is None:
-            self._write(planned)
+            self._publish_due(planned.label)
         else:
-            self._behind.submit(lambda: self._write(planned))
+            self._behind.submit(lambda: (self._write(planned), self._publish_due(planned.label)))
         self._seconds += time.perf_counter() - t0
         return index
 
     def _write(self, planned: _PlannedSample) -> None:
-        """The sample's shards, then its journal line; published when `publish_every` are due (in append order:
-        with write_behind, on the writer's own thread, one sample at a time)."""
+        """The sample's shards, then its journal line (with write_behind, on the writer's own thread, one sample
+        at a time, in append order)."""
         assert self.info is not None
-        self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
-        record = write_sample(self.path, self.info, planned.sample, planned.start, self.durable)
-        num_tokens = planned.sample.shape.num_tokens
-        self.site.sample_written(self.info, planned.start, num_tokens)  # in the store before it is journaled
-        self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
-                             "num_tokens": num_tokens, "block_end": planned.block_end, **record}, sync=self.durable)
+        try:
+            self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
+            record = write_sample(self.path, self.info, planned.sample, planned.start, self.durable)
+            num_tokens = planned.sample.shape.num_tokens
+            self.site.sample_written(self.info, planned.start, num_tokens)  # in the store before it is journaled
+            self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
+                                 "num_tokens": num_tokens, "block_end": planned.block_end, **record}, sync=self.durable)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:  # the folder the writer works in: the store, or a bucket's staging folder
+                raise DiskFullError(self.path, f"disk full while writing {planned.label!r} ({os.strerror(exc.errno)}): "
+                                    "free space, then append it again (the samples appended before it are kept)"
+                                    ) from exc
+            raise
         self._rows.append(IndexRow(planned.start, num_tokens, planned.index, planned.label, record["checksum"],
                                    record["has_loss_mask"]))
         self._bytes_out += record["bytes_out"]
-        if len(self._rows) - self._published >= self.publish_every:
+
+    def _publish_due(self, label: str) -> None:
+        """Publish when `publish_every` samples are due.  A publication that fails leaves them kept (journaled,
+        published by the next publication): the error says so, so that a caller does not append the sample
+        `label` again, which would store it twice."""
+        if len(self._rows) - self._published < self.publish_every:
+            return
+        try:
             self._publish()
+        except Exception as exc:
+            raise StoreError(self.location, f"{label!r} is appended and kept (do not append it again), but "
+                             f"publishing it failed: {exc}; publish() or close() tries again") from exc
 
     def _reserve(self, shape: SampleShape, taken: int) -> None:
-        """Rows for a sample of `taken` rows: this writer's block extended when no other reserved rows since
-        (its samples stay back to back), else a new block where the arrays end (what its old one has left is
-        a hole).  The store is made here by the first writer of all, from its first sample."""
-        with self.site.step(ROWS_LOCK):
-            if self.info is None and (self.path / "zarr.json").exists():
-                self._adopt(read_info(self.path))  # another writer made it
-            if self.info is None:
-                self.info, self._reference = self._new_info(shape), shape
-                end = max(taken, self.block_rows)
-                create_arrays(self.path, self.info, total_rows=end)
-                if self.durable:
-                    fsync_tree(self.path)
-                self._next_row, self._block_end = 0, end
-                return
-            high = array_rows(self.path)  # the end of every block reserved so far
-            if self._next_row is None or self._block_end != high:
-                self._next_row = high
-            self._block_end = max(self._next_row + taken, high + self.block_rows)
-            grow_arrays(self.path, self._block_end, self.durable)
+        """Rows for a sample of `taken` rows, made this writer's once the step committed."""
+        reserved = self.site.commit(ROWS_LOCK, lambda: self._rows_for(shape, taken))
+        self.info, self._reference = reserved.info, reserved.reference
+        self._next_row, self._block_end = reserved.start, reserved.end
+
+    def _rows_for(self, shape: SampleShape, taken: int) -> _Reservation:
+        """The rows step's body: this writer's block extended when no other reserved rows since (its samples
+        stay back to back), else a new block where the arrays end (what its old one has left is a hole).  The
+        store is made here by the first writer of all, from its first sample.  Only the staging folder is
+        changed: the writer takes the rows once they are committed."""
+        info = self.info
+        if info is None and (self.path / "zarr.json").exists():
+            info = self._checked_settings(read_info(self.path))  # another writer made it
+        if info is None:
+            info = self._new_info(shape)
+            end = max(taken, self.block_rows)
+            create_arrays(self.path, info, total_rows=end)
+            if self.durable:
+                fsync_tree(self.path)
+            return _Reservation(info, shape, 0, end)
+        high = array_rows(self.path)  # the end of every block reserved so far
+        start = self._next_row if self._next_row is not None and self._block_end == high else high
+        end = max(start + taken, high + self.block_rows)
+        grow_arrays(self.path, end, self.durable)
+        return _Reservation(info, self._reference or _reference_of(info), start, end)
 
     def _new_info(self, shape: SampleShape) -> StoreInfo:
         return new_store_info(self.format, shape, codec=self.codec, chunk_tokens=self.chunk_tokens,
@@ -367,17 +407,23 @@ class StoreWriter:
             self._publish()
 
     def _publish(self) -> None:
-        """Add this writer's journaled samples that the published index lacks to it, after the others'."""
+        """Add this writer's journaled samples that the published index lacks to it, after the others'.  When
+        it raises, they are not published (a reader does not see them) and are still kept: the next
+        publication publishes them."""
         if self.info is None or self._published == len(self._rows):
             return
-        with self.site.step(PUBLISH_LOCK):
+        rows, arrays = list(self._rows), len(self.info.array_names)
+
+        def add_mine() -> None:  # the step's body, on the index as the store holds it now
             published = published_columns(self.path)
-            mine = index_columns(self._rows, len(self.info.array_names))
+            mine = index_columns(rows, arrays)
             new = ~np.isin(mine["sample_start"], published["sample_start"])
             if new.any():
                 publish_columns(self.path, {k: np.concatenate([published[k], mine[k][new]]) for k in published},
                                 [], self.durable)
-        self._published = len(self._rows)
+
+        self.site.commit(PUBLISH_LOCK, add_mine)
+        self._published = len(rows)
 
     # --- closing -------------------------------------------------------------------------------
     @property
@@ -429,6 +475,21 @@ def _to_host(value: Any, copy: bool) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_host(v, copy) for v in value)
     return value
+
+
+def _reference_of(info: StoreInfo) -> SampleShape:
+    """The shape every sample of an existing store must have (its length aside)."""
+    return SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
+
+
+@dataclass(frozen=True)
+class _Reservation:
+    """What a rows step committed: the store (made, or as found), its samples' shape, the rows [start, end)."""
+
+    info: StoreInfo
+    reference: SampleShape
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +13,9 @@ from h5feed.errors import SourceError
 from h5feed.formats.base import SampleShape, SourceSample
 
 __all__ = [
-    "CheckedSample", "aux_and_last", "check_hidden", "fmt_shape", "ids_to_int64", "is_integer_dtype",
-    "mask_to_int64", "mask_vector", "refuse_unknown_keys", "require_keys", "require_tensor", "token_vector",
+    "CheckedSample", "aux_and_last", "check_hidden", "check_token_values", "fmt_shape", "ids_to_int64", "is_integer_dtype",
+    "mask_to_int64", "mask_vector", "refuse_unbacked_tensors", "refuse_unknown_keys", "require_keys",
+    "require_tensor", "token_vector",
 ]
 
 
@@ -41,6 +42,27 @@ def require_tensor(path: Path, d: dict, key: str) -> torch.Tensor:
     if not isinstance(v, torch.Tensor):
         raise SourceError(path, f"{key!r} is a {type(v).__name__}, expected a tensor")
     return v
+
+
+def refuse_unbacked_tensors(path: Path, d: Mapping[Any, Any]) -> None:
+    """Every tensor of `d` (a value, or an item of a list value) holds the values its shape claims.
+
+    An expanded view (a stride of 0) or a tensor on the meta device claims T tokens while holding a few bytes or
+    none: the first copy of it (`.contiguous()`, a move to the host) would allocate all it claims, gigabytes for
+    a file of kilobytes.  Checked first, before any copy: only shapes, strides and storage sizes are read."""
+    for key, value in d.items():
+        tensors = [(f"{key!r}", value)] if isinstance(value, torch.Tensor) else \
+            [(f"{key!r}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)] \
+            if isinstance(value, (list, tuple)) else []
+        for label, t in tensors:
+            if t.device.type == "meta":
+                raise SourceError(path, f"{label} is a meta tensor {fmt_shape(t)}: it has a shape but no values "
+                                  "(made on the meta device, or saved from one); save the tensor's values")
+            claimed, held = t.numel() * t.element_size(), t.untyped_storage().nbytes()
+            if held < claimed:
+                raise SourceError(path, f"{label} claims {fmt_shape(t)} ({claimed} bytes) but holds {held} bytes: a "
+                                  "view that repeats its values (expand, a stride of 0) would be copied to its full "
+                                  "size; save or give the tensor itself (.contiguous() makes one of a view)")
 
 
 def _vector(path: Path, v: Any, key: str, expected: str) -> torch.Tensor:
@@ -130,6 +152,24 @@ def ids_to_int64(path: Path, ids: torch.Tensor, key: str) -> torch.Tensor:
             raise SourceError(path, f"{key!r} is uint64 with values above the int64 range; cannot convert losslessly")
         return as_int64
     return ids.to(torch.int64).contiguous()  # every other integer dtype widens without loss
+
+
+def check_token_values(path: Path, sample: SourceSample) -> None:
+    """Token ids are >= 0 and a loss mask holds only 0 and 1: a trainer indexes its embedding with the ids and
+    weights its loss with the mask, so another value would train on garbage or fail far from its cause.  Every
+    sample is checked so, converted or appended (O(T): the ids and mask only)."""
+    ids, mask = sample.input_ids, sample.loss_mask
+    negative = (ids < 0).nonzero()
+    if len(negative):
+        token = int(negative[0])
+        raise SourceError(path, f"'input_ids' holds {int(ids[token])} at token {token} ({len(negative)} negative "
+                          "ids): token ids are >= 0; the pipeline that wrote it padded or marked them otherwise")
+    if mask is not None:
+        other = ((mask != 0) & (mask != 1)).nonzero()
+        if len(other):
+            token = int(other[0])
+            raise SourceError(path, f"'loss_mask' holds {int(mask[token])} at token {token} ({len(other)} such "
+                              "values): a loss mask holds 0 (no loss on the token) or 1 (loss on it), nothing else")
 
 
 def mask_to_int64(mask: torch.Tensor | None) -> torch.Tensor | None:

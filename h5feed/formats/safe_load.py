@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from h5feed.errors import SourceError
+from h5feed.formats.checks import refuse_unbacked_tensors
 
 __all__ = ["gz_head_dict", "load_torch_dict"]
 
@@ -197,10 +198,12 @@ def _torch_load_gz(path: Path) -> Any:
 
 
 def load_torch_dict(path: Path) -> dict:
-    """The dict a ``.pt``/``.ckpt`` (or gzipped ``.ckpt.gz``) file holds, loaded with ``weights_only=True``."""
+    """The dict a ``.pt``/``.ckpt`` (or gzipped ``.ckpt.gz``) file holds, loaded with ``weights_only=True``; a tensor
+    in it that claims more values than it holds is refused before anything copies it."""
     obj = (_torch_load_gz if path.name.endswith(".gz") else _torch_load_path)(path)
     if not isinstance(obj, dict):
         raise SourceError(path, f"not a dict: the file holds a {type(obj).__name__}, expected a dict of tensors")
+    refuse_unbacked_tensors(path, obj)
     return obj
 
 

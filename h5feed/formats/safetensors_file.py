@@ -13,6 +13,7 @@ import torch
 from h5feed.errors import SourceError
 from h5feed.formats.base import SampleShape
 from h5feed.formats.checks import fmt_shape
+from h5feed.store.fp8 import FP8_MAX, MAX_SCALE, MIN_SCALE, invalid_scales
 from h5feed.store.layout import HIDDEN_SCALES
 
 __all__ = ["check_fp8_scales", "fp8_scales", "open_safetensors", "tensor_meta"]
@@ -46,7 +47,8 @@ def tensor_meta(f: Any, key: str) -> torch.Tensor:
 
 def check_fp8_scales(path: Path, f: Any, hidden: torch.Tensor) -> None:
     """FP8 hidden states (`hidden`, a meta tensor [T, ...]) come as hs-connectors' fp8 backend writes them:
-    float8_e4m3fn, with their float32 scales [T, 1, 1] (`hidden_states_scales`); no other file has scales."""
+    float8_e4m3fn, with their float32 scales [T, 1, 1] (`hidden_states_scales`); no other file has scales.  The
+    scales are read (4 bytes a token) and each must be one the fp8 backend can write (`invalid_scales`)."""
     fp8, has_scales = hidden.dtype == torch.float8_e4m3fn, HIDDEN_SCALES in f.keys()  # noqa: SIM118 (no dict)
     if hidden.dtype.itemsize == 1 and not fp8:
         raise SourceError(path, f"'hidden_states' has dtype {hidden.dtype}; FP8 files are read as hs-connectors' "
@@ -62,6 +64,15 @@ def check_fp8_scales(path: Path, f: Any, hidden: torch.Tensor) -> None:
         if scales.dtype != torch.float32 or tuple(scales.shape) != (hidden.shape[0], 1, 1):
             raise SourceError(path, f"{HIDDEN_SCALES!r} is {scales.dtype} {fmt_shape(scales)}; expected float32 "
                               f"[{hidden.shape[0]}, 1, 1], one scale per token")
+        values = f.get_tensor(HIDDEN_SCALES).view(-1)
+        bad = invalid_scales(values).nonzero()
+        if len(bad):
+            token = int(bad[0])
+            raise SourceError(path, f"token {token} has the scale {values[token].item():g} in {HIDDEN_SCALES!r}: "
+                              f"hs-connectors' fp8 backend writes max(amax / {FP8_MAX:g}, {MIN_SCALE:g}) of finite "
+                              f"hidden states, between {MIN_SCALE:g} and {MAX_SCALE:.2g}, and this one would be read "
+                              f"back as zeros, flipped signs, NaN or Inf ({len(bad)} token(s) of {len(values)} have "
+                              "such scales); the file is damaged: write it again")
 
 
 def fp8_scales(f: Any, shape: SampleShape) -> torch.Tensor | None:

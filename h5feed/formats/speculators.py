@@ -23,6 +23,7 @@ from h5feed.formats.checks import (
     ids_to_int64,
     mask_to_int64,
     mask_vector,
+    refuse_unknown_keys,
     require_keys,
     token_vector,
 )
@@ -46,6 +47,7 @@ class SpeculatorsLegacyPt(TorchDictFormat):
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         require_keys(path, d, ("input_ids", "hidden_states"), self.name)
+        refuse_unknown_keys(path, d, ("input_ids", "hidden_states", "loss_mask"), self.name)
         ids = token_vector(path, d["input_ids"], "input_ids")
         t = ids.shape[0]
         hs = d["hidden_states"]
@@ -93,6 +95,7 @@ class SpeculatorsV0Pt(TorchDictFormat):
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         require_keys(path, d, ("input_ids", "hidden_state", "target"), self.name)
+        refuse_unknown_keys(path, d, ("input_ids", "hidden_state", "target", "loss_mask"), self.name)
         ids = token_vector(path, d["input_ids"], "input_ids")
         aux, last, shape = aux_and_last(path, d, "hidden_state", "target", ids.shape[0], batched=False)
         return CheckedSample(ids, mask_vector(path, d.get("loss_mask"), "loss_mask", shape.num_tokens), aux, last, shape)

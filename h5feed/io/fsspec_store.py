@@ -233,8 +233,9 @@ class FsspecStore(ObjectStore):
         if self.protocol not in ("s3", "s3a"):
             if not _warned_unconditional:
                 _warned_unconditional.append(self.protocol)
-                log.warning("%s: %s has no conditional writes here: the writer's lock is checked, then written, "
-                            "so two writers starting the same instant could both proceed", self.url, self.protocol)
+                log.warning("%s: %s has no conditional writes here: a lock or commit is checked, then written, so "
+                            "one writer at a time is safe; two committing in the same instant could both go, one's "
+                            "commit lost", self.url, self.protocol)
             try:
                 current = self.info(key).etag
             except ObjectNotFound:
@@ -253,6 +254,37 @@ class FsspecStore(ObjectStore):
             if _precondition_failed(exc):
                 return None  # written by someone else meanwhile
             raise
+
+    def server_time_ns(self) -> int | None:
+        """The bucket's time now, on its own clock (what Last-Modified is on): S3's `Date` header of a one-key
+        listing (read-only credentials do); elsewhere the Last-Modified of a probe object put under
+        `h5feed-writers/` and deleted.  None when neither answers.  Why: a lock's age is its Last-Modified
+        against this, never against this machine's clock, which may be minutes off the bucket's."""
+        from email.utils import parsedate_to_datetime
+
+        try:
+            if self.protocol in ("s3", "s3a"):
+                from fsspec.asyn import sync
+
+                fs, path = self._client()[0], self._path("")
+                bucket, prefix, _ = fs.split_path(path)
+                answer = sync(fs.loop, self._call_async, fs, "", "call_s3", ("list_objects_v2",),
+                              {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1}, lambda result: result,
+                              lambda _: 0)
+                date = answer["ResponseMetadata"]["HTTPHeaders"]["date"]
+                return round(parsedate_to_datetime(date).timestamp() * 1e9)
+            if self.read_only:
+                return None
+            probe = f"h5feed-writers/clock-probe-{uuid.uuid4().hex}"
+            self.put_atomic(probe, b"")
+            try:
+                return self.info(probe).modified_ns
+            finally:
+                self.delete(probe)
+        except (ObjectError, KeyError, TypeError, ValueError) as exc:
+            log.warning("%s: could not read the bucket's clock (%s): only a lock whose holder is known dead is "
+                        "taken over", self.url, exc)
+            return None
 
     def delete(self, key: str) -> None:
         self._check_writable(key)

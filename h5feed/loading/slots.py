@@ -172,12 +172,16 @@ class SlotReturns:
     Without CUDA a slot is free once its batch is dropped.  With CUDA, a copy to the GPU queued
     on the current stream may still read it: the slot is DRAINING until an event recorded at the
     drop has completed, which one thread waits for, in drop order; the ring itself is freed
-    behind the last of them.
+    behind the last of them, and `free_ring` waits for that thread to end.  Why it waits: a
+    daemon thread still inside a CUDA call when the interpreter exits is ended by `pthread_exit`
+    through PyTorch's C++ frames, and the process aborts ("terminate called without an active
+    exception"); the loader's finalizer runs `free_ring` at exit, before daemon threads are ended.
     """
 
     def __init__(self, ring: SlotRing) -> None:
         self.ring = ring
         self._pending: queue.SimpleQueue[tuple[int, Any] | None] | None = None  # made with the first CUDA drop
+        self._draining: threading.Thread | None = None  # the thread that waits for them, made with it
         self._lock = threading.Lock()
 
     def give_back(self, slot: int) -> None:
@@ -190,19 +194,23 @@ class SlotReturns:
         self._queue().put((slot, event))
 
     def free_ring(self) -> None:
-        """Free the ring now, or, where copies to the GPU are pending, once they have completed."""
+        """Free the ring now, or, where copies to the GPU are pending, once they have completed (waited for)."""
         with self._lock:
             if self._pending is None:
                 self.ring.free()
-            else:
-                self._pending.put(None)
+                return
+            self._pending.put(None)
+            draining = self._draining
+        if draining is not None and draining is not threading.current_thread():
+            draining.join()
 
     def _queue(self) -> queue.SimpleQueue[tuple[int, Any] | None]:
         with self._lock:
             if self._pending is None:
                 self._pending = queue.SimpleQueue()
-                threading.Thread(target=self._drain, args=(self._pending,), daemon=True,
-                                 name="h5feed-slot-release").start()
+                self._draining = threading.Thread(target=self._drain, args=(self._pending,), daemon=True,
+                                                  name="h5feed-slot-release")
+                self._draining.start()
             return self._pending
 
     def _drain(self, pending: queue.SimpleQueue[tuple[int, Any] | None]) -> None:

@@ -23,6 +23,8 @@ from h5feed.store.reader import RawSample
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1e-12  # the scale of a token whose states are all zero
+# The scale of a token whose amax is the largest float32 (bfloat16's and float16's largest are below it): ~7.6e35.
+MAX_SCALE = torch.finfo(torch.float32).max / FP8_MAX
 DEQUANTIZED_DTYPE = torch.bfloat16  # what FP8Transfer returns by default, and what an FP8 store delivers
 
 
@@ -31,6 +33,13 @@ def token_scales(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     last state) in any float dtype.  The amax is taken in the parts' own dtype (exact: no copy in float32)."""
     amax = functools.reduce(torch.maximum, (part.abs().amax(dim=1) for part in parts))
     return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def invalid_scales(scales: torch.Tensor) -> torch.Tensor:
+    """bool, the shape of `scales` (float32): the scales `token_scales` never gives for finite hidden states, whatever
+    their dtype: not finite, below MIN_SCALE (zero, negative, subnormal) or above MAX_SCALE.  Read back, such a
+    scale turns a token's values into zeros, flipped signs, NaN or Inf; a file holding one is damaged."""
+    return ~((scales >= MIN_SCALE) & (scales <= MAX_SCALE))  # NaN fails both comparisons
 
 
 def quantize(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -421,6 +421,42 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
     return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
 
 
+COMMIT_KEY = "h5feed_commit"  # in the root's attributes, beside ATTRS_KEY: a bucket writer's last commit
+DEFAULT_INDEX = "index"  # the index group of a local store, a converter's, and a bucket store before commits
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What the root of a store that `open_writer` writers share in a bucket says of its last commit.
+
+    Why: there the root is the single object a commit changes in place (a PUT on the ETag read at the step's
+    start), so the index it publishes cannot be rewritten in place, where a writer that lost the race could
+    still overwrite it; each publication writes its index under a fresh prefix (`index`), which the root
+    names.  `seq` counts commits (each changes the root, so two writers never both commit on one state);
+    `token` tells a writer whether a commit whose answer it lost went in.  A root without one (a local store,
+    a converter's, a bucket store of an earlier h5feed) has its index at `DEFAULT_INDEX`."""
+
+    seq: int = 0
+    index: str = DEFAULT_INDEX  # the index group's path in the store
+    by: str | None = None  # the writer id that committed it, for messages
+    token: str = ""
+
+    @classmethod
+    def of_root(cls, root: Mapping[str, Any]) -> Commit:
+        """The commit a root's metadata (its zarr.json, parsed) records; the default when it records none."""
+        recorded = root.get("attributes", {}).get(COMMIT_KEY) if isinstance(root, Mapping) else None
+        try:
+            commit = cls(**recorded)
+        except TypeError:
+            return cls()
+        safe = _is_int(commit.seq) and isinstance(commit.index, str) and commit.index.startswith(DEFAULT_INDEX) and \
+            ".." not in commit.index.split("/")
+        return commit if safe else cls()
+
+    def to_attributes(self) -> dict[str, Any]:
+        return {COMMIT_KEY: {"seq": self.seq, "index": self.index, "by": self.by, "token": self.token}}
+
+
 # The dtype each index column's rows are checksummed in (`index_digest`); source_path as UTF-8, each ending in NUL.
 _INDEX_DIGEST_DTYPES = {"sample_start": "<i8", "sample_length": "<i8", "source_index": "<i8", "checksum": "<u4",
                         "has_loss_mask": "u1"}

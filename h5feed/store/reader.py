@@ -15,6 +15,7 @@ its source file and the object.  A read from a bucket gives up at its deadline
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import struct
@@ -35,6 +36,7 @@ from h5feed.io import CachedStore, FsspecStore, IOCounters, ObjectError, ObjectS
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.layout import (
     CRC_BYTES,
+    Commit,
     EMPTY,
     HIDDEN_SCALES,
     INDEX_COLUMNS,
@@ -219,8 +221,10 @@ class Store:
 
         if self._objects is None:
             return zarr.open_group(self.path, mode="r")
-        if "_zarr_store" not in self.__dict__:
-            self._zarr_store = zarr_store(self._objects, {}, ("index/",))
+        if "_zarr_store" not in self.__dict__:  # the index the root names fetched at once, with that root
+            root = self._objects.get("zarr.json")
+            index = Commit.of_root(json.loads(root)).index
+            self._zarr_store = zarr_store(self._objects, {"zarr.json": root}, (f"{index}/",))
         return zarr.open_group(self._zarr_store, mode="r", zarr_format=3)
 
     def _load_index(self, n: int) -> None:
@@ -231,7 +235,7 @@ class Store:
         and every column's stored chunks hold n rows: a store claiming 2^26 samples is refused at once."""
         try:
             group = self.zarr_group()
-            index = group["index"]
+            index = group[Commit.of_root({"attributes": group.attrs.asdict()}).index]
             self._recorded_digest = IndexDigest.from_attributes(index.attrs)  # before the rows it may cover
             self.total_rows = self._check_arrays(group)
             self._check_columns(index, n)

@@ -269,9 +269,11 @@ def being_converted(store: str | os.PathLike[str]) -> str | None:
     return f"it is being written now by {writer.get('by', CONVERTER)} ({who}){progress}; wait for it to finish"
 
 
-def why_lock_is_free(holder: dict[str, Any], modified_ns: int | None, stale_after_s: float) -> str | None:
+def why_lock_is_free(holder: dict[str, Any], age_s: float | None, stale_after_s: float) -> str | None:
     """Why a lock object in a bucket may be taken over (its holder is gone or silent: no heartbeat for
-    `stale_after_s`), or None while it is held."""
+    `stale_after_s`), or None while it is held.  `age_s`: the seconds since it was last written, on the
+    bucket's own clock (`lock_age_s`), never this machine's against the bucket's: a client clock minutes off
+    (S3 accepts 15) would take over live locks, or keep dead ones."""
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         try:
             os.kill(holder["pid"], 0)
@@ -279,11 +281,19 @@ def why_lock_is_free(holder: dict[str, Any], modified_ns: int | None, stale_afte
             return "that process no longer runs"
         except PermissionError:
             pass  # it runs, as another user
-    if modified_ns is not None and time.time_ns() - modified_ns > stale_after_s * 1e9:
-        return f"its last heartbeat is {(time.time_ns() - modified_ns) / 1e9:.0f} s old"
+    if age_s is not None and age_s > stale_after_s:
+        return f"its last heartbeat is {age_s:.0f} s old"
     if not holder:
         return "it is unreadable"
     return None
+
+
+def lock_age_s(modified_ns: int | None, server_now_ns: int | None) -> float | None:
+    """A lock object's age: its Last-Modified against the bucket's time now (`FsspecStore.server_time_ns`), both
+    the server's clock; None when either is unknown (then only a holder known dead frees a lock)."""
+    if modified_ns is None or server_now_ns is None:
+        return None
+    return (server_now_ns - modified_ns) / 1e9
 
 
 def bucket_writers(objects: FsspecStore) -> list[dict[str, Any]]:
@@ -298,7 +308,9 @@ def bucket_writer_locks(objects: FsspecStore) -> WriterLocks:
     from h5feed.io import ObjectError
 
     live, departed = [], []
-    for key, info in objects.list_info(WRITERS_DIR).items():
+    listed = objects.list_info(WRITERS_DIR)
+    now_ns = objects.server_time_ns() if listed else None
+    for key, info in listed.items():
         name = key.rsplit("/", 1)[-1]
         if not is_writer_lock(name):
             continue
@@ -308,7 +320,7 @@ def bucket_writer_locks(objects: FsspecStore) -> WriterLocks:
             continue
         if not isinstance(holder, dict):
             continue
-        why = why_lock_is_free(holder, info.modified_ns, STALE_AFTER_S)
+        why = why_lock_is_free(holder, lock_age_s(info.modified_ns, now_ns), STALE_AFTER_S)
         if why is None:
             live.append(holder)
         elif holder:
