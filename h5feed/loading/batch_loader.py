@@ -16,6 +16,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Generator, Iterator
+from dataclasses import fields
 from typing import Any, Literal
 
 import torch
@@ -29,8 +30,11 @@ from h5feed.loading.options import Batching
 from h5feed.store import Store
 
 Decode = Literal["cpu", "cuda", "auto"]
-_CPU_DECODE_ONLY = ("num_workers", "slots_per_worker", "multiprocessing_context", "worker_init_fn", "timeout")
-_GPU_DECODE_ONLY = ("decode_group", "decode_ahead")
+
+
+def _arguments_of(*backends: str) -> set[str]:
+    """The keyword arguments these backends take: the fields of their options."""
+    return {f.name for name in backends for f in fields(get_backend(name).Options)}
 
 
 class BatchLoader(LoaderControls):
@@ -108,8 +112,9 @@ class BatchLoader(LoaderControls):
                      "slots_per_worker": slots_per_worker, "multiprocessing_context": multiprocessing_context,
                      "worker_init_fn": worker_init_fn, "timeout": timeout, "decode_group": decode_group,
                      "decode_ahead": decode_ahead}  # the backends' own: each takes those its options have
-        cpu_only = [name for name in _CPU_DECODE_ONLY if arguments[name]]
-        gpu_only = [name for name in _GPU_DECODE_ONLY if arguments[name] is not None]
+        cpu_takes, gpu_takes = _arguments_of("workers", "threads"), _arguments_of("cuda")
+        cpu_only = [name for name, value in arguments.items() if name in cpu_takes - gpu_takes and value]
+        gpu_only = [name for name, value in arguments.items() if name in gpu_takes - cpu_takes and value is not None]
         if decode == "cuda" and cpu_only:
             raise ValueError(f"{', '.join(cpu_only)} belong to decode='cpu'; decode='cuda' reads with threads in this "
                              "process (threads=, prefetch=)")
