@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from h5feed import BatchLoader, Follow, Store
+from h5feed.gpu import why_unavailable
 from h5feed.loading.backends.cuda import CudaOptions
 from h5feed.loading.backends.threads import ThreadsOptions
 from h5feed.loading.backends.workers import WorkersOptions
@@ -66,3 +67,10 @@ def test_the_loader_builds_its_backends_options_from_its_arguments(store_path):
 def test_the_loader_checks_its_arguments_through_the_option_objects(store_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchLoader(store_path, max_len=64, **kwargs)
+
+
+def test_an_argument_of_gpu_decode_is_refused_where_auto_decodes_on_the_cpu(store_path):
+    if why_unavailable() is None:
+        pytest.skip("CUDA and nvCOMP are here: auto decodes on the GPU")
+    with pytest.raises(ValueError, match="decode_group belong to decode='cuda'; decode='auto' decodes on the CPU here"):
+        BatchLoader(store_path, decode="auto", max_len=64, decode_group=2)

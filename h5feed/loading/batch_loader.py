@@ -129,7 +129,7 @@ class BatchLoader(LoaderControls):
         if decode == "auto" and on_gpu and get_backend("cuda").refusal(stream.store) is not None:
             on_gpu = False
         if decode == "auto" and not on_gpu and gpu_only:
-            raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda', which cannot run here")
+            raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda'; decode='auto' decodes on the CPU here")
         store = stream.store
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
