@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 MAX_HELD_CALLS = 8  # calls whose nvCOMP objects a decoder keeps while its stream is busy
 
 
+@functools.cache
 def why_unavailable() -> str | None:
     """None when GPU decode can run here, else why not (no CUDA device, nvCOMP missing)."""
     if not torch.cuda.is_available():
