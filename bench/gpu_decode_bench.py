@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from numcodecs import blosc
 
-from h5feed import gpu_decode
+from h5feed import gpu
 from h5feed.bench import format_table
 from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.synthetic import column_scales, make_sample
@@ -94,7 +94,7 @@ def cpu_decode_gbps(frames: list[bytes], nbytes: int) -> float:
 
 
 def run(
-    decoder: gpu_decode.CudaBloscDecoder,
+    decoder: gpu.CudaBloscDecoder,
     frames: list[bytes],
     bits_gpu: torch.Tensor,
     batch: int,
@@ -114,11 +114,11 @@ def run(
         for frame, (offset, length) in zip(batch_frames, spans):
             slot[offset : offset + length] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
 
-        def call() -> gpu_decode.CudaDecodeTiming:
+        def call() -> gpu.CudaDecodeTiming:
             return decoder.decode_from_pinned(slot, spans, list(out))
     else:
 
-        def call() -> gpu_decode.CudaDecodeTiming:
+        def call() -> gpu.CudaDecodeTiming:
             return decoder.decode(batch_frames, list(out))
 
     call().gpu_times()  # warm-up: buffers grow, nvCOMP initialises
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, help="an older gpu_decode.py to compare the loader groups with")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = p.parse_args(argv)
-    if not gpu_decode.available():
-        print(f"GPU decode unavailable: {gpu_decode.why_unavailable()}", file=sys.stderr)
+    if not gpu.available():
+        print(f"GPU decode unavailable: {gpu.why_unavailable()}", file=sys.stderr)
         return 2
     from nvidia import nvcomp
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_numcodecs_gbps_1_thread": cpu_decode_gbps(frames, chunk_nbytes),
         }
         for config in a.configs:
-            decoder = gpu_decode.CudaBloscDecoder(sync_free=config == "sync-free")
+            decoder = gpu.CudaBloscDecoder(sync_free=config == "sync-free")
             for source in a.sources:
                 for batch in a.batches:
                     labels = {"blocksize": blocksize, "config": config}
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print("\n".join(format_table(table, right={0, *range(3, 15)})))
     groups = []
-    decoders = [("placed", gpu_decode)] + ([("baseline", load_baseline(a.baseline))] if a.baseline else [])
+    decoders = [("placed", gpu)] + ([("baseline", load_baseline(a.baseline))] if a.baseline else [])
     for samples in a.group_samples:
         for label, module in decoders:
             groups.append(run_group(module, label, bits, samples, a.sample_tokens, a.tokens, a.hidden, a.repeats))

@@ -408,7 +408,7 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
 
 
 def _cuda_batch_loader(store: Store, stream_args: dict[str, Any], threads: int) -> Any:
-    from h5feed.loading.cuda_loader import CudaBatchLoader
+    from h5feed import CudaBatchLoader
 
     return CudaBatchLoader(store, **stream_args, threads=threads)
 

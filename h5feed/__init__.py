@@ -3,8 +3,7 @@
 from h5feed.conversion import ConvertReport, StoreWriter, WriterReport, convert, open_writer
 from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
 from h5feed.flavors import TrainerCollate, trainer_collate
-from h5feed.loading.batch_loader import BatchLoader
-from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed.loading.batch_loader import BatchLoader, CudaBatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.loading.follow import Follow
 from h5feed.metrics import LoaderCounters, LoaderSnapshot

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -191,6 +191,14 @@ class LoaderSnapshot:
                          "retries", "cache_hits", "cache_misses", "writer_wait_seconds", "repeated")
         }
         return {"time": self.time, "total": totals, "workers": [w.__dict__ for w in self.workers]}
+
+
+@runtime_checkable
+class CountedReader(Protocol):
+    """A dataset or stream that counts its workers' reads: h5feed's own, which `h5feed.monitor` reads through this
+    (a plain torch dataset has no counters, and the monitor says so)."""
+
+    counters: LoaderCounters
 
 
 def check_worker_count(num_workers: int) -> None:

@@ -1,22 +1,19 @@
-"""Model-Optimizer, AngelSlim and NeMo Automodel on the decode-into-batch path: BatchLoader (threads and worker
-processes) and CudaBatchLoader batches equal, key by key and bit for bit, their trainers' collates (restated in
-test_trainers.py from the released code) over the flavor's items; one collate entry point for every flavor."""
+"""Model-Optimizer, AngelSlim and NeMo Automodel on the decode-into-batch path: the stores, the trainers' collates
+(restated in test_trainers.py from the released code) and the references that test_decode_backends.py holds every
+backend's batches to, key by key and bit for bit; a reused slot's pads; one collate entry point for every flavor."""
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import inner_chunk_span
 from test_trainers import angelslim_collate, assert_same, modelopt_collate, nemo_collate
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
-from h5feed.gpu_decode import why_unavailable
 from h5feed.synthetic import write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -98,26 +95,6 @@ def one_pass(loader: Any, epoch: int = 0) -> list[Any]:
         return [cloned(batch) for batch in loader]
 
 
-@pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)
-def test_threads_equal_the_trainers_collate(store: Any, name: str, flavor: str, max_len: int | None) -> None:
-    path = store(name)
-    for batch_size in (1, 3):
-        loader = BatchLoader(path, flavor=flavor, max_len=max_len, batch_size=batch_size, threads=2, seed=4)
-        for epoch in (0, 1):
-            got, want = one_pass(loader, epoch), reference(path, flavor, max_len, batch_size, epoch, seed=4)
-            assert len(got) == len(want) == len(loader)
-            assert_same(got, want, f"batch_size {batch_size}, epoch {epoch}")
-
-
-@pytest.mark.parametrize(("name", "flavor", "max_len"), [c for c in CASES if c[2] != 40], ids=IDS[:1] + IDS[2:])
-def test_workers_equal_the_trainers_collate(store: Any, name: str, flavor: str, max_len: int | None) -> None:
-    path = store(name)
-    loader = BatchLoader(path, flavor=flavor, max_len=max_len, batch_size=2, num_workers=2, seed=6)
-    for epoch in (0, 1):
-        assert_same(one_pass(loader, epoch), reference(path, flavor, max_len, 2, epoch, seed=6), f"epoch {epoch}")
-    assert [w.samples for w in loader.dataset.counters.snapshot().workers] == [8, 8]  # 2 epochs of 2 batches each
-
-
 @pytest.mark.parametrize(("name", "flavor", "max_len"), [
     ("modelopt-hf", "modelopt", 12),  # labels' -100 and pads after a row that filled train_len
     ("angelslim-vllm", "angelslim", None),
@@ -133,33 +110,8 @@ def test_a_short_batch_after_a_long_one_in_the_same_slot(store: Any, name: str, 
                               (2, [1, 7, 3, 5, 2, 4, 0, 6])):  # slot 0: 30 and 28 tokens, then 11 and 9
         loader = BatchLoader(path, flavor=flavor, max_len=max_len, batch_size=batch_size, threads=1, prefetch=1,
                              samples=order, shuffle=False)
-        assert loader.slots_per_worker == 3
+        assert loader.backend.slots_per_worker == 3
         assert_same(one_pass(loader), reference(path, flavor, max_len, batch_size, samples=order, shuffle=False))
-
-
-@pytest.mark.parametrize(("name", "flavor", "max_len", "array"), [
-    ("modelopt-hf", "modelopt", 12, "aux_hidden_states"),
-    ("nemo-topk", "nemo-eagle3", None, "target_probs_values"),  # an optional array, decoded beside the batch
-])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_skip_leaves_out_exactly_the_damaged_samples(store: Any, tmp_path: Path, name: str, flavor: str,
-                                                     max_len: int | None, array: str, workers: int) -> None:
-    """on_corrupt="skip": each batch of the schedule, collated from its sound samples (read from the sound
-    store); a retried batch leaves no row of the abandoned attempt behind."""
-    sound, damaged = store(name), tmp_path / "damaged"
-    shutil.copytree(sound, damaged)
-    for sample in (1, 6):
-        path, offset, length = inner_chunk_span(damaged, sample, array, 0)
-        data = bytearray(path.read_bytes())
-        data[offset + length // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
-    stream = HiddenStatesStream(damaged, flavor, max_len, on_corrupt="skip", seed=1)
-    loader = BatchLoader(stream, batch_size=3, num_workers=workers, threads=2)
-    sequence, items = loader.dataset.rank_sequence(), HiddenStatesDataset(sound, flavor, max_len)
-    want = [restated_collate(flavor, max_len)([items[i] for i in sequence[j : j + 3] if i not in (1, 6)])
-            for j in range(0, len(sequence), 3)]
-    assert_same([cloned(batch) for batch in loader], want)
-    assert loader.dataset.counters.snapshot().total("corrupt") == 2
 
 
 @pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)
@@ -196,27 +148,3 @@ def test_model_optimizer_refuses_a_batch_of_mixed_norms(store: Any) -> None:
         trainer_collate("modelopt", 12)([post, pre])
 
 
-gpu = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}")
-
-
-def on_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        assert value.is_cuda
-        return value.cpu()
-    if isinstance(value, dict):
-        return {key: on_cpu(v) for key, v in value.items()}
-    return value
-
-
-@gpu
-@pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)
-def test_gpu_batches_equal_the_trainers_collate(store: Any, name: str, flavor: str, max_len: int | None) -> None:
-    from h5feed.loading.cuda_loader import CudaBatchLoader
-
-    path = store(name)
-    loader = CudaBatchLoader(path, flavor=flavor, max_len=max_len, batch_size=3, seed=2, threads=2)
-    for epoch in (0, 1):
-        loader.set_epoch(epoch)
-        got = [on_cpu(batch) for batch in loader]
-        assert_same(got, reference(path, flavor, max_len, 3, epoch, seed=2), f"epoch {epoch}")
-    assert loader.gpu_decode_ms > 0

@@ -95,19 +95,6 @@ def test_workers_equal_collated_items(legacy_store, specforge_store, assert_same
     assert [w.samples for w in counted.workers] == [8, 6]  # 7 batches of 2: 4 to worker 0, 3 to worker 1
 
 
-def test_two_ranks_and_epochs(legacy_store, assert_same_batch):
-    for rank in range(2):
-        loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=30, batch_size=2, threads=2,
-                             rank=rank, world_size=2, seed=9)
-        for epoch in range(2):
-            loader.set_epoch(epoch)
-            got = copies(loader)
-            stream = HiddenStatesStream(legacy_store.path, "speculators", 30, rank=rank, world_size=2, seed=9)
-            stream.set_epoch(epoch)
-            want = list(StreamLoader(stream, batch_size=2, collate_fn=trainer_collate("speculators", 30)))
-            assert_same_batches(got, want, assert_same_batch)
-
-
 def test_drop_last_leaves_out_the_short_batch(specforge_store, assert_same_batch):
     want = reference(specforge_store.path, "specforge", 40, 4, seed=1)  # 14 samples: 3 batches of 4, one of 2
     for num_workers in (0, 2):
@@ -178,7 +165,7 @@ def test_slots_are_recycled_only_after_release(legacy_store, assert_same_batch):
                 held = None  # released: the slot may come back
     assert len(set(addresses)) <= 4  # four slots, reused: 14 batches
     del batch
-    states = loader._writer.ring.states
+    states = loader.backend.writer.ring.states
     deadline = time.monotonic() + 10  # with CUDA, a thread frees a slot once its release event has completed
     while not (states == FREE).all() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -204,28 +191,6 @@ def test_a_pass_dropped_midway_stops_its_readers(legacy_store):
     del iterator  # as a `for` loop left with break: the loader does not keep its pass alive
     assert not any(t.name.startswith("h5feed-batch") for t in threading.enumerate())
     assert len(copies(loader)) == N  # and the next pass starts afresh
-
-
-# =========================================================================== resume
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_resume_continues_with_the_batches_not_delivered(legacy_store, assert_same_batch, num_workers):
-    def make():
-        return BatchLoader(legacy_store.path, flavor="speculators", max_len=30, batch_size=2, num_workers=num_workers,
-                           threads=2, seed=4)
-
-    full = copies(make())
-    loader = make()
-    iterator = iter(loader)
-    for _ in range(3):
-        next(iterator)
-    state = loader.state_dict()
-    assert state == {"epoch": 0, "seed": 4, "position": 6}
-    loader.close()
-    resumed = make()
-    resumed.load_state_dict(state)
-    assert_same_batches(copies(resumed), full[3:], assert_same_batch)
 
 
 # =========================================================================== the store read

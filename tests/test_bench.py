@@ -23,7 +23,7 @@ from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_s
 from h5feed.bench.loaders import BASELINE, GPU_DECODE, ITEMS, SHORT_LABELS, USABLE, compare_digests, digest
 from h5feed.bench.report import TABLE_COLUMNS
 from h5feed.cli import main
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.loading.datasets import HiddenStatesDataset
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic

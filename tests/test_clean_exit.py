@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 
 TRAINER = """
 import sys, torch, h5feed

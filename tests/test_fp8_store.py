@@ -24,7 +24,7 @@ import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store, plain_allocator
 from h5feed.store import layout as store_layout
@@ -262,7 +262,7 @@ def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, decod
     workers = {"num_workers": num_workers} if decode == "cpu" else {}
     loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, decode=decode, threads=2,
                          shuffle=False, **workers)
-    assert type(loader).__name__ == ("BatchLoader" if decode == "cpu" else "CudaBatchLoader")
+    assert loader.backend.name == ("cuda" if decode == "cuda" else "workers" if num_workers else "threads")
     got = [{key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in flat(batch).items()}
            for batch in loader]
     collate = h5feed.trainer_collate(flavor, max_len,

@@ -1,4 +1,4 @@
-"""gpu_decode: the Blosc1 parser, the decode plan and the GPU unshuffle, checked bit for bit against numcodecs.
+"""h5feed.gpu: the Blosc1 parser, the decode plan and the GPU unshuffle, checked bit for bit against numcodecs.
 
 On the CPU (CI) `reference_decode_into` runs the GPU path's algorithm with
 numcodecs' zstd per stream; on a GPU box with nvCOMP the same frames go through
@@ -21,8 +21,7 @@ import pytest
 import torch
 from numcodecs import Blosc, blosc
 
-from h5feed import gpu_decode
-from h5feed.gpu_decode import (
+from h5feed.gpu import (
     DamagedFrame,
     FrameError,
     Placement,
@@ -32,11 +31,13 @@ from h5feed.gpu_decode import (
     reference_decode_into,
     reference_decode_placed,
 )
+from h5feed.gpu import frames as frame_parser
+from h5feed.gpu import nvcomp
 from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.synthetic import column_scales, make_sample
 
 MIB = 1 << 20
-gpu = pytest.mark.skipif(not gpu_decode.available(), reason=f"GPU decode unavailable: {gpu_decode.why_unavailable()}")
+gpu = pytest.mark.skipif(not nvcomp.available(), reason=f"GPU decode unavailable: {nvcomp.why_unavailable()}")
 
 
 def encode(a: np.ndarray, **kw) -> bytes:
@@ -175,7 +176,7 @@ def test_bulk_parser_equals_the_frame_parser(monkeypatch):
     frames = store_frames() + [encode(a, **kw) for a, kw, _ in CASES.values()] + [split_frame()]
     frames.append(encode(np.zeros(0, np.uint16)))
     calls = []
-    monkeypatch.setattr(gpu_decode, "parse_frame", lambda f: calls.append(bytes(f)) or parse_frame(f))
+    monkeypatch.setattr(frame_parser, "parse_frame", lambda f: calls.append(bytes(f)) or parse_frame(f))
     buffer, spans = pack(frames)
     table = parse_frames(buffer, spans)
     assert [table.frame(i) for i in range(len(frames))] == [parse_frame(f) for f in frames]
@@ -368,12 +369,12 @@ def test_empty_batch_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 def test_without_cuda_gpu_decode_says_why():
-    assert not gpu_decode.available()
-    assert gpu_decode.why_unavailable() == "no CUDA device is visible to torch"
+    assert not nvcomp.available()
+    assert nvcomp.why_unavailable() == "no CUDA device is visible to torch"
     with pytest.raises(RuntimeError, match="GPU decode is not available: no CUDA device"):
-        gpu_decode.CudaBloscDecoder()
+        nvcomp.CudaBloscDecoder()
     with pytest.raises(ValueError, match="outputs must be CUDA tensors, got cpu"):
-        gpu_decode.decode_into_cuda([encode(np.arange(4, dtype=np.uint16))], [torch.empty(8, dtype=torch.uint8)])
+        nvcomp.decode_into_cuda([encode(np.arange(4, dtype=np.uint16))], [torch.empty(8, dtype=torch.uint8)])
 
 
 # =========================================================================== on the GPU
@@ -388,7 +389,7 @@ def _case_frames() -> list[tuple[bytes, bytes]]:
 @pytest.mark.parametrize("sync_free, unshuffle", [(True, "triton"), (False, "triton"), (True, "torch")])
 def test_gpu_equals_numcodecs(sync_free, unshuffle):
     """Every CPU case plus Kimi-shaped bf16 chunks (256 x 3 x 7168), in one batch, bit for bit."""
-    decoder = gpu_decode.CudaBloscDecoder(sync_free=sync_free, unshuffle=unshuffle)
+    decoder = nvcomp.CudaBloscDecoder(sync_free=sync_free, unshuffle=unshuffle)
     assert decoder.unshuffle == unshuffle
     encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
     kimi = [activations(256, 7168, index=i) for i in range(3)] + [activations(77, 7168, index=3)]
@@ -414,7 +415,7 @@ def test_gpu_rows_of_a_batch_and_buffer_reuse():
     side = torch.cuda.Stream()
     for count, stream in ((2, None), (6, side), (3, None)):
         batch = torch.zeros(count, 256, 3 * 512, dtype=torch.bfloat16, device="cuda")
-        gpu_decode.decode_into_cuda(frames[:count], list(batch), stream=stream).gpu_times()
+        nvcomp.decode_into_cuda(frames[:count], list(batch), stream=stream).gpu_times()
         for i in range(count):
             assert torch.equal(batch[i].cpu().view(torch.uint16), chunks[i].view(torch.uint16))
 
@@ -431,7 +432,7 @@ def test_gpu_from_pinned_memory():
     for (frame, _), offset in zip(cases, offsets):
         source[offset : offset + len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
     outs = [torch.empty(len(expected), dtype=torch.uint8, device="cuda") for _, expected in cases]
-    decoder = gpu_decode.CudaBloscDecoder()
+    decoder = nvcomp.CudaBloscDecoder()
     timing = decoder.decode_from_pinned(source, [(o, len(f)) for (f, _), o in zip(cases, offsets)], outs)
     timing.copy_done.synchronize()
     source.fill_(0)  # the bytes are on the GPU: the source may be reused while the decode runs
@@ -449,7 +450,7 @@ def test_gpu_refuses_damage_before_touching_outputs():
     good = encode((np.arange(1_500_000) % 977).astype(np.uint16))
     outs = [torch.full((3_000_000,), 7, dtype=torch.uint8, device="cuda") for _ in range(2)]
     with pytest.raises(DamagedFrame, match="^frame 1 of the batch"):
-        gpu_decode.decode_into_cuda([good, _patch(good, 20, "<i", len(good) - 2)], outs)
+        nvcomp.decode_into_cuda([good, _patch(good, 20, "<i", len(good) - 2)], outs)
     torch.cuda.synchronize()
     assert all(bool((out == 7).all()) for out in outs)
 
@@ -484,7 +485,7 @@ def test_gpu_placements_into_rows_of_a_batch(unshuffle):
         source[at : at + len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         spans.append((at, len(frame)))
         at += len(frame) + 7
-    decoder = gpu_decode.CudaBloscDecoder(stream=torch.cuda.Stream(), unshuffle=unshuffle)
+    decoder = nvcomp.CudaBloscDecoder(stream=torch.cuda.Stream(), unshuffle=unshuffle)
     timing = decoder.decode_placed(
         source, spans, [Placement(f, skip, gpu_batch[key][n, a:b]) for f, skip, key, n, a, b in placements])
     timing.gpu_times()
@@ -503,7 +504,7 @@ def test_gpu_call_returns_before_the_gpu_has_decoded():
     encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
     chunks = [activations(256, 512, index=i) for i in range(4)]
     frames = [encode_hidden(c.view(torch.uint16).numpy()) for c in chunks]
-    decoder = gpu_decode.CudaBloscDecoder(stream=torch.cuda.Stream())
+    decoder = nvcomp.CudaBloscDecoder(stream=torch.cuda.Stream())
     outs = [torch.empty(256, 3 * 512, dtype=torch.bfloat16, device="cuda") for _ in chunks]
     decoder.decode(frames, outs).gpu_times()  # warm-up: buffers, nvCOMP, the kernel
     for _ in range(3):  # the second and third calls free the arrays of the ones before

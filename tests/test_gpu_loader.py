@@ -7,7 +7,7 @@ import torch
 
 from h5feed import HiddenStatesStream, StreamLoader
 from h5feed.flavors import trainer_collate
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 
 gpu = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}")
 
@@ -15,7 +15,7 @@ gpu = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unav
 def test_without_cuda_the_error_names_the_cpu_loader(synthetic_store):
     if why_unavailable() is None:
         pytest.skip("CUDA and nvCOMP are here")
-    from h5feed.loading.cuda_loader import CudaBatchLoader
+    from h5feed import CudaBatchLoader
 
     s = synthetic_store("gpu_loader", "speculators-legacy-pt", 6, 64, (20, 90))
     with pytest.raises(RuntimeError, match="decode on the GPU is not available .*use h5feed.BatchLoader"):
@@ -31,7 +31,7 @@ def test_without_cuda_the_error_names_the_cpu_loader(synthetic_store):
     ("specforge", "specforge-ckpt", 2, 50),
 ])
 def test_gpu_batches_equal_the_trainers_collate(synthetic_store, assert_same_batch, flavor, fmt, batch_size, max_len):
-    from h5feed.loading.cuda_loader import CudaBatchLoader
+    from h5feed import CudaBatchLoader
 
     s = synthetic_store(f"gpu_loader_{fmt}", fmt, 11, 64, (1, 120), chunk_tokens=16)
     want = list(StreamLoader(HiddenStatesStream(s.path, flavor, max_len, seed=3), batch_size=batch_size,

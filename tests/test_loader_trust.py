@@ -18,7 +18,7 @@ import torch
 
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, convert, trainer_collate
 from h5feed.errors import WorkerDiedError
-from h5feed.gpu_decode import why_unavailable
+from h5feed.gpu import why_unavailable
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
 
@@ -168,7 +168,7 @@ def skipping_loader(kind: str, path: Path, seed: int, batch_size: int, workers: 
     if kind == "batch":
         return BatchLoader(stream, batch_size=batch_size, num_workers=workers, threads=2)
     if kind == "cuda":
-        from h5feed.loading.cuda_loader import CudaBatchLoader
+        from h5feed import CudaBatchLoader
 
         return CudaBatchLoader(stream, batch_size=batch_size, threads=2, prefetch=3, decode_group=2)
     collate = trainer_collate(FLAVOR, MAX_LEN, hidden_states_dtype=stream.hidden_states_dtype)
@@ -289,17 +289,13 @@ def kill_when_reading(counters, sample: int, killed: list[tuple[int, int]]) -> t
     return thread
 
 
-@pytest.mark.parametrize("kind", ["stream", "batch"])
-def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch, kind):
+def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch):
+    """StreamLoader's workers; BatchLoader's backends with worker processes: test_decode_backends.py."""
     _, sound = stores
     victim = 5
-    method = "read_sample" if kind == "stream" else "read_rows_into"
-    monkeypatch.setattr(Store, method, hold_sample(LENGTHS[victim], getattr(Store, method)))
+    monkeypatch.setattr(Store, "read_sample", hold_sample(LENGTHS[victim], Store.read_sample))
     stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, shuffle=False, prefetch=0)
-    if kind == "stream":
-        loader = StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context="fork")
-    else:
-        loader = BatchLoader(stream, num_workers=2, multiprocessing_context="fork")
+    loader = StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context="fork")
     killed: list[tuple[int, int]] = []
     killer = kill_when_reading(stream.counters, victim, killed)
     started = time.monotonic()

@@ -68,7 +68,7 @@ from h5feed.bench.synthetic_set import (
     ensure_default_set,
 )
 from h5feed.errors import H5feedError
-from h5feed.loading.cuda_loader import gpu_decode_refusal
+from h5feed.loading.backends.cuda import gpu_decode_refusal
 from h5feed.store import Store
 
 if TYPE_CHECKING:  # typing.Self is 3.11+

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from h5feed.errors import _PathError
 
@@ -56,6 +56,7 @@ class ObjectInfo:
     modified_ns: int | None  # last modified, by the server's clock (ns since the epoch)
 
 
+@runtime_checkable
 class IOCounters(Protocol):
     """What an ObjectStore reports to: `IOStats` in this process, or a shared-memory row the monitor reads."""
 

@@ -1,8 +1,8 @@
 """What a trainer calls on a batch loader besides iterating it, answered by the loader's stream.
 
-`BatchLoader` and `CudaBatchLoader` deliver the same batches on the same schedule: each epoch,
-each resume and each `with` block goes through the stream (`HiddenStatesStream`) they were made
-on, so these controls are written once.
+`BatchLoader` delivers the same batches on the same schedule whatever its decode backend: each
+epoch, each resume and each `with` block goes through the stream (`HiddenStatesStream`) it was
+made on, so these controls are written once.
 """
 
 from __future__ import annotations

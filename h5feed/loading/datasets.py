@@ -28,14 +28,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
 from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, open_followed
+from h5feed.loading.options import ItemOptions, OnCorrupt, SampleSelector, ScheduleOptions, StoreOptions
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 from h5feed.store.fp8 import dequantized
 
-SampleSelector = Sequence[int | str | os.PathLike[str]]
-OnCorrupt = Literal["raise", "skip"]
 log = logging.getLogger(__name__)
 _REAP_SECONDS = 1.0  # how long a worker whose pipe broke may take to show as dead
 
@@ -101,12 +100,7 @@ def _as_store(
     cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | None = None,
 ) -> Store:
     """The store to read: one given open, or opened from a path or URL with these options."""
-    if not isinstance(store, Store):
-        return Store(store, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
-    if storage_options or cache_dir is not None or cache_limit is not None:
-        raise ValueError("storage_options, cache_dir and cache_limit open a store from its location; "
-                         "an open Store already has its own: pass its path or URL instead")
-    return store
+    return StoreOptions(store, storage_options, cache_dir, cache_limit).open()
 
 
 class _FlavoredReader:
@@ -130,14 +124,11 @@ class _FlavoredReader:
         cache_dir: str | os.PathLike[str] | None,
         cache_limit: int | None,
     ) -> None:
-        if on_corrupt not in ("raise", "skip"):
-            raise ValueError(f"on_corrupt must be 'raise' or 'skip', not {on_corrupt!r}")
+        ItemOptions(flavor, max_len, hidden_states_dtype, on_corrupt)  # checks them
         self.on_corrupt = on_corrupt
         self.store = _as_store(store, storage_options, cache_dir, cache_limit)
         self.shared_memory = shared_memory
         self.flavor: Flavor = get_flavor(flavor)
-        if max_len is not None and max_len < 1:
-            raise ValueError("max_len must be a positive number of tokens or None")
         self.max_len = max_len
         self.transform = transform
         self.hidden_states_dtype = hidden_states_dtype or self.flavor.default_hidden_states_dtype
@@ -338,10 +329,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         cache_limit: int | None = None,
         follow: Follow | None = None,
     ) -> None:
+        ScheduleOptions(samples, shuffle, locality_block, seed, equal_per_rank, rank, world_size, follow)  # checks them
         if follow is not None:
-            if shuffle or samples is not None:
-                raise ValueError("follow= reads every sample of the store in the order they were published: "
-                                 "pass shuffle=False and no samples=")
             if not isinstance(store, Store):  # its writer may not have published a sample yet
                 store = open_followed(store, follow, storage_options=storage_options, cache_dir=cache_dir,
                                       cache_limit=cache_limit)

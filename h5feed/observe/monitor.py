@@ -33,11 +33,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from h5feed.metrics import LoaderCounters, LoaderSnapshot, WorkerSnapshot
+from h5feed.metrics import CountedReader, LoaderCounters, LoaderSnapshot, WorkerSnapshot
 from h5feed.observe.renderer import (
     Record,
     format_line,
@@ -67,6 +67,37 @@ log = logging.getLogger(__name__)
 BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
 
 T = TypeVar("T")
+
+
+# What the monitor reads of the loader it wraps, where the loader has it: torch's DataLoader, StreamLoader and
+# BatchLoader have them all; any other iterable of batches is measured all the same.
+@runtime_checkable
+class OverDataset(Protocol):
+    """A loader over a dataset (whose counters, when it is h5feed's, the monitor shows)."""
+
+    dataset: Any
+
+
+@runtime_checkable
+class OverStore(Protocol):
+    """A dataset that reads a store (an h5feed `Store`, which the monitor describes, or another)."""
+
+    store: Any
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A loader that says how many samples a batch holds."""
+
+    batch_size: int | None
+
+
+@runtime_checkable
+class WorkerPool(Protocol):
+    """A loader that reads in worker processes, and says how they start."""
+
+    num_workers: int
+    multiprocessing_context: Any
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -187,10 +218,10 @@ class Monitor(Generic[T]):
         self.every, self.stall_after, self.name = every, stall_after, name
         self.rank, self.world_size = distributed_rank()
         self._label = label(name, self.rank, self.world_size)
-        self.dataset = getattr(loader, "dataset", None)
-        counters = getattr(self.dataset, "counters", None)
-        self.counters = counters if isinstance(counters, LoaderCounters) else None
-        self._store = getattr(self.dataset, "store", None)
+        self.dataset = loader.dataset if isinstance(loader, OverDataset) else None
+        reader = self.dataset if isinstance(self.dataset, CountedReader) else None
+        self.counters = reader.counters if reader is not None and isinstance(reader.counters, LoaderCounters) else None
+        self._store = self.dataset.store if isinstance(self.dataset, OverStore) else None
         log_path = Path(log_dir) if log_dir is not None else None
         if jsonl is not None:
             self.jsonl_path: Path | None = Path(jsonl)
@@ -202,7 +233,7 @@ class Monitor(Generic[T]):
             self._run.tensorboard = tensorboard_sink(tensorboard, log_path)
         sinks = [self._run.tensorboard if tensorboard else None, wandb_sink(wandb)]
         self._sinks: list[ScalarSink] = [sink for sink in sinks if sink is not None]
-        self._batch_size = getattr(loader, "batch_size", None) or 1
+        self._batch_size = (loader.batch_size if isinstance(loader, Batched) else None) or 1
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._reset()
@@ -303,9 +334,9 @@ class Monitor(Generic[T]):
             source = self.loader if self.dataset is None else self.dataset
             size = f" of {len(source)} samples" if hasattr(source, "__len__") else ""  # type: ignore[arg-type]
             parts = [f"{type(source).__name__}{size}"]
-        workers = getattr(self.loader, "num_workers", 0)
+        workers = self.loader.num_workers if isinstance(self.loader, WorkerPool) else 0
         if workers:
-            context = getattr(self.loader, "multiprocessing_context", None)
+            context = self.loader.multiprocessing_context  # type: ignore[attr-defined]
             method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method(True)
             plural = "s" if workers > 1 else ""
             parts.append(f"{workers} DataLoader worker{plural} ({method or 'default start method'})")

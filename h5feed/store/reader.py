@@ -557,7 +557,7 @@ class Store:
     ) -> list[tuple[int, int, int]]:
         """Copy the still-compressed frames of the chunks holding rows [0, stop) of sample i's `array`,
         each checked against its crc32c, back to back into the byte buffer `out`, for decoding
-        elsewhere (on the GPU: `h5feed.gpu_decode`).  Returns (chunk, offset in `out`, length) of each.
+        elsewhere (on the GPU: `h5feed.gpu`).  Returns (chunk, offset in `out`, length) of each.
 
         Raises `CorruptSampleError` like the reads that decode, and ValueError when `out` is too small.
         An FP8 store's hidden states decode to their FP8 bytes: the numbers are those bytes times their tokens'
@@ -682,8 +682,8 @@ class Store:
         the node cache, the file mapped again), from the chunk that failed: bytes damaged on their way are
         not damage in the store.  Only when the fresh bytes fail too does the ValueError go on.
         A frame is a view of a mapped file or of fetched bytes, valid until the next one is yielded."""
-        if hasattr(stats, "add_request"):  # a loader's counters: the network's figures go there too
-            self.io_stats = stats  # type: ignore[assignment]
+        if isinstance(stats, IOCounters):  # a loader's counters: the network's figures go there too
+            self.io_stats = stats
         per_object = self.info.chunks_per_shard if self.info.sharded else 1
         for j, (key, inner, whole) in enumerate(self._objects_of(i, name, chunks)):
             first = (chunks.start // per_object + j) * per_object  # the sample's chunk number of inner chunk 0

@@ -12,16 +12,17 @@ import train_step as ts
 
 import h5feed
 from h5feed.bench import drop_page_cache
-from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed import CudaBatchLoader
+from h5feed.loading.backends.cuda import CudaBackend
 from h5feed.store import Store
 
 store = Store("/root/.cache/h5feed/bench/speculators-legacy-pt-H7168-K3-T1500-1900-n64-s0/store")
 args = dict(flavor="speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16, seed=0)
 times = {}
-f = CudaBatchLoader._stage
+f = CudaBackend._stage
 def w(*a, **k):
     t = time.perf_counter(); r = f(*a, **k); times.setdefault("_stage", []).append(time.perf_counter() - t); return r
-CudaBatchLoader._stage = w
+CudaBackend._stage = w
 device = torch.device("cuda")
 shape = ts.Shape.for_hidden(store.hidden_size, store.num_aux_layers)
 warm = ts.warm_batch(shape, 2048)

@@ -13,8 +13,9 @@ import torch
 sys.path.insert(0, "bench"); sys.path.insert(0, ".")
 import train_step as ts
 
-from h5feed.gpu_decode import CudaBloscDecoder
-from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed.gpu import CudaBloscDecoder
+from h5feed import CudaBatchLoader
+from h5feed.loading.backends.cuda import CudaBackend
 from h5feed.store import Store
 
 OUT = os.environ["OUT"]
@@ -26,7 +27,7 @@ def wrap(cls, name):
     def w(*a, **k):
         t = time.perf_counter(); r = f(*a, **k); times.setdefault(name, []).append(time.perf_counter() - t); return r
     setattr(cls, name, w)
-for n in ("_decode", "_stage", "_placed"): wrap(CudaBatchLoader, n)
+for n in ("_decode", "_stage", "_placed"): wrap(CudaBackend, n)
 for n in ("decode_placed", "_launch", "_decode_streams", "_unshuffle_kernel", "_plan"): wrap(CudaBloscDecoder, n)
 def report(label):
     print(label)

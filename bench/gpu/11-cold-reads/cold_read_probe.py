@@ -96,10 +96,9 @@ def staging(store: Store, threads: int, depth: int, announce: str, warm: bool = 
 def cuda_loader(store: Store, threads: int, prefetch: int) -> str:
     import torch
 
-    from h5feed.loading import cuda_loader as module
+    from h5feed import CudaBatchLoader
+    from h5feed.loading.backends.cuda import CudaBackend as cls
     from h5feed.loading.readahead import ReadAhead as RA
-
-    cls = module.CudaBatchLoader
     record: dict[str, list[float]] = {}
 
     def timed(owner, name, key):
@@ -127,7 +126,7 @@ def cuda_loader(store: Store, threads: int, prefetch: int) -> str:
             record.setdefault("reader: region's copy event", []).append(time.perf_counter() - t)
     torch.cuda.Event.synchronize = timed_sync
     try:
-        loader = cls(store, flavor="speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16,
+        loader = CudaBatchLoader(store, flavor="speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16,
                      threads=threads, prefetch=prefetch)
         cold()
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -158,7 +157,7 @@ def next_under_step(store: Store) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import train_step as ts  # bench/train_step.py: its drafter step
 
-    from h5feed.loading.cuda_loader import CudaBatchLoader
+    from h5feed import CudaBatchLoader
 
     shape = ts.Shape.for_hidden(store.hidden_size, store.num_aux_layers)
     trainer, shape, alone_ms = ts.calibrate(shape, torch.device("cuda"), ts.warm_batch(shape, 2048), 65)

@@ -25,7 +25,7 @@ import train_step as ts
 import h5feed
 from h5feed.loading import cuda_loader
 from h5feed.loading import delivery as delivery_module
-from h5feed.loading.cuda_loader import CudaBatchLoader
+from h5feed import CudaBatchLoader
 from h5feed.synthetic import write_synthetic
 
 TIMES: dict[str, list[float]] = {"take": [], "query": []}

@@ -4,7 +4,7 @@ Reader threads, one batch each, copy its samples' still-compressed chunk frames,
 every one checked against its crc32c (`Store.copy_frames_into`), into the batch's
 region of one page-locked staging memory.  A delivery thread (`h5feed.loading.delivery`)
 sends the frames of up to `decode_group` consecutive staged batches to the GPU in one
-copy and decodes them in one nvCOMP batch on a stream of its own (`h5feed.gpu_decode`:
+copy and decodes them in one nvCOMP batch on a stream of its own (`h5feed.gpu`:
 the GPU decodes several times faster per byte in large batches), each chunk's rows
 written straight into their place in the trainer's batch (no temporary, no placement
 copy, pads zeroed), one group ahead of the trainer.  The trainer's thread only makes
@@ -12,27 +12,26 @@ its stream wait for the batch's event.  The batches equal, tensor for tensor, wh
 `DataLoader(HiddenStatesStream(...), collate_fn=trainer_collate(flavor, max_len),
 pin_memory=True)` yields, already on the GPU.  A staging region is reused once the
 event recorded after its copy to the GPU has completed.  Without CUDA or nvCOMP, use
-`BatchLoader` (a clear error says so).
+decode="cpu" (a clear error says so).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from h5feed.errors import CorruptSampleError
-from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, trainer_collate
-from h5feed.gpu_decode import CudaBloscDecoder, Placement, why_unavailable
-from h5feed.loading.controls import LoaderControls
-from h5feed.loading.datasets import HiddenStatesStream, stream_of
-from h5feed.loading.delivery import Delivery, TrainerStream
+from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, TrainerCollate
+from h5feed.gpu import CudaBloscDecoder, Placement, why_unavailable
+from h5feed.loading.backends.base import DecodeBackend, ReadyBatch, register_backend
+from h5feed.loading.datasets import HiddenStatesStream
+from h5feed.loading.delivery import TrainerStream
+from h5feed.loading.options import Batching
 from h5feed.loading.readahead import ReadAhead
 from h5feed.placement import place_items
 from h5feed.store import Store
@@ -54,15 +53,6 @@ class _Staged:
     targets: list[tuple[int, str, int]]  # (sample position in the batch, array, chunk) of each frame
 
 
-@dataclass
-class _Decoded:
-    """One batch as the delivery thread hands it on: placed on the decode stream once `ready` completes."""
-
-    scheduled: int  # the schedule's samples of the batch, damaged ones skipped included
-    batch: Batch | None  # None: every sample of the batch was damaged (on_corrupt="skip")
-    ready: torch.cuda.Event
-
-
 def store_refusal(store: Store) -> str | None:
     """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2
     or later; exact or FP8 hidden states)."""
@@ -74,60 +64,67 @@ def store_refusal(store: Store) -> str | None:
 
 
 def gpu_decode_refusal(store: Store) -> str | None:
-    """Why `CudaBatchLoader` cannot decode this store here (no CUDA, no nvCOMP, another codec); None when it can."""
+    """Why decode="cuda" cannot decode this store here (no CUDA, no nvCOMP, another codec); None when it can."""
     return why_unavailable() or store_refusal(store)
 
 
-class CudaBatchLoader(LoaderControls):
-    """The trainer's batches, decoded on the GPU from compressed frames that reader threads read and check.
+@dataclass(frozen=True)
+class CudaOptions:
+    """The cuda backend's own options.
 
-    Args:
-        data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out its own arguments).
-        flavor, max_len, hidden_states_dtype, batch_size, drop_last: as `BatchLoader`.
-        threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
-        prefetch: batches staged ahead (read by the threads in parallel).
-        decode_group: consecutive staged batches decoded in one GPU call.
-        decode_ahead: batches decoded ahead of the trainer on the GPU (each holds its batch's GPU memory).
-        device: the CUDA device the batches arrive on.
-        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, ...).
+    threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
+    prefetch: batches staged ahead (read by the threads in parallel).
+    decode_group: consecutive staged batches decoded in one GPU call.
+    decode_ahead: batches decoded ahead of the trainer on the GPU (each holds its batch's GPU memory).
+    device: the CUDA device the batches arrive on.
+    """
+
+    threads: int = 2
+    prefetch: int = 8
+    decode_group: int = 4
+    decode_ahead: int = 8
+    device: torch.device | str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, not {self.prefetch}")
+
+
+@register_backend
+class CudaBackend(DecodeBackend):
+    """Reader threads stage each batch's checked, compressed frames; the delivery thread decodes them on the GPU.
 
     `gpu_decode_ms` adds up the GPU time spent decoding (copy in, zstd, unshuffle): what decoding
     takes from training on that GPU.
     """
 
-    def __init__(
-        self,
-        data: HiddenStatesStream | Store | str | os.PathLike[str],
-        *,
-        flavor: str | None = None,
-        max_len: int | None = None,
-        hidden_states_dtype: torch.dtype | None = None,
-        batch_size: int = 1,
-        drop_last: bool = False,
-        threads: int = 2,
-        prefetch: int = 8,
-        decode_group: int = 4,
-        decode_ahead: int = 8,
-        device: torch.device | str = "cuda",
-        **stream_kwargs: Any,
-    ) -> None:
+    name = "cuda"
+    delivery_thread = "h5feed-gpu-decode"
+    memory = "staging memory"
+    Options = CudaOptions
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return why_unavailable()
+
+    @classmethod
+    def refusal(cls, store: Store) -> str | None:
+        return store_refusal(store)
+
+    def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
+                 options: CudaOptions) -> None:
         reason = why_unavailable()
         if reason is not None:
             raise RuntimeError(f"decode on the GPU is not available ({reason}); use h5feed.BatchLoader, which "
                                "decodes on the CPU")
-        stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
         store = stream.store
         reason = store_refusal(store)
         if reason is not None:
             raise ValueError(f"{store.path}: {reason}; use h5feed.BatchLoader(decode='cpu')")
-        stream.batch_size, stream.schedule.counted_by_loader = batch_size, True
-        self.dataset, self.batch_size, self.drop_last = stream, batch_size, drop_last
-        self.threads, self.prefetch, self.decode_group = threads, prefetch, decode_group
-        self.decode_ahead = max(decode_ahead, 1)
-        self.device = torch.device(device)
-        self.collate = trainer_collate(stream.flavor.name, stream.max_len,
-                                       hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
-                                       ).for_store(store.info)
+        self.stream, self.collate, self.batching, self.options = stream, collate, batching, options
+        self.threads, self.prefetch, self.decode_group = options.threads, options.prefetch, options.decode_group
+        self.decode_ahead = max(options.decode_ahead, 1)
+        self.device = torch.device(options.device)
         info = store.info
         self._trailing: dict[str, TensorSpec] = self.collate.trailing()
         self._arrays = sorted({rk.array for rk in self.collate.row_keys if rk.array is not None}
@@ -135,79 +132,45 @@ class CudaBatchLoader(LoaderControls):
         longest = max((stream.tokens_to_read(i) for i in stream.indices), default=1)
         chunks = -(-longest // info.chunk_tokens)
         per_sample = sum(chunks * (info.chunk_tokens * info.row_nbytes(a) + _FRAME_SLACK) for a in self._arrays)
-        self._regions = prefetch + decode_group  # a region is reused only after its batch was decoded
-        self._region_bytes = batch_size * per_sample
+        self._regions = self.prefetch + self.decode_group  # a region is reused only after its batch was decoded
+        self._region_bytes = batching.batch_size * per_sample
         self._staging = torch.empty(self._regions * self._region_bytes, dtype=torch.uint8, pin_memory=True)
-        self._closed = False
-        self._active: weakref.ref[Generator[Batch, None, None]] | None = None  # the pass close() ends
         self._copied: list[torch.cuda.Event | None] = [None] * self._regions
         self._decoder = CudaBloscDecoder(self.device, stream=torch.cuda.Stream(self.device))
         self.gpu_decode_ms = 0.0
         self._pending_timings: deque[Any] = deque()
 
-    def __len__(self) -> int:
-        return len(self.dataset.schedule.worker_batches(self.drop_last))
-
     def close(self) -> None:
-        """End the current pass and give the pinned staging memory back; the loader cannot be iterated again."""
-        active = self._active() if self._active is not None else None
-        if active is not None:
-            active.close()
-        self._closed = True
+        """The pinned staging memory goes back."""
         self.__dict__.pop("_staging", None)
 
-    def __iter__(self) -> Iterator[Batch]:
-        """One pass over this rank's batches."""
-        if self._closed:
-            raise ValueError("this CudaBatchLoader is closed (its staging memory was given back): make a new one")
-        batches = self._batches()
-        self._active = weakref.ref(batches)
-        return batches
+    @property
+    def holds_memory(self) -> bool:
+        return "_staging" in vars(self)
 
-    def _batches(self) -> Generator[Batch, None, None]:
-        """The pass on the trainer's thread: each batch, decoded and placed by the delivery thread, only handed over."""
-        stream = self.dataset
-        stream.schedule.begin_pass()
-        trainer = TrainerStream(self.device)
-        delivery = Delivery(functools.partial(self._decoded_batches, trainer),
-                            on_take=functools.partial(self._wait_for_decode, trainer), name="h5feed-gpu-decode")
-        try:
-            for decoded in delivery:
-                if decoded.batch is not None:  # None: all the batch's samples were damaged and skipped
-                    batch, decoded.batch = decoded.batch, None
-                    stream.note_consumed(decoded.scheduled)
-                    yield self.collate.finish(batch)
-                else:
-                    stream.note_consumed(decoded.scheduled)
-        finally:
-            delivery.close()
-            self._collect_timings(wait=True)
-
-    @staticmethod
-    def _wait_for_decode(trainer: TrainerStream, decoded: _Decoded) -> None:
-        """The trainer's kernels start once the batch is placed (on the trainer's thread, as it takes it)."""
-        if decoded.batch is not None:
-            trainer.take(decoded.batch, decoded.ready)
+    def pass_stopped(self) -> None:
+        self._collect_timings(wait=True)
 
     # --- the delivery thread: staged batches decoded on the GPU, a group at a time ----------------
-    def _decoded_batches(self, trainer: TrainerStream) -> Generator[_Decoded, None, None]:
+    def ready_batches(self, trainer: TrainerStream | None) -> Generator[ReadyBatch, None, None]:
         """Each staged batch, decoded straight into the trainer's batch on the decode stream, in order.
 
         Each time the trainer takes a batch, every batch staged by then is queued for decoding, up to
         `decode_ahead` batches ahead: the GPU decodes them while the trainer's step runs, so a step's
         batch is decoded before the step needs it even when the disk only just keeps up."""
-        stream = self.dataset
+        assert trainer is not None  # batches arrive on the GPU
+        stream = self.stream
         stream.counters.worker().start()
         # drawn as each batch is submitted, `prefetch` batches ahead of the one taken: the batch that used its
         # region before was decoded by then, and its copy to the GPU is queued or done (the event)
         work = ((indices, j % self._regions, self._copied[j % self._regions])
-                for j, indices in enumerate(stream.schedule.worker_batches(self.drop_last)))
+                for j, indices in enumerate(stream.schedule.worker_batches(self.batching.drop_last)))
 
         def announce(batch: tuple[list[int], int, torch.cuda.Event | None]) -> None:
             for i in batch[0]:
                 stream.store.will_need(i, stream.tokens_to_read(i))
 
-        decoded: deque[_Decoded] = deque()
+        decoded: deque[ReadyBatch] = deque()
         with torch.cuda.device(self.device), ReadAhead(
                 work, lambda batch: self._stage(*batch), threads=self.threads, depth=self.prefetch,
                 announce=announce, name="h5feed-gpu-read") as staging:
@@ -230,7 +193,7 @@ class CudaBatchLoader(LoaderControls):
     def _stage(self, indices: list[int], region: int, copied: torch.cuda.Event | None) -> _Staged:
         """The batch's frames, staged; with on_corrupt="skip" a damaged sample's are dropped and the batch is the
         sound rest (as `BatchLoader`'s)."""
-        stream, store = self.dataset, self.dataset.store
+        stream, store = self.stream, self.stream.store
         counters = stream.counters.worker()
         if copied is not None:
             copied.synchronize()  # the GPU has the bytes this region held before
@@ -258,13 +221,13 @@ class CudaBatchLoader(LoaderControls):
             counters.end_sample(i, window)
         return staged
 
-    def _decode(self, group: list[_Staged], trainer: TrainerStream) -> list[_Decoded]:
+    def _decode(self, group: list[_Staged], trainer: TrainerStream) -> list[ReadyBatch]:
         """Queue the group's decode on the decode stream, each frame's rows straight into their place in its batch
         (whose memory is kept for the trainer's stream from here)."""
         side = self._decoder.stream
         placements: list[Placement] = []
         conversions: list[Callable[[], object]] = []  # rows decoded into a temporary, then written into the batch
-        results: list[_Decoded] = []
+        results: list[ReadyBatch] = []
         with torch.cuda.stream(side):
             batches, first_frame = [], 0  # frames are numbered across the group, as the spans are
             for staged in group:
@@ -275,7 +238,7 @@ class CudaBatchLoader(LoaderControls):
                 spans = [span for staged in sound for span in staged.spans]
                 timing = self._decoder.decode_placed(self._staging, spans, placements)
                 self._pending_timings.append(timing)
-                self.dataset.counters.worker().add_delivered(timing.decoded_bytes)  # the monitor's "decoded"
+                self.stream.counters.worker().add_delivered(timing.decoded_bytes)  # the monitor's "decoded"
                 for staged in sound:
                     self._copied[staged.region] = timing.copy_done
             for convert in conversions:
@@ -288,9 +251,9 @@ class CudaBatchLoader(LoaderControls):
                     self.collate.write_summary(batch, plan)
                     ready.record(side)
                     trainer.adopt(batch)
-                    results.append(_Decoded(staged.scheduled, batch, ready))
+                    results.append(ReadyBatch(batch, staged.scheduled, ready))
                 else:
-                    results.append(_Decoded(staged.scheduled, None, ready))
+                    results.append(ReadyBatch(None, staged.scheduled, ready))
         self._collect_timings(wait=False)
         return results
 
@@ -301,7 +264,7 @@ class CudaBatchLoader(LoaderControls):
         The batch's frames are frames `first_frame`, ... of the group's decode.  Rows whose batch dtype is
         not the stored one are decoded into a temporary and cast afterwards, and an FP8 store's hidden states
         into temporaries with their tokens' scales, dequantized afterwards (`conversions`, on the decode stream)."""
-        store, collate, info = self.dataset.store, self.collate, self.dataset.store.info
+        store, collate, info = self.stream.store, self.collate, self.stream.store.info
         c = info.chunk_tokens
         frame_of = {target: first_frame + f for f, target in enumerate(staged.targets)}
         plan = collate.plan([collate.item_rows(int(store.sample_lengths[i])) for i in staged.indices])

@@ -1,9 +1,9 @@
-"""The byte unshuffle of a whole batch of Blosc blocks in one Triton kernel (see `h5feed.gpu_decode`).
+"""The byte unshuffle of a whole batch of Blosc blocks in one Triton kernel (see `h5feed.gpu.nvcomp`).
 
 Why a kernel: the blocks of a batch land in many outputs (rows of the trainer's
 batch, at any offset), which no single torch view spans; one launch over a table
 of rows replaces a transpose per block run.  Importing this module imports
-Triton: `h5feed.gpu_decode` does so only on the GPU path, and falls back to torch
+Triton: `h5feed.gpu.nvcomp` does so only on the GPU path, and falls back to torch
 when Triton is missing.
 """
 
