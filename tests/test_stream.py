@@ -6,13 +6,13 @@ with the unshifted `speculators` flavor so even 1-token samples keep one.
 
 from __future__ import annotations
 
-import gc
+import json
 import math
+import subprocess
+import sys
 import threading
 import time
-import warnings
 
-import psutil
 import pytest
 import torch
 from conftest import inner_chunk_span
@@ -273,33 +273,52 @@ def test_pin_memory_without_cuda(small):
 # =========================================================================== memory, counters, shared memory
 
 
+# Run in a process of its own: in the test process RSS is that of every test before (over 1 GB in a whole run),
+# whose threads and allocator arenas move it by more than a leak of this size would.
+EPOCHS_SCRIPT = """
+import gc, json, sys, warnings
+import psutil, torch
+from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
+
+store, num_workers = sys.argv[1], int(sys.argv[2])
+ds = HiddenStatesStream(store, "speculators-legacy", seed=0)  # float32 items: ~11 MB an epoch
+loader = StreamLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=list)
+process = psutil.Process()
+
+def one_epoch(epoch):
+    ds.set_epoch(epoch)
+    for batch in loader:
+        del batch
+
+def live_tensors():
+    with warnings.catch_warnings():  # isinstance() on some of torch's objects warns of deprecated names
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+for epoch in range(2):  # warm up: allocator arenas of the prefetch thread, zarr metadata
+    one_epoch(epoch)
+rss, tensors = [], []
+for epoch in range(2, 10):
+    one_epoch(epoch)
+    gc.collect()
+    rss.append(process.memory_info().rss)
+    tensors.append(live_tensors())
+print(json.dumps({"rss": rss, "tensors": tensors}))
+"""
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_memory_stays_flat_over_epochs(synthetic_store, num_workers):
+def test_memory_stays_flat_over_epochs(synthetic_store, tmp_path, num_workers):
     s = synthetic_store("st_big", "speculators-legacy-pt", 48, 64, (150, 300), chunk_tokens=64, seed=3)
     store_bytes = sum(f.stat().st_size for f in s.path.rglob("*") if f.is_file())
     assert store_bytes > 3e6
-    ds = HiddenStatesStream(s.path, "speculators-legacy", seed=0)  # float32 items: ~11 MB an epoch
-    loader = StreamLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=list)
-    process = psutil.Process()
-
-    def one_epoch(epoch: int) -> None:
-        ds.set_epoch(epoch)
-        for batch in loader:
-            del batch
-
-    def live_tensors() -> int:
-        with warnings.catch_warnings():  # isinstance() on some of torch's objects warns of deprecated names
-            warnings.simplefilter("ignore", FutureWarning)
-            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-    for epoch in range(2):  # warm up: allocator arenas of the prefetch thread, zarr metadata
-        one_epoch(epoch)
-    rss, tensors = [], []
-    for epoch in range(2, 10):
-        one_epoch(epoch)
-        gc.collect()
-        rss.append(process.memory_info().rss)
-        tensors.append(live_tensors())
+    script = tmp_path / "epochs.py"
+    script.write_text(EPOCHS_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(s.path), str(num_workers)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    rss, tensors = measured["rss"], measured["tensors"]
     assert len(set(tensors)) == 1, f"tensors alive after each epoch: {tensors}"  # no item kept from an epoch
     # a leak grows epoch after epoch; the allocator's own ups and downs (a few MB, more on a loaded machine) do not
     growth = max(rss[4:]) - max(rss[:4])
