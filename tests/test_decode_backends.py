@@ -17,11 +17,10 @@ from conftest import inner_chunk_span
 from test_batch_layouts import CASES, IDS, reference, restated_collate, store  # noqa: F401 (store: fixture)
 from test_batching import LENGTHS as BATCHING_LENGTHS
 from test_batching import H as BATCHING_H
-from test_loader_trust import FLAVOR, LENGTHS, MAX_LEN, hold_sample, kill_when_reading, stores  # noqa: F401
+from test_loader_trust import assert_a_killed_worker_is_named, stores  # noqa: F401 (stores: fixture)
 from test_trainers import assert_same
 
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
-from h5feed.errors import WorkerDiedError
 from h5feed.gpu import why_unavailable
 from h5feed.loading.backends import BACKENDS, DecodeBackend
 from h5feed.loading.backends.cuda import CudaOptions, store_refusal
@@ -197,24 +196,8 @@ def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_memory_b
 @pytest.mark.parametrize("backend", WITH_WORKER_PROCESSES)
 def test_a_killed_worker_is_named_with_its_pid_and_sample(stores: Any, monkeypatch: Any, backend: str) -> None:
     _, sound = stores
-    victim = 5
-    monkeypatch.setattr(Store, "read_rows_into", hold_sample(LENGTHS[victim], Store.read_rows_into))
-    stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, shuffle=False, prefetch=0)
-    loader = loader_on(backend, stream, multiprocessing_context="fork")
-    killed: list[tuple[int, int]] = []
-    killer = kill_when_reading(stream.counters, victim, killed)
-    started = time.monotonic()
-    with pytest.raises(WorkerDiedError) as error:
-        for _ in loader:
-            pass
-    killer.join()
-    [(worker, pid)] = killed
-    assert worker == victim % 2 and time.monotonic() - started < 20
-    assert (error.value.worker, error.value.pid, error.value.sample) == (worker, pid, victim)
-    assert str(error.value) == (
-        f"{sound}: DataLoader worker {worker} (pid {pid}) was killed by SIGKILL while reading sample {victim} "
-        f"(converted from data_{victim}.pt); something outside h5feed ended it (often the kernel's out-of-memory "
-        "killer: see `dmesg`); continue from the last state_dict() in a new loader")
+    assert_a_killed_worker_is_named(monkeypatch, sound, "read_rows_into", lambda stream: loader_on(
+        backend, stream, multiprocessing_context="fork"))
 
 
 # =========================================================================== decode="auto"

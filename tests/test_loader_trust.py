@@ -289,13 +289,14 @@ def kill_when_reading(counters, sample: int, killed: list[tuple[int, int]]) -> t
     return thread
 
 
-def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch):
-    """StreamLoader's workers; BatchLoader's backends with worker processes: test_decode_backends.py."""
-    _, sound = stores
+def assert_a_killed_worker_is_named(monkeypatch, sound: Path, read: str,
+                                    make_loader: Callable[[HiddenStatesStream], object]) -> None:
+    """A worker SIGKILLed while it reads a sample (held in `Store.<read>`) raises a WorkerDiedError naming the worker,
+    its pid and the sample, within 20 s, for the loader `make_loader(stream)` makes."""
     victim = 5
-    monkeypatch.setattr(Store, "read_sample", hold_sample(LENGTHS[victim], Store.read_sample))
+    monkeypatch.setattr(Store, read, hold_sample(LENGTHS[victim], getattr(Store, read)))
     stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, shuffle=False, prefetch=0)
-    loader = StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context="fork")
+    loader = make_loader(stream)
     killed: list[tuple[int, int]] = []
     killer = kill_when_reading(stream.counters, victim, killed)
     started = time.monotonic()
@@ -310,3 +311,10 @@ def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch):
         f"{sound}: DataLoader worker {worker} (pid {pid}) was killed by SIGKILL while reading sample {victim} "
         f"(converted from data_{victim}.pt); something outside h5feed ended it (often the kernel's out-of-memory "
         "killer: see `dmesg`); continue from the last state_dict() in a new loader")
+
+
+def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch):
+    """StreamLoader's workers; BatchLoader's backends with worker processes: test_decode_backends.py."""
+    _, sound = stores
+    assert_a_killed_worker_is_named(monkeypatch, sound, "read_sample", lambda stream: StreamLoader(
+        stream, num_workers=2, collate_fn=list, multiprocessing_context="fork"))
