@@ -224,7 +224,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(src_url, s3, bucket, 
                                          r"2026-11-30T08:00:00\+00:00, last heartbeat 20"):
         h5feed.convert(src_url, dst, **kwargs)
     monkeypatch.setattr("h5feed.conversion.lock.STALE_AFTER_S", 0.0)
-    time.sleep(0.01)
+    time.sleep(1.1)  # the bucket's clock (Last-Modified, Date) counts whole seconds: an age of 0 s is not stale
     with caplog.at_level(logging.WARNING, logger="h5feed.conversion.lock"):
         assert h5feed.convert(src_url, dst, **kwargs).num_samples == N
     assert any(f"taking over the lock {LOCK_FILE} of host trainer-7, pid 4242" in m and "s old" in m
