@@ -5,6 +5,7 @@ the registry.  The GPU backend's cases run where CUDA and nvCOMP are (marked `gp
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -230,23 +231,52 @@ class _GpuStandIn(DecodeBackend):
         return False
 
 
-@pytest.mark.parametrize(("gpu_here", "kwargs", "chosen"), [
-    (True, {}, "cuda"),
-    (True, {"threads": 3}, "cuda"),  # the cuda backend reads with threads too
-    (True, {"num_workers": 2}, "workers"),  # an argument of CPU decode keeps it on the CPU
-    (True, {"slots_per_worker": 4}, "threads"),
-    (False, {}, "threads"),
-    (False, {"num_workers": 2}, "workers"),
+@pytest.mark.parametrize(("cores_a_gpu", "kwargs", "chosen", "workers"), [
+    (16.0, {}, "workers", 4),  # cores to spare: worker processes leave the step fastest
+    (3.0, {}, "workers", 3),
+    (2.0, {}, "workers", 2),
+    (1.5, {}, "cuda", 0),  # cores scarce: the GPU decodes
+    (16.0, {"threads": 3}, "threads", 0),  # both take threads: reader threads where the CPU decodes
+    (1.5, {"threads": 3}, "cuda", 0),
+    (1.5, {"num_workers": 2}, "workers", 2),  # an argument of CPU decode keeps it on the CPU
+    (1.5, {"slots_per_worker": 4}, "workers", 1),
+    (16.0, {"decode_ahead": 4}, "cuda", 0),  # an argument of the GPU decoder asks for it
+    (None, {}, "threads", 0),  # no GPU: the step runs on the CPU
+    (None, {"num_workers": 2}, "workers", 2),
 ])
-def test_auto_takes_the_gpu_where_it_can_run_and_no_cpu_argument_is_given(legacy_store: Any, monkeypatch: Any,
-                                                                         gpu_here: bool, kwargs: dict[str, Any],
-                                                                         chosen: str) -> None:
-    if gpu_here:
-        monkeypatch.setitem(BACKENDS, "cuda", _GpuStandIn)
-    elif why_unavailable() is None:
-        pytest.skip("CUDA and nvCOMP are here")
+def test_auto_takes_what_leaves_the_step_fastest(legacy_store: Any, monkeypatch: Any, cores_a_gpu: float | None,
+                                                 kwargs: dict[str, Any], chosen: str, workers: int) -> None:
+    monkeypatch.setitem(BACKENDS, "cuda", _GpuStandIn)
+    monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: cores_a_gpu)
     with BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30, **kwargs) as loader:
-        assert loader.backend.name == chosen
+        assert (loader.backend.name, loader.num_workers) == (chosen, workers)
+        assert loader.auto is not None and loader.auto.backend == chosen and loader.auto.reason
+
+
+def test_cores_a_gpu_are_the_cores_over_the_ranks_on_this_node(monkeypatch: Any) -> None:
+    from h5feed.loading import auto
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert auto.cores_per_gpu() == 16.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert auto.cores_per_gpu() == 2.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto.cores_per_gpu() is None
+
+
+def test_auto_stays_on_the_cpu_where_the_gpu_cannot_run(legacy_store: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: 1.0)
+    if why_unavailable() is None:
+        pytest.skip("CUDA and nvCOMP are here")
+    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30) as loader:
+        assert (loader.backend.name, loader.num_workers) == ("workers", 1)
+        assert "the GPU cannot decode here (no CUDA device" in loader.auto.reason
+    with pytest.raises(ValueError, match=r"decode_ahead belong to decode='cuda'; decode='auto' decodes on the CPU "
+                                         r"here \(1.0 cores a GPU, but the GPU cannot decode"):
+        BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30, decode_ahead=2)
 
 
 def test_auto_stays_on_the_cpu_for_a_store_the_gpu_cannot_decode(tmp_path: Path, monkeypatch: Any) -> None:
@@ -257,5 +287,6 @@ def test_auto_stays_on_the_cpu_for_a_store_the_gpu_cannot_decode(tmp_path: Path,
     convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=16, codec="none", progress=False)
     assert store_refusal(Store(tmp_path / "store")) is not None
     monkeypatch.setitem(BACKENDS, "cuda", _GpuStandIn)
+    monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: 1.0)
     with BatchLoader(tmp_path / "store", decode="auto", flavor="speculators", max_len=30) as loader:
-        assert loader.backend.name == "threads"
+        assert (loader.backend.name, loader.num_workers) == ("workers", 1)

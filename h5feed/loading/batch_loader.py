@@ -16,13 +16,13 @@ import os
 import warnings
 import weakref
 from collections.abc import Generator, Iterator
-from dataclasses import fields
 from typing import Any, Literal
 
 import torch
 
 from h5feed.flavors import Batch, trainer_collate
-from h5feed.loading.backends import DecodeBackend, ReadyBatch, get_backend
+from h5feed.loading.auto import AutoChoice, choose_backend
+from h5feed.loading.backends import DecodeBackend, ReadyBatch, arguments_of, get_backend
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.delivery import Delivery, TrainerStream
@@ -30,11 +30,6 @@ from h5feed.loading.options import Batching
 from h5feed.store import Store
 
 Decode = Literal["cpu", "cuda", "auto"]
-
-
-def _arguments_of(*backends: str) -> set[str]:
-    """The keyword arguments these backends take: the fields of their options."""
-    return {f.name for name in backends for f in fields(get_backend(name).Options)}
 
 
 class BatchLoader(LoaderControls):
@@ -49,10 +44,11 @@ class BatchLoader(LoaderControls):
             the stream's own arguments).
         decode: where the chunks are decoded: "cpu" (default: worker processes or threads, into
             the ring), "cuda" (threads read and check the compressed chunks, the GPU decodes them;
-            batches arrive on the GPU), or "auto": "cuda" when CUDA and nvCOMP are here, the store is
-            Blosc-zstd and format 2 or later, and no argument of CPU decode (num_workers, ...) is given,
-            else "cpu".  An FP8 store's batches hold its hidden states dequantized as hs-connectors'
-            FP8Transfer returns them (bf16).
+            batches arrive on the GPU), or "auto": what leaves the training step fastest here
+            (`h5feed.loading.auto`): without a GPU, reader threads; with one, worker processes (up to 4)
+            where each GPU has 2 cores or more, the GPU decoder where it has fewer (and CUDA, nvCOMP and
+            a Blosc-zstd store allow it); `auto` says what it took and why.  An FP8 store's
+            batches hold its hidden states dequantized as hs-connectors' FP8Transfer returns them (bf16).
         flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`; without a flavor,
             speculators-legacy where the store fits it, else a ValueError naming the flavors that do.
         batch_size: items per batch (speculators packs them into one max_len row).
@@ -80,7 +76,8 @@ class BatchLoader(LoaderControls):
     With on_corrupt="skip", a batch is its scheduled samples less the damaged ones.
     A worker that dies raises a `WorkerDiedError` naming it, its pid and the sample it was reading.
     `close()` (or the end of a `with` block) gives the backend's memory back; so does dropping the loader.
-    `backend` is the `DecodeBackend` in use; `gpu_decode_ms` the GPU time spent decoding (decode="cuda").
+    `backend` is the `DecodeBackend` in use; `gpu_decode_ms` the GPU time spent decoding (decode="cuda");
+    `auto` what decode="auto" chose and why (None for "cpu" and "cuda").
     """
 
     def __init__(
@@ -112,7 +109,7 @@ class BatchLoader(LoaderControls):
                      "slots_per_worker": slots_per_worker, "multiprocessing_context": multiprocessing_context,
                      "worker_init_fn": worker_init_fn, "timeout": timeout, "decode_group": decode_group,
                      "decode_ahead": decode_ahead}  # the backends' own: each takes those its options have
-        cpu_takes, gpu_takes = _arguments_of("workers", "threads"), _arguments_of("cuda")
+        cpu_takes, gpu_takes = arguments_of("workers", "threads"), arguments_of("cuda")
         cpu_only = [name for name, value in arguments.items() if name in cpu_takes - gpu_takes and value]
         gpu_only = [name for name, value in arguments.items() if name in gpu_takes - cpu_takes and value is not None]
         if decode == "cuda" and cpu_only:
@@ -120,23 +117,28 @@ class BatchLoader(LoaderControls):
                              "process (threads=, prefetch=)")
         if decode == "cpu" and gpu_only:
             raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda'")
-        on_gpu = decode == "cuda" or (decode == "auto" and not cpu_only and get_backend("cuda").unavailable() is None)
         stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
         if stream.transform is not None:
             raise ValueError("BatchLoader decodes stored rows straight into the batch, so it cannot run a per-item "
                              "transform; apply noise to the batch instead (see examples/), or use a DataLoader over "
                              "the stream with trainer_collate")
-        if decode == "auto" and on_gpu and get_backend("cuda").refusal(stream.store) is not None:
-            on_gpu = False
-        if decode == "auto" and not on_gpu and gpu_only:
-            raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda'; decode='auto' decodes on the CPU here")
+        if decode == "auto":
+            self.auto: AutoChoice | None = choose_backend(stream.store, {name: value for name, value in arguments.items()
+                                                                        if value})
+            if self.auto.backend != "cuda" and gpu_only:
+                raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda'; decode='auto' decodes on the CPU "
+                                 f"here ({self.auto.reason})")
+            arguments["num_workers"] = self.auto.num_workers or num_workers
+            backend = get_backend(self.auto.backend)
+        else:
+            self.auto = None
+            backend = get_backend("cuda" if decode == "cuda" else "workers" if num_workers else "threads")
         store = stream.store
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
                                        ).for_store(store.info)
         stream.batch_size = batch_size
         stream.schedule.counted_by_loader = True
-        backend = get_backend("cuda" if on_gpu else "workers" if num_workers else "threads")
         self.backend: DecodeBackend = backend.from_arguments(stream, self.collate, batching, arguments)
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.drop_last, self.device = batch_size, drop_last, self.backend.device

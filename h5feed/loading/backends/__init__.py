@@ -9,6 +9,13 @@ decoding on the CPU into the slot ring (`ring`), and `cuda` (decode on the GPU).
 # isort: off
 from h5feed.loading.backends import workers, threads, cuda  # noqa: F401
 # isort: on
-from h5feed.loading.backends.base import BACKENDS, DecodeBackend, ReadyBatch, get_backend, register_backend
+from h5feed.loading.backends.base import (
+    BACKENDS,
+    DecodeBackend,
+    ReadyBatch,
+    arguments_of,
+    get_backend,
+    register_backend,
+)
 
-__all__ = ["BACKENDS", "DecodeBackend", "ReadyBatch", "get_backend", "register_backend"]
+__all__ = ["BACKENDS", "DecodeBackend", "ReadyBatch", "arguments_of", "get_backend", "register_backend"]

@@ -120,3 +120,8 @@ def get_backend(name: str) -> type[DecodeBackend]:
         return BACKENDS[name]
     except KeyError:
         raise ValueError(unknown_name("decode backend", name, BACKENDS)) from None
+
+
+def arguments_of(*backends: str) -> set[str]:
+    """The loader's keyword arguments these backends take: the fields of their options."""
+    return {f.name for name in backends for f in fields(get_backend(name).Options)}

@@ -1,0 +1,73 @@
+"""What `BatchLoader(decode="auto")` picks: the backend that leaves the trainer's step fastest here.
+
+A loader is judged by the trainer's samples/s against its step alone, not by its own speed.
+Measured on an H200 box with a Kimi-shaped EAGLE-3 drafter step (`h5feed bench`,
+bench/RESULTS.md): CPU worker processes keep the step at 98-99% of its speed alone on about
+1.6 cores a GPU; reader threads share the trainer's interpreter and cost the step more; the GPU
+decoder runs its kernels beside the step's and slows it (1.08x warm to 1.3x cold) while using a
+third of the CPU.  So the GPU decoder is worth its cost only where cores are scarce: where a GPU
+has fewer than `CPU_DECODE_CORES_PER_GPU` cores of its own, the CPU decode would starve and the
+GPU's is the faster trainer; everywhere else, worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from h5feed.loading.backends import arguments_of, get_backend
+from h5feed.store import Store
+
+CPU_DECODE_CORES_PER_GPU = 2.0  # cores a GPU needs for worker processes to feed a Kimi-shaped step (1.6 measured)
+MAX_AUTO_WORKERS = 4  # more workers than this read no faster per GPU and cost the node's cores
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The backend `decode="auto"` takes (a registry name), the worker processes it starts with ("workers"), and
+    why, in words (`BatchLoader.auto_reason`)."""
+
+    backend: str
+    num_workers: int | None
+    reason: str
+
+
+def cores_per_gpu() -> float | None:
+    """The CPU cores each training process on this node has to feed its GPU: the cores this process may use over
+    the ranks on this node (torchrun's LOCAL_WORLD_SIZE; one without it); None without a CUDA device."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return len(os.sched_getaffinity(0)) / max(ranks_here, 1)
+
+
+def choose_backend(store: Store, given: Mapping[str, Any]) -> AutoChoice:
+    """The backend for `decode="auto"` on `store`, given the loader's backend arguments that were set (`given`, by
+    name): an argument only CPU decode takes keeps the CPU, one only the GPU decoder takes asks for it where it
+    can run, threads= (which both have) keeps reader threads where the CPU decodes."""
+    if given.get("num_workers"):
+        return AutoChoice("workers", None, "num_workers= asks for worker processes")
+    per_gpu = cores_per_gpu()
+    if per_gpu is None:
+        return AutoChoice("threads", None, "no GPU here: the training step runs on the CPU, beside reader threads")
+    cpu_only = [name for name in given if name not in arguments_of("cuda")]
+    gpu_only = [name for name in given if name not in arguments_of("workers", "threads")]
+    gpu = get_backend("cuda")
+    why_not_gpu = gpu.unavailable() or gpu.refusal(store)
+    if gpu_only and not cpu_only and why_not_gpu is None:
+        return AutoChoice("cuda", None, f"{', '.join(gpu_only)} asks for the GPU decoder")
+    if per_gpu < CPU_DECODE_CORES_PER_GPU and not cpu_only and why_not_gpu is None:
+        return AutoChoice("cuda", None, f"{per_gpu:.1f} cores a GPU (fewer than {CPU_DECODE_CORES_PER_GPU:.0f}): "
+                          "CPU decode would starve the step; the GPU decodes")
+    if "threads" in given:
+        return AutoChoice("threads", None, "threads= asks for reader threads")
+    workers = max(1, min(MAX_AUTO_WORKERS, int(per_gpu)))
+    why = (f"{per_gpu:.1f} cores a GPU: worker processes leave the training step fastest"
+           if per_gpu >= CPU_DECODE_CORES_PER_GPU else
+           f"{per_gpu:.1f} cores a GPU, but the GPU cannot decode here ({why_not_gpu or ', '.join(cpu_only)})")
+    return AutoChoice("workers", workers, why)
+
