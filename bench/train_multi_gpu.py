@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
-from train_step import Shape, Trainer, evict, filesystem, make_data, step_seconds, train
+from train_step import DrafterStep, Shape, evict, filesystem, make_data, step_seconds, train
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
@@ -99,7 +99,7 @@ def build_loader(name: str, store: Store, args: argparse.Namespace, pin: bool) -
     return DataLoader(dataset, batch_size=1, sampler=sequence, **common), dataset, sequence
 
 
-def warm_up(trainer: Trainer, store: Store, max_len: int) -> float:
+def warm_up(trainer: DrafterStep, store: Store, max_len: int) -> float:
     """Kernels, allocator, optimizer state and the first all-reduces, on a real sample, before anything is
     timed; returns the training thread's CPU seconds per step."""
     item = HiddenStatesDataset(store, max_len=max_len, hidden_states_dtype=torch.bfloat16)[0]
@@ -154,7 +154,7 @@ def machine_figures(before: dict[str, Any], after: dict[str, Any], device: str |
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    """One rank: DDP over train_step's Trainer, one monitored epoch of one loader, figures to OUT/LOADER/."""
+    """One rank: DDP over the drafter step, one monitored epoch of one loader, figures to OUT/LOADER/."""
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = torch.cuda.is_available()
@@ -165,7 +165,7 @@ def rank_main(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     store = Store(args.data)
-    trainer = Trainer(Shape.for_hidden(store.hidden_size, store.num_aux_layers), device)
+    trainer = DrafterStep(Shape.for_hidden(store.hidden_size, store.num_aux_layers), device)
     trainer.model = DistributedDataParallel(trainer.model, device_ids=[local_rank] if cuda else None)
     train_cpu_per_step = warm_up(trainer, store, args.max_len)
     loader, dataset, sequence = build_loader(args.rank_run, store, args, pin=cuda)

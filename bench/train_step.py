@@ -52,178 +52,32 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 
 import h5feed
 from h5feed.baseline import create_collate_fn
+from h5feed.bench.step import TTT_STEPS, Batch, DrafterStep, Shape, warm_batch
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 
 log = logging.getLogger("train_step")
 
-DRAFT_VOCAB = 32000
-EMBED_VOCAB = 32768  # the verifier's embedding: covers h5feed.synthetic's token ids (the draft vocabulary may be smaller)
-TTT_STEPS = 3
-Batch = dict[str, torch.Tensor]
 
-
-# --- the model ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    aux_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int = DRAFT_VOCAB
-
-    @classmethod
-    def for_hidden(cls, hidden: int, aux_layers: int) -> Shape:
-        """Kimi-K2 / DeepSeek-V3 proportions: H=7168 -> 56 heads of 128, 8 KV heads, a SwiGLU of 18432."""
-        head_dim = min(128, max(8, hidden // 4))
-        heads = hidden // head_dim
-        return cls(hidden, aux_layers, heads, max(1, heads // 7), head_dim, hidden * 18 // 7)
-
-
-class RMSNorm(nn.RMSNorm):
-    """Computed in float32 as Llama's is (the fused kernel also needs input and weight of one dtype)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float()).to(x.dtype)
-
-
-def _rotary(position_ids: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
-    freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
-    angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, d]
-    return angles.cos(), angles.sin()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
-class DecoderLayer(nn.Module):
-    """EAGLE-3's Llama layer: attention reads [norm(embeds), norm(hidden)] (2H wide); the residual is the hidden."""
-
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.s = s
-        self.input_norm, self.hidden_norm, self.post_norm = (RMSNorm(s.hidden, eps=1e-6) for _ in range(3))
-        self.q = nn.Linear(2 * s.hidden, s.heads * s.head_dim, bias=False)
-        self.k = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
-        self.v = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
-        self.o = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
-        self.gate = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.up = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.down = nn.Linear(s.intermediate, s.hidden, bias=False)
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = hidden.shape
-        x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden)], dim=-1)
-        q = self.q(x).view(b, t, self.s.heads, self.s.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, self.s.kv_heads, self.s.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, t, self.s.kv_heads, self.s.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        groups = self.s.heads // self.s.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = hidden + self.o(attn.transpose(1, 2).reshape(b, t, -1))
-        y = self.post_norm(h)
-        return h + self.down(F.silu(self.gate(y)) * self.up(y))
-
-
-def _shift(x: torch.Tensor) -> torch.Tensor:
-    """One token further ahead along the sequence, zero at the end."""
-    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
-
-
-class Drafter(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.s = s
-        self.embed = nn.Embedding(EMBED_VOCAB, s.hidden).requires_grad_(False)  # the verifier's, frozen
-        self.fc = nn.Linear(s.aux_layers * s.hidden, s.hidden, bias=False)
-        self.layer = DecoderLayer(s)
-        self.norm = RMSNorm(s.hidden, eps=1e-6)
-        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
-        self.verifier_norm = RMSNorm(s.hidden, eps=1e-6).requires_grad_(False)
-        self.verifier_head = nn.Linear(s.hidden, s.vocab, bias=False).requires_grad_(False)
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        with torch.no_grad():
-            target = torch.softmax(self.verifier_head(self.verifier_norm(batch["verifier_last_hidden_states"])).float(), -1)
-        mask = batch["loss_mask"].float()
-        embeds = self.embed(batch["input_ids"])
-        hidden = self.fc(batch["hidden_states"])
-        cos, sin = _rotary(batch["position_ids"], self.s.head_dim)
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        for k in range(TTT_STEPS):
-            hidden = self.layer(embeds, hidden, cos, sin)
-            logp = torch.log_softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
-            loss = loss + (-(target * logp).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
-            if k + 1 < TTT_STEPS:
-                embeds, target, mask = _shift(embeds), _shift(target), _shift(mask)
-        return loss / TTT_STEPS
-
-
-class Trainer:
-    def __init__(self, s: Shape, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        with device:
-            self.model = Drafter(s)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=1e-4, fused=self.cuda)
-        self.params = params
-
-    def step(self, batch: dict[str, Any]) -> torch.Tensor:
-        dtype = torch.bfloat16 if self.cuda else torch.float32
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in drafter_inputs(batch).items()}
-        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
-            loss = self.model(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-
-def drafter_inputs(batch: dict[str, Any]) -> Batch:
-    """The drafter's inputs from a trainer's batch: speculators' as they are; Model-Optimizer's
-    (`EagleOfflineDataCollator`: the hidden states under `base_model_outputs`) mapped onto them, the positions
-    0..T-1 of each row as its model computes them."""
-    if "base_model_outputs" not in batch:
-        return batch
-    outputs, input_ids = batch["base_model_outputs"], batch["input_ids"]
-    return {"input_ids": input_ids, "loss_mask": batch["loss_mask"], "hidden_states": outputs["aux_hidden_states"],
-            "verifier_last_hidden_states": outputs["base_model_hidden_states"],
-            "position_ids": torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)}
-
-
-def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) -> tuple[Trainer, Shape, float]:
+def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) -> tuple[DrafterStep, Shape, float]:
     """The trainer whose step is closest to `step_ms` on this device, by the draft vocabulary's size (the
     rest of the model keeps Kimi's shape): a Kimi-shaped step is 65-80 ms on one H200 (bench/RESULTS.md)."""
-    best: tuple[Trainer, Shape, float] | None = None
+    best: tuple[DrafterStep, Shape, float] | None = None
     for vocab in (32000, 24000, 16000, 12000, 8000, 4000):
         candidate = replace(shape, vocab=vocab)
-        trainer = Trainer(candidate, device)
+        trainer = DrafterStep(candidate, device)
         ms = step_seconds(trainer, batch)[0] * 1e3
         log.info("draft vocabulary %d: %.1f ms per step", vocab, ms)
         if best is None or abs(ms - step_ms) < abs(best[2] - step_ms):
@@ -234,28 +88,16 @@ def calibrate(shape: Shape, device: torch.device, batch: Batch, step_ms: float) 
     return best
 
 
-def warm_batch(shape: Shape, max_len: int) -> Batch:
-    """A full-length batch of random values (speculators 0.4's collate) to calibrate and warm the step on."""
-    return create_collate_fn(max_len)([{
-        "input_ids": torch.randint(0, EMBED_VOCAB, (max_len,)),
-        "hidden_states": torch.randn(max_len, shape.aux_layers * shape.hidden, dtype=torch.bfloat16),
-        "verifier_last_hidden_states": torch.randn(max_len, shape.hidden, dtype=torch.bfloat16),
-        "loss_mask": torch.ones(max_len, dtype=torch.long),
-        "lengths": torch.tensor([max_len]),
-        "position_ids": torch.arange(max_len),
-    }])
-
-
-def step_seconds(trainer: Trainer, batch: Batch, steps: int = 5) -> tuple[float, float]:
+def step_seconds(trainer: DrafterStep, batch: Batch, steps: int = 5) -> tuple[float, float]:
     """Wall and CPU seconds of one training step on a batch already at hand (page-locked, as the loaders
     deliver it on a GPU box), after two warm-up steps."""
     if trainer.cuda:
         batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     for _ in range(2):  # kernels, allocator and optimizer state before anything is timed
-        trainer.step(batch).item()
+        trainer(batch).item()
     wall, cpu = time.perf_counter(), cpu_seconds()
     for _ in range(steps):
-        trainer.step(batch).item()
+        trainer(batch).item()
     return (time.perf_counter() - wall) / steps, (cpu_seconds() - cpu) / steps
 
 
@@ -416,7 +258,7 @@ def _cuda_batch_loader(store: Store, stream_args: dict[str, Any], threads: int) 
 # --- the run --------------------------------------------------------------------------------------
 
 
-def train(name: str, loader: Any, trainer: Trainer, args: argparse.Namespace, cache: str, workers: int,
+def train(name: str, loader: Any, trainer: DrafterStep, args: argparse.Namespace, cache: str, workers: int,
           train_cpu_per_step: float) -> dict[str, Any]:
     monitored = h5feed.monitor(loader, every=args.every, log_dir=args.out, stall_after=args.stall_after,
                                name=f"{name}-w{workers}")
@@ -425,7 +267,7 @@ def train(name: str, loader: Any, trainer: Trainer, args: argparse.Namespace, ca
     asked = wall
     for step, batch in enumerate(monitored, 1):
         waits.append(time.perf_counter() - asked)
-        losses.append(trainer.step(batch).item())  # trainers log the loss every step: one sync per step
+        losses.append(trainer(batch).item())  # trainers log the loss every step: one sync per step
         if args.steps and step >= args.steps:
             break
         asked = time.perf_counter()
@@ -526,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_ms:
         trainer, shape, _ = calibrate(shape, device, warm, args.step_ms)
     else:
-        trainer = Trainer(shape, device)
+        trainer = DrafterStep(shape, device)
     step_s, train_cpu_per_step = step_seconds(trainer, warm)
     log.info("step %.1f ms with the batch at hand, %.1f ms of CPU on the training thread", step_s * 1e3,
              train_cpu_per_step * 1e3)

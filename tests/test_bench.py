@@ -57,7 +57,7 @@ def test_baseline_items_equal_h5feed_items(tiny) -> None:
 
 def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny) -> None:
     """max_len 48 cuts the longer samples: every loader must cut them as speculators 0.4's collate does."""
-    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=LOADERS, progress=False)
+    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=LOADERS, progress=False, step=None)
     assert [(p.loader, p.cache) for p in result.passes] == [(name, "warm") for name in MEASURED]
     assert not result.cold and result.collate == f"speculators 0.4 create_collate_fn({MAX_LEN})"
     assert result.checks == {name: "reference" if name == BASELINE else "equal" for name in MEASURED}
@@ -81,12 +81,13 @@ def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny
     if GPU_DECODE not in MEASURED:  # no CUDA or nvCOMP here: said so
         assert f'BatchLoader(decode="cuda") not measured: {why_unavailable()}' in result.notes
 
-    rows = result.rows(verbose=True)
-    assert rows[0] == [c if c != "peak mem" else f"peak mem ({result.memory_metric.upper()})" for c in TABLE_COLUMNS]
+    rows, columns = result.rows(verbose=True), result.columns(verbose=True)
+    assert columns == tuple(c for c in TABLE_COLUMNS if c != "of step alone")  # no step ran: no GPU here
+    assert rows[0] == [c if c != "peak mem" else f"peak mem ({result.memory_metric.upper()})" for c in columns]
     assert [(r[0], r[1]) for r in rows[1:]] == [(LOADER_LABELS[name], "warm") for name in MEASURED]
-    assert [r[TABLE_COLUMNS.index("batches")] for r in rows[1:]] == ["reference"] + ["equal"] * (len(MEASURED) - 1)
-    assert rows[1][TABLE_COLUMNS.index("x baseline")] == "1.00x"
-    assert rows[-1][TABLE_COLUMNS.index("x baseline")] == "-"
+    assert [r[columns.index("batches")] for r in rows[1:]] == ["reference"] + ["equal"] * (len(MEASURED) - 1)
+    assert rows[1][columns.index("x baseline")] == "1.00x"
+    assert rows[-1][columns.index("x baseline")] == "-"
     short = result.rows()
     assert short[0][:5] == ["loader", "cache", "samples/s", "x baseline", "CPU s/sample"]
     assert [r[0] for r in short[1:]] == [SHORT_LABELS[name] for name in MEASURED]
@@ -165,7 +166,7 @@ def html_bench(tiny, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench.cli, "run_bench", spy)
         rc = main(["-q", "bench", str(tiny.path), "--workers", "2", "--max-len", str(MAX_LEN), "--no-cold",
-                   "--loaders", ",".join(HTML_LOADERS), "--html", str(page)])
+                   "--loaders", ",".join(HTML_LOADERS), "--html", str(page), "--step", "none"])
     assert rc == 0 and len(results) == 1
     return page, results[0]
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS
 from h5feed.bench.runner import run_bench
+from h5feed.bench.step import REPRESENTATIVE
 from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec
 from h5feed.cli.options import add_location_options, location_options
 from h5feed.errors import H5feedError
@@ -38,6 +39,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         storage_options=where["storage_options"],
         read_cache_dir=where["cache_dir"],
         read_cache_limit=where["cache_limit"],
+        step=None if args.step == "none" else args.step,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(verbose=args.verbose))
     if args.html is not None:
@@ -69,10 +71,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the trainer's path: h5feed's loaders against the speculators 0.4 .pt loader, on the same samples",
         description=textwrap.fill("Time, cold and warm, the batches a trainer takes (batch_size 1, the trainer's collate, "
         "pin_memory=True) from speculators 0.4's .pt loader in a DataLoader and from h5feed's loaders, on the "
-        "same samples, and check that every loader delivers the same batches. With no STORE, a Kimi-shaped "
+        "same samples, and check that every loader delivers the same batches. On a GPU, a training step runs on "
+        "every batch and loaders are ranked by the trainer's samples/s against the step alone. With no STORE, a Kimi-shaped "
         "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.", 100),
         epilog="loaders:\n" + "\n".join(f"  {name} = {label}" for name, label in LOADER_LABELS.items())
         + "\n\nexamples:\n  h5feed bench --workers 4                  # the embedded synthetic set, built once"
+        "\n  h5feed bench --step mytrain.bench:make_step  # ranked by your own training step (on a GPU)"
         "\n  h5feed bench /data/hs.zarr --workers 8    # your store (its source .pt files are the baseline)"
         "\n  h5feed bench --html bench.html            # also a page with plots (pip install 'h5feed[report]')",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -93,6 +97,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="samples of the embedded default set (default: %(default)s, ~100 MB each)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where the embedded default set is kept (default: %(default)s)")
+    p.add_argument("--step", default=REPRESENTATIVE, metavar="NAME",
+                   help="the training step run on every batch on a GPU, by which loaders are ranked: "
+                        f"{REPRESENTATIVE!r} (default: an EAGLE-3 drafter step at the store's shape: attention, "
+                        "SwiGLU MLP, 3 training-time-test steps, AdamW), your own as package.module:function "
+                        "(function(store, device) returns a callable that runs one step on a batch), or 'none' "
+                        "(the loaders alone); no step runs without CUDA")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--html", type=Path, metavar="FILE",
                    help="also write one self-contained HTML page: the settings, the advice, samples/s, CPU s/sample "

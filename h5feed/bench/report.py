@@ -9,11 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, WorkerStats
+from h5feed.bench.step import StepAlone
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, preformatted, pyplot, table
 
-TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "x baseline", "CPU s/sample", "CPU cores", "GB/s",
-                 "peak mem", "per-worker samples/s", "batches", "other CPU")  # --verbose
+TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "of step alone", "data wait", "next() ms", "x baseline",
+                 "CPU s/sample", "CPU cores", "loader cores", "GB/s", "peak mem", "per-worker samples/s", "batches",
+                 "other CPU")  # --verbose
 SHORT_COLUMNS = ("loader", "cache", "samples/s", "x baseline", "CPU s/sample", "peak mem", "batches")  # the default
+STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "data wait", "loader cores", "next() ms",
+                "x baseline", "peak mem", "batches")  # the default with a training step
+STEP_ONLY = {"of step alone"}  # columns that need a training step
+SAME_SPEED = 0.01  # loaders within this share of the step alone of the best are equals: the fewest cores wins
 TEXT_COLUMNS = ("loader", "cache", "per-worker samples/s", "batches")  # aligned left; the figures align right
 CACHES = ("cold", "warm")  # the cache states, in the order they are measured
 WIDTH = 120  # the report's lines, but for paths and the code to copy
@@ -35,6 +41,10 @@ class PassResult:
     cpu_seconds: float = 0.0  # CPU (user + system) of the main process and its workers, until they are reaped
     other_cpu_share: float = 0.0  # share of the machine's CPUs other processes used meanwhile (disturbance)
     ratio: float | None = None  # samples/s over the baseline's, same cache state (trainer-path loaders only)
+    data_wait: float = 0.0  # share of the pass spent waiting in next(), every batch's wait counted
+    next_median_ms: float = 0.0  # the median wait in next()
+    step_share: float | None = None  # with a training step: samples/s over the step alone's
+    loader_cores: float = 0.0  # CPU cores of the process and its workers, less the training step's own CPU
 
     @property
     def cpu_per_sample(self) -> float:
@@ -63,6 +73,7 @@ class BenchResult:
     passes: list[PassResult] = field(default_factory=list)
     checks: dict[str, str] = field(default_factory=dict)  # loader -> "reference", "equal" or what differs
     notes: list[str] = field(default_factory=list)
+    step: StepAlone | None = None  # the training step alone, when one ran beside the loaders
 
     def get(self, loader: str, cache: str) -> PassResult | None:
         for p in self.passes:
@@ -71,26 +82,38 @@ class BenchResult:
         return None
 
     def fastest(self) -> str | None:
-        """The trainer-path loader with the best ratio to the baseline, over the cache states measured (the
-        mean of its ratios), among those whose batches were checked equal to the baseline's; None if none."""
-        ratios: dict[str, list[float]] = {}
-        for p in self.passes:
-            if p.ratio is not None and p.loader in USABLE and self.checks.get(p.loader, "equal") == "equal":
-                ratios.setdefault(p.loader, []).append(p.ratio)
-        return max(ratios, key=lambda name: sum(ratios[name]) / len(ratios[name]), default=None)
+        """The trainer-path loader to use here, among those whose batches were checked equal to the reference's:
+        with a training step, the one that leaves it fastest (the mean of its shares of the step alone over the
+        cache states measured; within `SAME_SPEED` of the best, the one on the fewest cores); without, the best
+        ratio to the baseline.  None if none was measured so."""
+        usable = [p for p in self.passes if p.loader in USABLE and self.checks.get(p.loader, "equal") == "equal"]
+        if self.step is not None:
+            share = _means(usable, lambda p: p.step_share)
+            cores = _means(usable, lambda p: p.loader_cores)
+            best = max(share.values(), default=None)
+            if best is None:
+                return None
+            return min((name for name in share if share[name] >= best - SAME_SPEED), key=lambda name: cores[name])
+        ratios = _means(usable, lambda p: p.ratio)
+        return max(ratios, key=lambda name: ratios[name], default=None)
 
     def recommendation(self) -> str:
-        """What to use on this machine, measured here: the fastest loader, its ratios and CPU, its settings."""
+        """What to use on this machine, measured here: the loader `fastest` picks, its figures, its settings."""
         best = self.fastest()
         if best is None:
             return ""
         passes = [p for p in self.passes if p.loader == best]
+        settings = USABLE[best].format(flavor=self.flavor, max_len=self.max_len, workers=self.workers,
+                                       dtype=self.hidden_states_dtype)
+        if self.step is not None:
+            figures = ", ".join(f"{100 * p.step_share:.1f}% of the step alone {p.cache} (data wait "
+                                f"{100 * p.data_wait:.1f}%, {p.loader_cores:.2f} loader cores)"
+                                for p in passes if p.step_share is not None)
+            return f"Best for this training step here: {SHORT_LABELS[best]}: {figures}.\nTo use it: {settings}"
         base = {p.cache: p for p in self.passes if p.loader == BASELINE}
         figures = ", ".join(f"{p.ratio:.2f}x the .pt loader {p.cache}" for p in passes if p.ratio is not None)
         cpu = max(p.cpu_per_sample for p in passes)
         base_cpu = max((p.cpu_per_sample for p in base.values()), default=float("nan"))
-        settings = USABLE[best].format(flavor=self.flavor, max_len=self.max_len, workers=self.workers,
-                                       dtype=self.hidden_states_dtype)
         return (f"Fastest here: {SHORT_LABELS[best]}: {figures}, {cpu:.3f} CPU s/sample (the .pt loader: "
                 f"{base_cpu:.3f}).\nTo use it: {settings}")
 
@@ -99,7 +122,7 @@ class BenchResult:
 
     def rows(self, verbose: bool = False) -> list[list[str]]:
         """The table's cells, header first: one row per loader x cache state (`verbose`: every column, long names)."""
-        columns = TABLE_COLUMNS if verbose else SHORT_COLUMNS
+        columns = self.columns(verbose)
         rows = [[f"peak mem ({self.memory_metric.upper()})" if c == "peak mem" else c for c in columns]]
         for p in self.passes:
             cells = {
@@ -108,6 +131,10 @@ class BenchResult:
                 "samples": str(p.samples),
                 "samples/s": f"{p.samples_per_s:.2f}",
                 "x baseline": "-" if p.ratio is None else f"{p.ratio:.2f}x",
+                "of step alone": "-" if p.step_share is None else f"{100 * p.step_share:.1f}%",
+                "data wait": f"{100 * p.data_wait:.1f}%",
+                "next() ms": f"{p.next_median_ms:.2f}",
+                "loader cores": f"{p.loader_cores:.2f}",
                 "CPU s/sample": f"{p.cpu_per_sample:.3f}",
                 "CPU cores": f"{p.cpu_seconds / p.seconds:.2f}",
                 "GB/s": f"{p.gb_per_s:.2f}",
@@ -118,6 +145,12 @@ class BenchResult:
             }
             rows.append([cells[c] for c in columns])
         return rows
+
+    def columns(self, verbose: bool) -> tuple[str, ...]:
+        """The table's columns: every one (`verbose`), or the default set, with the step's figures when one ran."""
+        if verbose:
+            return TABLE_COLUMNS if self.step is not None else tuple(c for c in TABLE_COLUMNS if c not in STEP_ONLY)
+        return STEP_COLUMNS if self.step is not None else SHORT_COLUMNS
 
     def settings_lines(self) -> list[str]:
         """What was measured and where, for the table's head and the page: the store, its source, the trainer's
@@ -134,6 +167,10 @@ class BenchResult:
             (f"machine: {self.machine.get('cpus')} cores, {self.machine.get('memory_bytes', 0) / 2**30:.0f} GiB, "
              f"CUDA {'yes' if self.machine.get('cuda') else 'no'}; load average (1 min) "
              f"{load.get('start', float('nan')):.2f} at the start, {load.get('end', float('nan')):.2f} at the end"),
+            (f"training step: {self.step.name}, run on every batch; alone, its batch already on the {self.step.device}: "
+             f"{1e3 * self.step.seconds:.1f} ms ({self.step.samples_per_s:.2f} samples/s, "
+             f"{self.step.cpu_seconds / self.step.seconds:.2f} CPU cores)" if self.step is not None
+             else "training step: none (each batch's data is touched and dropped)"),
         ]
 
     def loader_names(self) -> list[str]:
@@ -143,11 +180,12 @@ class BenchResult:
 
     def table(self, verbose: bool = False) -> str:
         """The plain-text report: the settings, one row per pass, notes, and last what to use here."""
-        store, source, settings, machine = self.settings_lines()
+        store, source, settings, machine, step = self.settings_lines()
         rows = self.rows(verbose)
-        columns = TABLE_COLUMNS if verbose else SHORT_COLUMNS
+        columns = self.columns(verbose)
         right = {i for i, c in enumerate(columns) if c not in TEXT_COLUMNS}
-        out = [store, source, *textwrap.wrap(settings, WIDTH, subsequent_indent="  "), machine, "",
+        out = [store, source, *textwrap.wrap(settings, WIDTH, subsequent_indent="  "), machine,
+               *textwrap.wrap(step, WIDTH, subsequent_indent="  "), "",
                *format_table(rows, right)]
         if not verbose:
             out += ["", "loaders:"]
@@ -204,7 +242,7 @@ class BenchResult:
         software = f"{machine.get('platform')}, Python {machine.get('python')}, torch {machine.get('torch')}"
         advice = self.recommendation() or ("No advice: it needs the .pt baseline measured and a trainer-path loader "
                                            "whose batches equal the baseline's (the notes say what was missing).")
-        text_columns = [i for i, c in enumerate(TABLE_COLUMNS) if c in TEXT_COLUMNS]
+        text_columns = [i for i, c in enumerate(self.columns(verbose=True)) if c in TEXT_COLUMNS]
         sections = [
             Section("Settings", bullets([*self.settings_lines(), software], "settings")),
             Section("What to use here", preformatted(advice, "recommendation")),
@@ -221,6 +259,15 @@ class BenchResult:
         page = Path(path)
         page.write_text(self.html(self.plot_png()))
         return page
+
+
+def _means(passes: list[PassResult], figure: Any) -> dict[str, float]:
+    """Each loader's mean of `figure` over its passes (the cache states measured), where it has that figure."""
+    values: dict[str, list[float]] = {}
+    for p in passes:
+        if (value := figure(p)) is not None:
+            values.setdefault(p.loader, []).append(value)
+    return {name: sum(v) / len(v) for name, v in values.items()}
 
 
 def format_table(rows: list[list[str]], right: set[int]) -> list[str]:

@@ -23,6 +23,15 @@ less the memory sampler's own.  Memory is the peak, sampled every 50 ms, of the 
 the main process and all its children of PSS (RSS where PSS is not available): RSS would
 count shared-memory pages once per process that maps them.
 
+On a GPU, a training step (`h5feed.bench.step`: a representative EAGLE-3 drafter step at the
+store's shape, or the user's own) runs on every batch of every timed pass, as a trainer's loop
+runs it, and is timed alone first, its batch already on the GPU.  A loader is then judged by what
+the trainer gets: its samples/s as a share of the step alone's, beside the share of the pass
+spent waiting in `next()` (every batch, the first too) and the loader's cores (the CPU of the
+process and its workers less the step's own).  That, not the loader's own speed, is what the
+advice ranks by: a loader can wait for nothing and still slow the step (its GPU kernels beside
+the step's, its threads in the trainer's interpreter).
+
 With no STORE, the embedded default is used: a Kimi-shaped synthetic set
 (speculators-legacy-pt, H=7168, K=3, 1500..1900 tokens per sample, 48 samples,
 ~4.7 GB) written under the cache folder, converted once with all cores, and
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
@@ -59,6 +69,7 @@ from h5feed.bench.loaders import (
     make_loader,
 )
 from h5feed.bench.report import BenchResult, PassResult
+from h5feed.bench.step import REPRESENTATIVE, StepRunner, on_device, training_step
 from h5feed.bench.synthetic_set import (
     BASELINE_FORMAT,
     DEFAULT_CACHE_DIR,
@@ -76,6 +87,7 @@ if TYPE_CHECKING:  # typing.Self is 3.11+
 
 MEMORY_INTERVAL_S = 0.05
 DISTURBED_SHARE = 0.05  # other processes' share of the CPUs above which a pass is flagged
+STEP_ALONE_STEPS = 20  # steps the training step is timed alone
 
 
 def _pss_available() -> bool:
@@ -166,40 +178,60 @@ class MemorySampler:
 
 
 
-def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySampler) -> PassResult:
-    """One timed pass over every batch: one element of each hidden tensor is read, the batch is dropped."""
+def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySampler,
+                step: StepRunner | None) -> PassResult:
+    """One timed pass over every batch: with a training `step`, the step runs on each batch as a trainer's loop
+    does, and every wait in `next()` is timed (the first batch's too); without, one element of each hidden tensor
+    is read (the data must have arrived) and the batch is dropped."""
     samples = hidden_bytes = 0
+    waits: list[float] = []
     built.start_pass()
     with sampler:
         t0 = time.perf_counter()
-        for batch in built.batches:  # batch_size 1: a batch (or an item) per sample
-            for tensor in hidden_tensors(batch):
-                if tensor.numel():
-                    float(tensor[(-1,) * tensor.dim()])
-                hidden_bytes += tensor.numel() * tensor.element_size()
+        batches = iter(built.batches)
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, None)  # batch_size 1: a batch (or an item) per sample
+            waits.append(time.perf_counter() - asked)
+            if batch is None:
+                break
+            tensors = hidden_tensors(batch)
+            hidden_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            if step is not None:
+                step(batch)
+            else:
+                for tensor in tensors:
+                    if tensor.numel():
+                        float(tensor[(-1,) * tensor.dim()])
             samples += 1
-            del batch
+            del batch, tensors
         seconds = time.perf_counter() - t0
-        # the loader's iterator ran out: its workers are joined (reaped), so their CPU is in os.times
+        del batches  # the loader's iterator ran out: its workers are joined (reaped), so their CPU is in os.times
     workers = built.pass_stats(seconds)
     return PassResult(
         loader=name, cache=cache, samples=samples, seconds=seconds, samples_per_s=samples / seconds,
         hidden_bytes=hidden_bytes, gb_per_s=hidden_bytes / seconds / 1e9,
         bytes_read=sum(w.bytes_read for w in workers), peak_memory_bytes=sampler.peak,
         memory_metric=sampler.metric, workers=workers, cpu_seconds=sampler.cpu_seconds,
-        other_cpu_share=sampler.other_cpu_share,
+        other_cpu_share=sampler.other_cpu_share, data_wait=sum(waits) / seconds,
+        next_median_ms=statistics.median(waits[:-1] or waits) * 1e3,
     )
 
 
-def _checking_pass(built: BuiltLoader, name: str, s: Setup) -> list[dict[str, Any]]:
-    """An untimed first pass: the digest of every batch, in order.  The item path's items are first collated
-    by the trainer's collate, as a trainer would."""
+def _checking_pass(built: BuiltLoader, name: str, s: Setup, keep_first: bool) -> tuple[list[dict[str, Any]], Any]:
+    """An untimed first pass: the digest of every batch, in order, and with `keep_first` a copy of the first batch
+    (the training step is timed alone on it).  The item path's items are first collated by the trainer's
+    collate, as a trainer would."""
     collate = s.trainer_collate() if name == ITEMS else None
-    digests = []
+    digests, first = [], None
     for batch in built.batches:
-        digests.append(digest(collate([batch]) if collate is not None else batch))
+        if collate is not None:
+            batch = collate([batch])
+        digests.append(digest(batch))
+        if keep_first and first is None:
+            first = on_device(batch, torch.device("cpu"), copy=True)
         del batch
-    return digests
+    return digests, first
 
 
 def _dir_bytes(path: Path) -> int:
@@ -235,6 +267,8 @@ def run_bench(
     storage_options: Mapping[str, Any] | None = None,
     read_cache_dir: str | os.PathLike[str] | None = None,
     read_cache_limit: int | None = None,
+    step: str | None = REPRESENTATIVE,
+    step_device: torch.device | str | None = None,
 ) -> BenchResult:
     """Time the loaders on the same samples, check their batches equal, and return the figures (module docstring).
 
@@ -251,6 +285,11 @@ def run_bench(
         progress: one line per pass on stderr.
         storage_options, read_cache_dir, read_cache_limit: for a STORE URL, `Store`'s `storage_options`,
             `cache_dir` and `cache_limit`.
+        step: the training step run beside every loader on a GPU (`h5feed.bench.step`): "drafter", the
+            representative EAGLE-3 drafter step at the store's shape, or "package.module:function" (your own);
+            None: the loaders alone.
+        step_device: where the step runs (default: the GPU, where CUDA is; without it no step runs unless
+            a device is given, as tests give the CPU).
     """
     def say(message: str) -> None:
         if progress:
@@ -330,6 +369,14 @@ def run_bench(
         notes.append("PSS is not available here: memory is the sum of RSS, which counts shared pages in every "
                      "process that maps them (an overestimate)")
     machine = _machine()
+    trainer: StepRunner | None = None
+    step_device = torch.device(step_device) if step_device is not None else (
+        torch.device("cuda") if machine["cuda"] else None)
+    if step is not None and step_device is None:
+        notes.append("no GPU here: no training step ran, so the loaders are ranked by their own samples/s; on a GPU "
+                     "box the bench runs a drafter step beside each loader and ranks them by the trainer's speed")
+    elif step is not None:
+        trainer = StepRunner(step, training_step(step, opened, step_device), step_device)
     if not machine["cuda"]:
         notes.append("no CUDA here: pin_memory=True copies nothing (the baseline and the StreamLoader skip the "
                      "pinned copy a GPU trainer pays, ~1 batch of copying each) and BatchLoader's slots are not "
@@ -360,7 +407,7 @@ def run_bench(
         for name in active:
             built = make_loader(name, setup)
             t0 = time.perf_counter()
-            digests = _checking_pass(built, name, setup)
+            digests, first = _checking_pass(built, name, setup, keep_first=trainer is not None and reference is None)
             if reference is None:
                 reference, result.checks[name] = digests, "reference"
             else:
@@ -368,13 +415,16 @@ def run_bench(
             del digests
             say(f"{LOADER_LABELS[name]}: checking pass (untimed) in {time.perf_counter() - t0:.2f} s: "
                 f"batches {result.checks[name]}")
+            if first is not None and trainer is not None:
+                trainer = _time_step_alone(trainer, first, result, say)
+                del first
             for cache in caches:
                 if cache == "cold":
                     problem = drop_page_cache()
                     if problem is not None:
                         raise H5feedError(problem)
                 # warm: the pass before (cold, or the checking pass) left every file it read in the page cache
-                result.passes.append(_timed_pass(built, name, cache, sampler))
+                result.passes.append(_timed_pass(built, name, cache, sampler, trainer))
                 report(result.passes[-1])
             del built
     machine["load_average"]["end"] = os.getloadavg()[0]
@@ -382,13 +432,33 @@ def run_bench(
     return result
 
 
+def _time_step_alone(trainer: StepRunner, batch: Any, result: BenchResult, say: Any) -> StepRunner | None:
+    """The step timed alone on the first batch (on the device already), kept in `result`; None (no step beside
+    the loaders) when the representative step cannot take this flavor's batches."""
+    try:
+        result.step = trainer.alone(batch, STEP_ALONE_STEPS)
+    except ValueError as e:
+        if trainer.name != REPRESENTATIVE:
+            raise
+        result.notes.append(f"no training step ran: {e}")
+        return None
+    say(f"the training step ({trainer.name}) alone, its batch on the GPU: {1e3 * result.step.seconds:.1f} ms, "
+        f"{result.step.samples_per_s:.2f} samples/s")
+    return trainer
+
+
 def _judge(result: BenchResult, num_samples: int) -> None:
-    """Ratios to the baseline, and notes on anything that makes figures doubtful."""
+    """Ratios to the baseline and to the step alone, the loader's cores, and notes on anything that makes figures
+    doubtful."""
     notes = result.notes
     for p in result.passes:
         base = result.get(BASELINE, p.cache)
         if p.loader != ITEMS and base is not None and base.samples_per_s > 0:
             p.ratio = p.samples_per_s / base.samples_per_s
+        if result.step is not None:
+            p.step_share = p.samples_per_s / result.step.samples_per_s
+        step_cpu = result.step.cpu_seconds if result.step is not None else 0.0
+        p.loader_cores = max(0.0, p.cpu_seconds - step_cpu * p.samples) / p.seconds
         if p.samples != num_samples:
             notes.append(f"{p.loader} {p.cache} delivered {p.samples} batches, not {num_samples}")
     differ = [f"{name}: {check}" for name, check in result.checks.items() if check not in ("reference", "equal")]
