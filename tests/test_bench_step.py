@@ -81,6 +81,7 @@ def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_
     for p in result.passes:
         assert p.step_share == pytest.approx(p.samples_per_s * result.step.seconds)
         assert 0 < p.data_wait < 1 and p.next_median_ms > 0
+        assert p.gpu_decode_ms_per_sample == 0.0  # these loaders decode on the CPU
         assert p.loader_cores == pytest.approx(
             max(0.0, p.cpu_seconds - result.step.cpu_seconds * p.samples) / p.seconds)
     table = result.table()

@@ -188,12 +188,18 @@ class BuiltLoader:
     """A loader built once and iterated once per pass, as a trainer iterates it once per epoch (what it builds
     once, such as BatchLoader's ring of batch slots, is built once); `pass_stats` gives a pass's per-worker figures."""
 
-    def __init__(self, batches: Iterable[Batch], counts: Callable[[], dict[int, WorkerCounts]]) -> None:
-        self.batches, self._counts = batches, counts
+    def __init__(self, batches: Iterable[Batch], counts: Callable[[], dict[int, WorkerCounts]],
+                 gpu_decode_ms: Callable[[], float] = lambda: 0.0) -> None:
+        self.batches, self._counts, self._gpu_decode_ms = batches, counts, gpu_decode_ms
         self._before: dict[int, WorkerCounts] = {}
+        self._gpu_before = 0.0
 
     def start_pass(self) -> None:
-        self._before = self._counts()
+        self._before, self._gpu_before = self._counts(), self._gpu_decode_ms()
+
+    def pass_gpu_decode_ms(self) -> float:
+        """The GPU time the loader spent decoding since `start_pass` (0 for loaders that decode on the CPU)."""
+        return self._gpu_decode_ms() - self._gpu_before
 
     def pass_stats(self, seconds: float) -> list[WorkerStats]:
         """Each worker's share of the pass since `start_pass`."""
@@ -213,7 +219,7 @@ def make_loader(name: str, s: Setup) -> BuiltLoader:
         threads = {"num_workers": s.workers} if name == "BatchLoader" else {"threads": max(s.workers, 1)}
         decode = "cuda" if name == GPU_DECODE else "cpu"
         loader = BatchLoader(s.stream(), batch_size=1, decode=decode, **threads)
-        return BuiltLoader(loader, lambda: h5feed_counts(loader.dataset.counters))
+        return BuiltLoader(loader, lambda: h5feed_counts(loader.dataset.counters), lambda: loader.gpu_decode_ms)
     if name == "StreamLoader":
         stream = s.stream()
         return BuiltLoader(StreamLoader(stream, **trainer), lambda: h5feed_counts(stream.counters))

@@ -13,8 +13,8 @@ from h5feed.bench.step import StepAlone
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, preformatted, pyplot, table
 
 TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "of step alone", "data wait", "next() ms", "x baseline",
-                 "CPU s/sample", "CPU cores", "loader cores", "GB/s", "peak mem", "per-worker samples/s", "batches",
-                 "other CPU")  # --verbose
+                 "CPU s/sample", "CPU cores", "loader cores", "GPU ms/sample", "GB/s", "peak mem",
+                 "per-worker samples/s", "batches", "other CPU")  # --verbose
 SHORT_COLUMNS = ("loader", "cache", "samples/s", "x baseline", "CPU s/sample", "peak mem", "batches")  # the default
 STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "data wait", "loader cores", "next() ms",
                 "x baseline", "peak mem", "batches")  # the default with a training step
@@ -45,6 +45,7 @@ class PassResult:
     next_median_ms: float = 0.0  # the median wait in next()
     step_share: float | None = None  # with a training step: samples/s over the step alone's
     loader_cores: float = 0.0  # CPU cores of the process and its workers, less the training step's own CPU
+    gpu_decode_ms_per_sample: float = 0.0  # GPU time spent decoding a sample: what it takes from the step's GPU
 
     @property
     def cpu_per_sample(self) -> float:
@@ -135,6 +136,7 @@ class BenchResult:
                 "data wait": f"{100 * p.data_wait:.1f}%",
                 "next() ms": f"{p.next_median_ms:.2f}",
                 "loader cores": f"{p.loader_cores:.2f}",
+                "GPU ms/sample": f"{p.gpu_decode_ms_per_sample:.1f}",
                 "CPU s/sample": f"{p.cpu_per_sample:.3f}",
                 "CPU cores": f"{p.cpu_seconds / p.seconds:.2f}",
                 "GB/s": f"{p.gb_per_s:.2f}",

@@ -215,6 +215,7 @@ def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySample
         memory_metric=sampler.metric, workers=workers, cpu_seconds=sampler.cpu_seconds,
         other_cpu_share=sampler.other_cpu_share, data_wait=sum(waits) / seconds,
         next_median_ms=statistics.median(waits[:-1] or waits) * 1e3,
+        gpu_decode_ms_per_sample=built.pass_gpu_decode_ms() / max(samples, 1),
     )
 
 
