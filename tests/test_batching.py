@@ -254,7 +254,7 @@ def test_arguments_are_checked(legacy_store):
     with pytest.raises(ValueError, match="max_len, seed belong to the HiddenStatesStream"):
         BatchLoader(stream, max_len=20, seed=1)
     loader = BatchLoader(stream, batch_size=4)
-    assert len(loader) == 4 and loader.dataset is stream
+    assert len(loader) == 4 and loader.dataset.store is stream.store
 
 
 # =========================================================================== CUDA (skipped without it)

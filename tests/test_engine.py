@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu, trainer_collate
@@ -62,16 +63,77 @@ def test_schedule_counts_skipped_samples_as_passed_and_resumes_there():
     assert resumed.state_dict() == {"epoch": 1, "seed": 0, "position": 0}
 
 
-def test_stream_and_batch_loader_share_one_schedule(legacy_store):
+def test_stream_and_batch_loader_share_one_position(legacy_store):
     stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, seed=5)
     loader = BatchLoader(stream, batch_size=2, threads=2)
-    assert loader.dataset.schedule is stream.schedule
-    assert stream.schedule.counted_by_loader and stream.schedule.batch_size == 2
+    assert loader.dataset.schedule.progress is stream.schedule.progress
     batches = iter(loader)
     next(batches)
     next(batches)
-    assert stream.state_dict()["position"] == 4 == stream.schedule.state_dict()["position"]
+    assert stream.state_dict()["position"] == 4 == loader.state_dict()["position"]
     loader.close()
+
+
+def test_loaders_leave_the_stream_they_are_given_as_it_was(legacy_store, assert_same_batch):
+    """A stream handed to a BatchLoader and a StreamLoader keeps its own batch_size and counting: a plain DataLoader
+    over it afterwards yields what it did before.  Each loader deals its own batches, and resumes exactly."""
+
+    def fresh() -> HiddenStatesStream:
+        return HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, seed=5)
+
+    def ids(items) -> list[list[int]]:
+        return [item["input_ids"].tolist() for item in items]
+
+    stream = fresh()
+    items = [{k: v.clone() for k, v in item.items()} for item in DataLoader(stream, batch_size=None)]
+    assert len(items) == len(LENGTHS)
+    batch_loader = BatchLoader(stream, batch_size=3, threads=2)
+    stream_loader = StreamLoader(stream, batch_size=2, num_workers=2, collate_fn=list)
+    for loader, batch_size in ((batch_loader, 3), (stream_loader, 2)):
+        view = loader.dataset
+        assert (view.schedule.batch_size, view.schedule.counted_by_loader) == (batch_size, True)
+        assert view.store is stream.store and view.counters is stream.counters
+    assert (stream.schedule.batch_size, stream.schedule.counted_by_loader, stream.stands_in_for_skips) == (1, False,
+                                                                                                          False)
+
+    collate = trainer_collate("speculators-legacy", 64, hidden_states_dtype=stream.hidden_states_dtype)
+    want = [collate(items[j : j + 3]) for j in range(0, len(items), 3)]
+    got = [{k: v.clone() for k, v in batch.items()} for batch in batch_loader]
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert_same_batch(g, w)
+    paired = list(stream_loader)  # two workers, each dealing whole batches of 2
+    assert [len(batch) for batch in paired] == [2] * 7
+    assert ids(item for batch in paired for item in batch) == ids(items)
+
+    again = list(DataLoader(stream, batch_size=None, num_workers=2))  # workers deal the stream's batches of 1
+    assert ids(again) == ids(items)
+    for g, w in zip(again, items):
+        assert_same_batch(g, w)
+
+    it = iter(batch_loader)
+    next(it), next(it)
+    state = batch_loader.state_dict()
+    assert state == stream.state_dict() == {"epoch": 0, "seed": 5, "position": 6}
+    resumed = BatchLoader(fresh(), batch_size=3, threads=2)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(want) - 2
+    for g, w in zip(rest, want[2:]):
+        assert_same_batch(g, w)
+    batch_loader.close()
+    resumed.close()
+
+    it = iter(stream_loader)
+    next(it), next(it), next(it)
+    state = stream_loader.state_dict()
+    del it
+    assert state == stream.state_dict() == {"epoch": 0, "seed": 5, "position": 6}
+    resumed_items = StreamLoader(fresh(), batch_size=2, num_workers=2, collate_fn=list)
+    resumed_items.load_state_dict(state)
+    rest = list(resumed_items)
+    assert [len(batch) for batch in rest] == [2] * 4
+    assert ids(item for batch in rest for item in batch) == ids(items[6:])
 
 
 def test_read_ahead_hands_back_in_order_and_draws_work_only_depth_ahead():

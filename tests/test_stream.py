@@ -401,7 +401,8 @@ def test_stream_loader_without_batching_shares_and_plain_memory_otherwise(small)
     shared = HiddenStatesStream(s.path, "speculators-legacy", max_len=30)
     loader = StreamLoader(shared, batch_size=None, num_workers=1, collate_fn=record_sharing)
     flags = list(loader)
-    assert shared.shared_memory and len(flags) == len(shared) and all(f["hidden_states"] for f in flags)
+    assert loader.dataset.shared_memory and len(flags) == len(shared) and all(f["hidden_states"] for f in flags)
+    assert shared.shared_memory is None  # the loader's copy decodes into shared memory, not the stream passed in
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -137,8 +137,7 @@ class BatchLoader(LoaderControls):
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
                                        ).for_store(store.info)
-        stream.batch_size = batch_size
-        stream.schedule.counted_by_loader = True
+        stream = stream.for_loader(batch_size)  # the loader's own: the stream passed in deals as it did
         self.backend: DecodeBackend = backend.from_arguments(stream, self.collate, batching, arguments)
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.drop_last, self.device = batch_size, drop_last, self.backend.device

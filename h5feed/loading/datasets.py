@@ -9,6 +9,7 @@ main process can read while training runs (`dataset.counters.snapshot()`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -291,7 +292,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         seed: the shuffle seed; the epoch is added (`set_epoch`).
         equal_per_rank: pad each rank to the same count by repeating samples (as DistributedSampler
             does), since unequal counts hang DDP; False reads every sample exactly once.
-        batch_size: the DataLoader's batch_size (`StreamLoader` sets it), so workers deal whole batches.
+        batch_size: the DataLoader's batch_size, so workers deal whole batches (a `StreamLoader` or `BatchLoader`
+            reads a copy dealt in its own: `for_loader`).
         prefetch: samples read ahead per worker (at least `threads`).
         threads: reader threads per worker.  With num_workers=0 and threads = cores, items are
             decoded straight into the trainer's memory: no process hand-off at all.
@@ -351,18 +353,23 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         self.threads = max(1, threads)
         self.stands_in_for_skips = False  # a StreamLoader keeps its batches to the schedule (SkippedSample)
 
+    def for_loader(self, batch_size: int) -> HiddenStatesStream:
+        """The stream a loader reads: this one dealt in the loader's batches of `batch_size` and counted by the
+        loader, so that this stream (read by a DataLoader, or by another loader) deals as it did.  It shares the
+        opened store, the counters (the monitor's, this stream's too) and the epoch and resume position
+        (`SampleSchedule.for_loader`): `set_epoch` and `load_state_dict` on either reach both."""
+        view = copy.copy(self)  # through __getstate__: the copy makes a buffer pool of its own
+        view.schedule = self.schedule.for_loader(batch_size)
+        return view
+
     # --- order, sharding, epochs and resume: the schedule's --------------------------------------
     @property
     def batch_size(self) -> int:
         return self.schedule.batch_size
 
-    @batch_size.setter
-    def batch_size(self, batch_size: int) -> None:
-        self.schedule.batch_size = batch_size
-
     @property
     def epoch(self) -> int:
-        return self.schedule.epoch
+        return self.schedule.progress.epoch
 
     @property
     def seed(self) -> int:
@@ -417,8 +424,8 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
         if self.follow is None:
             sequence = schedule.worker_sequence(*current_worker())
         else:
-            share = FollowedShare(*schedule.rank_and_world_size(), *current_worker(), self.batch_size, schedule.start,
-                                  schedule.equal_per_rank)
+            share = FollowedShare(*schedule.rank_and_world_size(), *current_worker(), self.batch_size,
+                                  schedule.progress.start, schedule.equal_per_rank)
             positions = FollowedPositions(self.store, self.follow, share, self.counters.worker())
             sequence, can_draw = self._loss_masks_checked(positions), positions.ready
         counting = get_worker_info() is None and not schedule.counted_by_loader
@@ -477,7 +484,9 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
 class StreamLoader(DataLoader):
     """A DataLoader over a `HiddenStatesStream` that counts what the trainer takes, for exact resume.
 
-    Takes DataLoader's arguments; `state_dict()` / `load_state_dict()` delegate to the stream.
+    Takes DataLoader's arguments; `state_dict()` / `load_state_dict()` delegate to the stream.  It reads the
+    stream dealt in its batches (`HiddenStatesStream.for_loader`, its `dataset`): the stream passed in keeps its
+    own batch_size and counting, and shares the epoch, the resume position and the counters with it.
     With on_corrupt="skip", each batch holds its scheduled samples less the damaged ones (it is
     smaller; one of nothing but damaged samples is not delivered), so a skip neither shifts nor
     reorders later batches, and the resume position counts the skipped samples as passed.
@@ -486,13 +495,12 @@ class StreamLoader(DataLoader):
 
     def __init__(self, dataset: HiddenStatesStream, batch_size: int | None = 1, **kwargs: Any) -> None:
         check_worker_count(kwargs.get("num_workers", 0))
-        dataset.batch_size = batch_size or 1
-        dataset.schedule.counted_by_loader = True
-        dataset.stands_in_for_skips = True
-        if batch_size is None and dataset.shared_memory is None:  # items leave the workers as they are
-            dataset.shared_memory = True  # (the dataset would learn it too, after the first item)
+        stream = dataset.for_loader(batch_size or 1)  # the loader's own: `dataset` deals as it did
+        stream.stands_in_for_skips = True
+        if batch_size is None and stream.shared_memory is None:  # items leave the workers as they are
+            stream.shared_memory = True  # (the stream would learn it too, after the first item)
         collate = kwargs.pop("collate_fn", None) or (default_collate if batch_size is not None else default_convert)
-        super().__init__(dataset, batch_size=batch_size, collate_fn=SoundItemsCollate(collate), **kwargs)
+        super().__init__(stream, batch_size=batch_size, collate_fn=SoundItemsCollate(collate), **kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         stream: HiddenStatesStream = self.dataset  # type: ignore[assignment]

@@ -7,12 +7,17 @@ batches, taken from the workers in turn, are the rank's sequence in order.  A po
 in the epoch order is then all a resume needs, whatever the worker count
 (README "Sharding and resuming").  A damaged sample skipped (on_corrupt="skip") still
 counts as passed: the position never depends on what was damaged.
+
+How a loader deals the schedule (its batch size, and that it counts what the trainer takes) is
+its own: it reads a copy (`for_loader`) that shares the epoch and the resume position
+(`Progress`) with the stream it was given, so the stream's own dealing stays as it was while
+`set_epoch` and `load_state_dict` on either reach both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -35,6 +40,15 @@ def in_batches(sequence: Sequence[int], batch_size: int, drop_last: bool) -> lis
 
 
 @dataclass
+class Progress:
+    """How far an epoch has got: one object shared by a stream's schedule and the copies its loaders deal."""
+
+    epoch: int = 0
+    start: int = 0  # position in the epoch order where a pass starts (a resume's)
+    consumed: int = 0  # this rank's samples the trainer has passed since `start`, skipped ones included
+
+
+@dataclass
 class SampleSchedule:
     """The epoch's order of the selected samples, this rank's and each worker's share of it, and the resume position.
 
@@ -47,6 +61,8 @@ class SampleSchedule:
         equal_per_rank: pad each rank to the same count by repeating samples (as DistributedSampler does).
         batch_size: samples per batch: a worker deals whole batches.
         rank, world_size: None: from torch.distributed when it is initialised, else 0 and 1.
+        progress: the epoch and the resume position (shared with the copies `for_loader` makes).
+        counted_by_loader: a loader counts what the trainer takes, by batch; else the stream, by item.
     """
 
     indices: list[int]
@@ -58,14 +74,17 @@ class SampleSchedule:
     batch_size: int = 1
     rank: int | None = None
     world_size: int | None = None
-    epoch: int = 0
-    start: int = 0  # position in the epoch order where a pass starts (a resume's)
-    consumed: int = 0  # this rank's samples the trainer has passed since `start`, skipped ones included
-    counted_by_loader: bool = False  # a loader counts what the trainer takes, by batch; else the stream, by item
+    progress: Progress = field(default_factory=Progress)
+    counted_by_loader: bool = False
 
     def __post_init__(self) -> None:
         if self.shuffle == "locality" and self.disk_order is None:
             raise ValueError("shuffle='locality' needs the selected samples in their order on disk (disk_order)")
+
+    def for_loader(self, batch_size: int) -> SampleSchedule:
+        """This schedule as a loader deals it: in its batches of `batch_size`, counted by the loader.  The copy
+        shares `progress`, so the epoch and the resume position stay one, whoever sets or advances them."""
+        return replace(self, batch_size=batch_size, counted_by_loader=True)
 
     # --- order and sharding ------------------------------------------------------------------
     def rank_and_world_size(self) -> tuple[int, int]:
@@ -77,7 +96,7 @@ class SampleSchedule:
 
     def epoch_order(self, epoch: int | None = None) -> list[int]:
         """Store indices in this epoch's global order (the same on every rank)."""
-        epoch = self.epoch if epoch is None else epoch
+        epoch = self.progress.epoch if epoch is None else epoch
         indices = np.asarray(self.indices)
         if not self.shuffle:
             return indices.tolist()
@@ -92,7 +111,7 @@ class SampleSchedule:
         """This rank's samples from the resume position on, in the order the trainer gets them."""
         rank, world = self.rank_and_world_size()
         order = self.epoch_order()
-        remaining = order[self.start :]
+        remaining = order[self.progress.start :]
         if self.equal_per_rank and remaining and len(remaining) % world:
             pad = world - len(remaining) % world
             remaining = remaining + (order * (pad // max(len(order), 1) + 1))[:pad]
@@ -110,19 +129,20 @@ class SampleSchedule:
     def __len__(self) -> int:
         return len(self.rank_sequence())
 
-    # --- epochs and resume ---------------------------------------------------------------------
+    # --- epochs and resume: in `progress`, changed in place (the loaders' copies share it) -----
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning."""
-        if epoch != self.epoch:
-            self.epoch, self.start, self.consumed = epoch, 0, 0
+        progress = self.progress
+        if epoch != progress.epoch:
+            progress.epoch, progress.start, progress.consumed = epoch, 0, 0
 
     def begin_pass(self) -> None:
         """A pass starts at `start`: a second one without set_epoch replays the epoch."""
-        self.consumed = 0
+        self.progress.consumed = 0
 
     def note_consumed(self, samples: int) -> None:
         """Count samples the trainer has passed (taken, or skipped as damaged)."""
-        self.consumed += samples
+        self.progress.consumed += samples
 
     def state_dict(self, end: int | None = None) -> dict[str, Any]:
         """Where this epoch stands: a position in the epoch order that does not depend on the worker count.
@@ -130,10 +150,12 @@ class SampleSchedule:
         Only a rank's last batch can be short, and it is counted whole: the position is clamped to where the
         order ends, `end` (a following stream's, which grows with its store), else the selection's length."""
         _, world = self.rank_and_world_size()
-        position = min(self.start + self.consumed * world, len(self.indices) if end is None else end)
-        return {"epoch": self.epoch, "seed": self.seed, "position": position}
+        progress = self.progress
+        position = min(progress.start + progress.consumed * world, len(self.indices) if end is None else end)
+        return {"epoch": progress.epoch, "seed": self.seed, "position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed {self.seed}")
-        self.epoch, self.start, self.consumed = int(state["epoch"]), int(state["position"]), 0
+        progress = self.progress
+        progress.epoch, progress.start, progress.consumed = int(state["epoch"]), int(state["position"]), 0
