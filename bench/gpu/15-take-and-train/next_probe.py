@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/: train_st
 import train_step as ts
 
 import h5feed
-from h5feed.loading import cuda_loader
 from h5feed.loading import delivery as delivery_module
 from h5feed import CudaBatchLoader
 from h5feed.synthetic import write_synthetic
@@ -105,10 +104,7 @@ def main() -> None:
         write_synthetic(src, "speculators-legacy-pt", args.samples, 7168, lengths=(1500, 1900), seed=0)
         h5feed.convert(src, store, workers=16, progress=False)
     print(pieces(), flush=True)
-    if hasattr(delivery_module, "TrainerStream"):
-        delivery_module.TrainerStream.take = timed("take", delivery_module.TrainerStream.take)
-    else:  # the tree before TrainerStream
-        cuda_loader.trainer_stream_waits = timed("take", cuda_loader.trainer_stream_waits)
+    delivery_module.TrainerStream.take = timed("take", delivery_module.TrainerStream.take)
     torch.cuda.Event.query = timed("query", torch.cuda.Event.query)
     shape = ts.Shape.for_hidden(7168, 3)
     trainer, shape, alone_ms = ts.calibrate(shape, torch.device("cuda"), ts.warm_batch(shape, 2048), 65)
@@ -137,11 +133,8 @@ def main() -> None:
             event.record()
             events.append(event)
         torch.cuda.synchronize()
-        if hasattr(delivery_module, "TrainerStream"):
-            on_take = functools.partial(lambda held, pair: held.take(*pair),
-                                        delivery_module.TrainerStream(torch.device("cuda")))
-        else:
-            on_take = lambda pair: cuda_loader.trainer_stream_waits(*pair, torch.device("cuda"))
+        on_take = functools.partial(lambda held, pair: held.take(*pair),
+                                    delivery_module.TrainerStream(torch.device("cuda")))
 
         def source(ready=ready, events=events):
             for k in range(args.samples):
