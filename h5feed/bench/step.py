@@ -237,15 +237,15 @@ class StepAlone:
 
 class StepRunner:
     """Runs the training step on each batch a loader yields, as a trainer does: the step, then a wait for the
-    device (trainers take the loss's value every step to log it)."""
+    step's stream (trainers take the loss's value every step to log it)."""
 
     def __init__(self, name: str, step: TrainingStep, device: torch.device) -> None:
         self.name, self.step, self.device = name, step, device
 
     def __call__(self, batch: dict[str, Any]) -> None:
         self.step(batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # the step's stream only, as `loss.item()` waits: not a GPU loader's own
+            torch.cuda.current_stream(self.device).synchronize()
 
     def alone(self, batch: dict[str, Any], steps: int, warm_up: int = 3) -> StepAlone:
         """The step timed `steps` times on `batch`, moved to the device first, after `warm_up` steps (kernels,
