@@ -65,13 +65,13 @@ CPU_BLOCK_VALUES = 1 << 19
 
 
 def _dequantize_on_cpu(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The same bits as `fp8.to(bfloat16) * scales.to(bfloat16)[:, None]` in a few vectorised passes over blocks of
-    tokens (torch 2.13 casts float8 one value at a time on the CPU, and a gather from a table of each token's 256
-    products costs numpy more per value than these passes together).
+    """The same bits as `fp8.to(bfloat16) * scales.to(bfloat16)[:, None]`, in a few vectorised passes over blocks of
+    tokens: torch 2.13 casts float8 one value at a time on the CPU, and numpy gathers from a table (each token's 256
+    products, as this did before) one value at a time too.
 
-    Each float8_e4m3fn value's bits, placed as float16 bits (sign; exponent and mantissa shifted 7 to the right
-    of where float16 keeps them), are the float16 of value/256, exactly: float8's subnormals become float16's,
-    which the CPU's float16 conversion reads exactly whatever its denormal mode.  Converted to float32 and
+    A float8_e4m3fn code with its sign moved to bit 15 and its exponent and mantissa to bits 13-7 is the float16
+    bit pattern of value/256, exactly: float8's subnormals become float16's, which the CPU's float16 conversion
+    reads exactly whatever its denormal mode.  Converted to float32 and
     multiplied by scale*256 (exact: a power of two times a bfloat16), each value gets the float32 product that
     torch's bfloat16 multiply forms (v*s of two bfloat16 values: exact, or rounded once alike when it is out of
     float32's range), rounded to bfloat16 by the same conversion.  Blocks of tokens holding a NaN code, or whose
