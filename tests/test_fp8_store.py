@@ -28,7 +28,7 @@ from h5feed.gpu import why_unavailable
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store, plain_allocator
 from h5feed.store import layout as store_layout
-from h5feed.store.fp8 import dequantize_into, quantize, token_scales
+from h5feed.store.fp8 import CPU_BLOCK_VALUES, MAX_SCALE, MIN_SCALE, dequantize_into, quantize, token_scales
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -152,6 +152,41 @@ def test_dequantize_equals_hs_connectors_for_every_fp8_value():
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     wide = dequantize_into(codes, scales, torch.empty(6, 256, dtype=torch.float32))
     assert torch.equal(wide.view(torch.int32), want.float().view(torch.int32))
+
+
+# Scales the CPU's arithmetic takes (scale*256 finite: subnormal, zero and negative ones too) and those the formula
+# itself is left to (scale*256 beyond float32, infinite, NaN), each set with several per block of tokens.
+ORDINARY_SCALES = [MIN_SCALE, 3e-7, 1 / 448, 0.0123, 1.0, 771.5, MAX_SCALE, 2.0**119, 1e-40, 0.0, -0.0, -2.5]
+UNUSUAL_SCALES = [2.0**121, torch.finfo(torch.float32).max, float("inf"), float("-inf"), float("nan"), 1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nan_codes", [False, True], ids=["no-nan-codes", "nan-codes"])
+@pytest.mark.parametrize("scale_set", [ORDINARY_SCALES, UNUSUAL_SCALES], ids=["ordinary", "unusual"])
+@pytest.mark.parametrize("tokens, width", [(0, 300), (1, 1), (1, 256), (3, 13), (300, 1000),
+                                           (2, CPU_BLOCK_VALUES + 7)])
+def test_cpu_dequantization_is_the_formula_bit_for_bit(dtype, nan_codes, scale_set, tokens, width):
+    """On the CPU, every code (all 256, or all but the NaNs, which send a block to the formula itself) times
+    every scale gives the bits of `fp8.to(bfloat16) * scale.to(bfloat16)` (cast into float32), for shapes from
+    none to blocks of one token, widths off any vector or block size.  The formula's NaNs take torch's vector
+    lanes' bits (0xFFFF) or, in a row's scalar tail, its scalar code's (0x7FC0): dequantize_into gives 0xFFFF for
+    every one, as the table of 256 products it used before did."""
+    g = torch.Generator().manual_seed(tokens * 7919 + width)
+    codes = torch.randint(0, 256, (tokens, width), dtype=torch.uint8, generator=g)
+    every = torch.arange(256, dtype=torch.uint8)[: codes.numel()]
+    codes.view(-1)[: every.numel()] = every
+    if not nan_codes:
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+    fp8 = codes.view(torch.float8_e4m3fn)
+    scales = torch.tensor(scale_set, dtype=torch.float32).repeat(-(-tokens // len(scale_set)))[:tokens]
+    want = (fp8.to(torch.bfloat16) * scales.to(torch.bfloat16)[:, None]).to(dtype)
+    got = dequantize_into(fp8, scales, torch.full((tokens, width), 7, dtype=dtype))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+    canonical_nan = -1 if dtype == torch.bfloat16 else -65536  # bfloat16 0xFFFF, and as float32 0xFFFF0000
+    assert bool((got.view(bits)[nan] == canonical_nan).all())
 
 
 # =========================================================================== the store
