@@ -12,7 +12,7 @@ import torch
 
 from h5feed import trainer_collate
 from h5feed.bench import run_bench
-from h5feed.bench.loaders import BASELINE, SHORT_LABELS, USABLE, digest
+from h5feed.bench.loaders import BASELINE, ITEMS, SHORT_LABELS, USABLE, digest
 from h5feed.bench.report import STEP_COLUMNS, BenchResult, PassResult
 from h5feed.bench.runner import STEP_ALONE_STEPS
 from h5feed.bench.step import DrafterStep, Shape, StepAlone, training_step
@@ -24,7 +24,7 @@ from h5feed.store import Store
 H, K = 64, 3
 LENGTHS = (30, 60)
 MAX_LEN = 48
-LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads")
+LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads")  # and the item path, on which no step runs
 
 STEP_MODULE = '''
 import torch
@@ -65,7 +65,7 @@ def user_step(tmp_path, monkeypatch):
 
 
 def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_step) -> None:
-    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=LOADERS, progress=False,
+    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=(*LOADERS, ITEMS), progress=False,
                        step="bench_user_step:make", step_device="cpu")
     n = len(tiny.files)
     assert result.step is not None and result.step.name == "bench_user_step:make" and result.step.device == "CPU"
@@ -78,6 +78,8 @@ def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_
     want = [digest(b) for b in StreamLoader(stream, batch_size=1, collate_fn=collate)]
     assert alone == [want[0]] * len(alone)
     assert [passes[i * n:(i + 1) * n] for i in range(len(LOADERS))] == [want] * len(LOADERS)
+    items = result.passes.pop()
+    assert items.loader == ITEMS and items.step_share is None  # no step ran on items: no trainer takes them
     for p in result.passes:
         assert p.step_share == pytest.approx(p.samples_per_s * result.step.seconds)
         assert 0 < p.data_wait < 1 and p.next_median_ms > 0

@@ -425,7 +425,8 @@ def run_bench(
                     if problem is not None:
                         raise H5feedError(problem)
                 # warm: the pass before (cold, or the checking pass) left every file it read in the page cache
-                result.passes.append(_timed_pass(built, name, cache, sampler, trainer))
+                step = trainer if name != ITEMS else None  # items are not a batch: no trainer steps on them
+                result.passes.append(_timed_pass(built, name, cache, sampler, step))
                 report(result.passes[-1])
             del built
     machine["load_average"]["end"] = os.getloadavg()[0]
@@ -456,9 +457,9 @@ def _judge(result: BenchResult, num_samples: int) -> None:
         base = result.get(BASELINE, p.cache)
         if p.loader != ITEMS and base is not None and base.samples_per_s > 0:
             p.ratio = p.samples_per_s / base.samples_per_s
-        if result.step is not None:
+        if result.step is not None and p.loader != ITEMS:
             p.step_share = p.samples_per_s / result.step.samples_per_s
-        step_cpu = result.step.cpu_seconds if result.step is not None else 0.0
+        step_cpu = result.step.cpu_seconds if p.step_share is not None else 0.0
         p.loader_cores = max(0.0, p.cpu_seconds - step_cpu * p.samples) / p.seconds
         if p.samples != num_samples:
             notes.append(f"{p.loader} {p.cache} delivered {p.samples} batches, not {num_samples}")
