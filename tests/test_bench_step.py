@@ -82,6 +82,8 @@ def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_
     assert items.loader == ITEMS and items.step_share is None  # no step ran on items: no trainer takes them
     for p in result.passes:
         assert p.step_share == pytest.approx(p.samples_per_s * result.step.seconds)
+        assert 0 < p.first_batch_s < p.seconds
+        assert p.running_share == pytest.approx(p.samples * result.step.seconds / (p.seconds - p.first_batch_s))
         assert 0 < p.data_wait < 1 and p.next_median_ms > 0
         assert p.gpu_decode_ms_per_sample == 0.0  # these loaders decode on the CPU
         assert p.loader_cores == pytest.approx(
@@ -149,8 +151,8 @@ def test_the_representative_step_names_a_batch_it_cannot_take() -> None:
 
 def _pass(loader: str, cache: str, share: float, cores: float) -> PassResult:
     return PassResult(loader=loader, cache=cache, samples=10, seconds=1.0, samples_per_s=10.0, hidden_bytes=0,
-                      gb_per_s=0.0, bytes_read=0, peak_memory_bytes=0, memory_metric="pss", step_share=share,
-                      loader_cores=cores)
+                      gb_per_s=0.0, bytes_read=0, peak_memory_bytes=0, memory_metric="pss", step_share=share - 0.1,
+                      first_batch_s=0.25, running_share=share, loader_cores=cores)
 
 
 def test_the_advice_is_the_fastest_trainer_and_among_equals_the_fewest_cores() -> None:
@@ -170,8 +172,9 @@ def test_the_advice_is_the_fastest_trainer_and_among_equals_the_fewest_cores() -
     assert result.fastest() == "BatchLoader"
     advice = result.recommendation()
     assert advice.splitlines() == [
-        "Best for this training step here: BatchLoader, workers: 99.2% of the step alone cold (data wait 0.0%, 1.60 "
-        "loader cores), 99.6% of the step alone warm (data wait 0.0%, 1.90 loader cores).",
+        "Best for this training step here: BatchLoader, workers: cold: 99.2% of the step alone once running, first "
+        "batch after 0.25 s, 1.60 loader cores; warm: 99.6% of the step alone once running, first batch after 0.25 s, "
+        "1.90 loader cores.",
         "To use it: " + USABLE["BatchLoader"].format(flavor="speculators-legacy", max_len=64, workers=4,
                                                      dtype="bfloat16"),
     ]

@@ -12,13 +12,13 @@ from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, 
 from h5feed.bench.step import StepAlone
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, preformatted, pyplot, table
 
-TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "of step alone", "data wait", "next() ms", "x baseline",
-                 "CPU s/sample", "CPU cores", "loader cores", "GPU ms/sample", "GB/s", "peak mem",
+TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "of step alone", "running", "first batch s", "data wait",
+                 "next() ms", "x baseline", "CPU s/sample", "CPU cores", "loader cores", "GPU ms/sample", "GB/s", "peak mem",
                  "per-worker samples/s", "batches", "other CPU")  # --verbose
 SHORT_COLUMNS = ("loader", "cache", "samples/s", "x baseline", "CPU s/sample", "peak mem", "batches")  # the default
-STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "data wait", "loader cores", "next() ms",
-                "x baseline", "peak mem", "batches")  # the default with a training step
-STEP_ONLY = {"of step alone"}  # columns that need a training step
+STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "running", "first batch s", "data wait", "loader cores",
+                "next() ms", "peak mem", "batches")  # the default with a training step
+STEP_ONLY = {"of step alone", "running"}  # columns that need a training step
 SAME_SPEED = 0.01  # loaders within this share of the step alone of the best are equals: the fewest cores wins
 TEXT_COLUMNS = ("loader", "cache", "per-worker samples/s", "batches")  # aligned left; the figures align right
 CACHES = ("cold", "warm")  # the cache states, in the order they are measured
@@ -43,7 +43,9 @@ class PassResult:
     ratio: float | None = None  # samples/s over the baseline's, same cache state (trainer-path loaders only)
     data_wait: float = 0.0  # share of the pass spent waiting in next(), every batch's wait counted
     next_median_ms: float = 0.0  # the median wait in next()
-    step_share: float | None = None  # with a training step: samples/s over the step alone's
+    step_share: float | None = None  # with a training step: samples/s over the step alone's, the whole pass
+    first_batch_s: float = 0.0  # from the pass's start (its workers' start included) to the first batch
+    running_share: float | None = None  # the same once the first batch is in: what a long epoch runs at
     loader_cores: float = 0.0  # CPU cores of the process and its workers, less the training step's own CPU
     gpu_decode_ms_per_sample: float = 0.0  # GPU time spent decoding a sample: what it takes from the step's GPU
 
@@ -84,12 +86,12 @@ class BenchResult:
 
     def fastest(self) -> str | None:
         """The trainer-path loader to use here, among those whose batches were checked equal to the reference's:
-        with a training step, the one that leaves it fastest (the mean of its shares of the step alone over the
-        cache states measured; within `SAME_SPEED` of the best, the one on the fewest cores); without, the best
-        ratio to the baseline.  None if none was measured so."""
+        with a training step, the one that leaves it fastest once running (the mean over the cache states measured
+        of its share of the step alone after the first batch, which a long epoch runs at; within `SAME_SPEED` of
+        the best, the one on the fewest cores); without, the best ratio to the baseline.  None if none was measured so."""
         usable = [p for p in self.passes if p.loader in USABLE and self.checks.get(p.loader, "equal") == "equal"]
         if self.step is not None:
-            share = _means(usable, lambda p: p.step_share)
+            share = _means(usable, lambda p: p.running_share)
             cores = _means(usable, lambda p: p.loader_cores)
             best = max(share.values(), default=None)
             if best is None:
@@ -107,9 +109,9 @@ class BenchResult:
         settings = USABLE[best].format(flavor=self.flavor, max_len=self.max_len, workers=self.workers,
                                        dtype=self.hidden_states_dtype)
         if self.step is not None:
-            figures = ", ".join(f"{100 * p.step_share:.1f}% of the step alone {p.cache} (data wait "
-                                f"{100 * p.data_wait:.1f}%, {p.loader_cores:.2f} loader cores)"
-                                for p in passes if p.step_share is not None)
+            figures = "; ".join(f"{p.cache}: {100 * p.running_share:.1f}% of the step alone once running, first "
+                                f"batch after {p.first_batch_s:.2f} s, {p.loader_cores:.2f} loader cores"
+                                for p in passes if p.running_share is not None)
             return f"Best for this training step here: {SHORT_LABELS[best]}: {figures}.\nTo use it: {settings}"
         base = {p.cache: p for p in self.passes if p.loader == BASELINE}
         figures = ", ".join(f"{p.ratio:.2f}x the .pt loader {p.cache}" for p in passes if p.ratio is not None)
@@ -133,6 +135,8 @@ class BenchResult:
                 "samples/s": f"{p.samples_per_s:.2f}",
                 "x baseline": "-" if p.ratio is None else f"{p.ratio:.2f}x",
                 "of step alone": "-" if p.step_share is None else f"{100 * p.step_share:.1f}%",
+                "running": "-" if p.running_share is None else f"{100 * p.running_share:.1f}%",
+                "first batch s": f"{p.first_batch_s:.2f}",
                 "data wait": f"{100 * p.data_wait:.1f}%",
                 "next() ms": f"{p.next_median_ms:.2f}",
                 "loader cores": f"{p.loader_cores:.2f}",

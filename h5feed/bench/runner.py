@@ -187,10 +187,9 @@ def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySample
     waits: list[float] = []
     built.start_pass()
     with sampler:
-        t0 = time.perf_counter()
-        batches = iter(built.batches)
+        t0 = asked = time.perf_counter()
+        batches = iter(built.batches)  # the first wait includes starting the loader (its workers, its threads)
         while True:
-            asked = time.perf_counter()
             batch = next(batches, None)  # batch_size 1: a batch (or an item) per sample
             waits.append(time.perf_counter() - asked)
             if batch is None:
@@ -205,6 +204,7 @@ def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySample
                         float(tensor[(-1,) * tensor.dim()])
             samples += 1
             del batch, tensors
+            asked = time.perf_counter()
         seconds = time.perf_counter() - t0
         del batches  # the loader's iterator ran out: its workers are joined (reaped), so their CPU is in os.times
     workers = built.pass_stats(seconds)
@@ -214,7 +214,7 @@ def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySample
         bytes_read=sum(w.bytes_read for w in workers), peak_memory_bytes=sampler.peak,
         memory_metric=sampler.metric, workers=workers, cpu_seconds=sampler.cpu_seconds,
         other_cpu_share=sampler.other_cpu_share, data_wait=sum(waits) / seconds,
-        next_median_ms=statistics.median(waits[:-1] or waits) * 1e3,
+        next_median_ms=statistics.median(waits[:-1] or waits) * 1e3, first_batch_s=waits[0],
         gpu_decode_ms_per_sample=built.pass_gpu_decode_ms() / max(samples, 1),
     )
 
@@ -459,6 +459,7 @@ def _judge(result: BenchResult, num_samples: int) -> None:
             p.ratio = p.samples_per_s / base.samples_per_s
         if result.step is not None and p.loader != ITEMS:
             p.step_share = p.samples_per_s / result.step.samples_per_s
+            p.running_share = p.samples * result.step.seconds / max(p.seconds - p.first_batch_s, 1e-9)
         step_cpu = result.step.cpu_seconds if p.step_share is not None else 0.0
         p.loader_cores = max(0.0, p.cpu_seconds - step_cpu * p.samples) / p.seconds
         if p.samples != num_samples:
