@@ -253,8 +253,8 @@ def test_multi_gpu_bench_smoke(tmp_path):
     store = h5feed.Store(result["config"]["store"])
     decoded = {}
     for run in result["runs"]:
-        assert [(r["rank"], r["world_size"], r["samples"], r["steps"]) for r in run["ranks"]] == [(0, 2, 2, 1),
-                                                                                                  (1, 2, 2, 1)]
+        assert [(r["rank"], r["world_size"], r["samples"], r["steps"]) for r in run["ranks"]] == [(0, 2, 2, 2),
+                                                                                                  (1, 2, 2, 2)]
         for r in run["ranks"]:
             assert r["data_loading_pct"] is not None and r["gpu_idle_pct"] is None and r["loader_cpu_s"] > 0
         decoded[run["loader"]] = [r["decoded_bytes"] for r in run["ranks"]]

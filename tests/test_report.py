@@ -91,7 +91,7 @@ def test_the_report_sums_up_the_run_and_draws_it(two_rank_run, tmp_path, cli):
     result = cli("report", two_rank_run, "-o", page, "--png", png)
     assert result.status == 0, result.output
     text = page.read_text()
-    assert "report rank 0: 40 steps over 2 epoch(s), finished; the step waited for data " in text
+    assert "report rank 0: 40 steps over 2 epoch(s), finished; the trainer waited for data " in text
     assert "report rank 1: 40 steps over 2 epoch(s), finished" in text
     assert "slowest rank: rank 1, " in text  # its samples take three times as long
     assert "stall report(s): rank 1 at step " in text and "rank 0 at step" not in text

@@ -11,9 +11,23 @@ complete: nothing waits on the GPU in the hot path).  A thread adds the workers'
 for `h5feed watch`, TensorBoard and Weights & Biases scalars if asked, and a stall report that says
 what every worker is doing when the trainer or the workers stop moving.
 
-A step is the time between two successive `next()` calls; the first batch,
-which includes worker start-up, is reported on its own and left out of the step
-figures.  Each pass over the loader is an epoch of one run: monitors of the same
+Every second of a pass is counted, for the GPU idles while the trainer waits for
+its first batch as much as for any other.  A pass runs from `iter()` to the
+loader's end; a step runs from the call that asked for its batch to the next call
+(the first step from `iter()`, so its wait is the first batch's, worker start-up
+and all).  The wait in the call that gets the loader's end counts with the last
+step, and a pass left early ends its last step when the loop is left.  So the
+steps' waits add up to the pass's data wait, their times to its elapsed time, and
+`data_loading(%)` is the share of the pass the trainer waited for data.  Every
+record with figures also says how long the first batch took (`first_batch(s)`)
+and how long the trainer has waited in the pass so far (`data_wait(s)`, a wait
+under way included).  Reports are windows of the steps that ended in them; the
+last window of a pass is written (and sent to TensorBoard and W&B) at its end,
+so the windows together cover the pass.  The GPU's idle time is known from the
+first step on when CUDA is up at `iter()` (else from the first step begun after
+it is), and `gpu_idle(%)` is over the steps where it is known.
+
+Each pass over the loader is an epoch of one run: monitors of the same
 name and files in one process (a loop that wraps its loader afresh each epoch, or
 one monitor iterated per epoch) count the run's `global_step` on, write one
 TensorBoard events file with increasing steps, and say which epoch a line is of.
@@ -50,7 +64,7 @@ from h5feed.observe.renderer import (
 )
 from h5feed.observe.runlog import JSONL_PREFIX, RunLogError, append_line
 from h5feed.observe.scalars import ScalarSink, TensorBoardSink, report_scalars, tensorboard_sink, wandb_sink
-from h5feed.observe.timers import GpuTimer, StepTotals
+from h5feed.observe.timers import GpuSpan, GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
     RECENT_S,
     StallEpisode,
@@ -65,6 +79,7 @@ from h5feed.store import Store
 log = logging.getLogger(__name__)
 
 BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
+STARTUP_SHARE = 0.5  # of a bottleneck pass's wait, the first batch's share that makes start-up the thing to fix
 
 T = TypeVar("T")
 
@@ -244,8 +259,8 @@ class Monitor(Generic[T]):
         self._t0 = time.perf_counter()
         self._first_batch_s: float | None = None
         self._waiting_since: float | None = None
-        self._step_call: float | None = None  # when the trainer asked for the batch it now holds
-        self._open_wait = 0.0
+        self._step_call = self._t0  # when the step under way began: the call that asked for its batch, or iter()
+        self._open_wait = 0.0  # the wait and size of the batch of the step under way, not yet in the totals
         self._open_bytes = 0
         self._stalled_batch: int | None = None  # the batch (1-based) a stall was reported for, and its wait
         self._stalled_batch_wait: float | None = None
@@ -253,6 +268,7 @@ class Monitor(Generic[T]):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start = _Report(self._t0, StepTotals(), None)
+        self._last_report = self._start  # where the reporting thread's current window began
         self._epoch = self._run.epochs - 1  # the pass being iterated (0-based)
         self._ran_out = False  # the loader came to its end (not a pass left early)
 
@@ -296,29 +312,53 @@ class Monitor(Generic[T]):
                        f"{self._label} first batch after {self._first_batch_s:.2f} s ({nbytes / 1e6:.1f} MB)")
 
     def _asked(self, t_call: float) -> None:
-        gpu_steps = []
-        if self._step_call is not None and self._gpu is not None:
-            gpu_steps = self._gpu.step_done(self._open_wait, t_call - self._step_call)
+        """The trainer asks for the next batch: the step of the batch it held is complete."""
+        gpu = self._gpu.step_done(self._open_wait, t_call - self._step_call) if self._gpu is not None else []
         if self._gpu is not None:
             self._gpu.called()
         with self._lock:
             self._waiting_since = t_call
-            t = self._totals
-            if self._step_call is not None:  # the step that began at the previous call is complete
-                t.steps += 1
-                t.step_s += t_call - self._step_call
-                t.wait_s += self._open_wait
-                t.samples += self._batch_size
-                t.batch_bytes += self._open_bytes
-            self._step_call = t_call
-            t.add_gpu(gpu_steps)
+            self._count_step(t_call, 1, gpu)
+
+    def _ended(self, t_end: float) -> None:
+        """The pass is over at `t_end`.  Left early, the trainer held a batch: its step ends here.  Otherwise
+        the trainer was in a call that got the loader's end (or its error): that wait, with no batch, counts
+        with the last step, so that the steps' times add up to the pass's."""
+        with self._lock:
+            waiting = self._waiting_since is not None
+            if waiting:
+                self._open_wait = t_end - self._step_call
+        if waiting and self._gpu is not None:
+            self._gpu.handed_off()
+        steps = 0 if waiting else 1
+        gpu = self._gpu.step_done(self._open_wait, t_end - self._step_call, steps) if self._gpu is not None else []
+        if self._gpu is not None:
+            gpu += self._gpu.collect(wait=True)
+        with self._lock:
+            self._waiting_since = None
+            self._count_step(t_end, steps, gpu)
+
+    def _count_step(self, t: float, steps: int, gpu: list[GpuSpan]) -> None:
+        """Add the step under way, ended at `t`, to the totals, and the GPU's spans known by now (the lock held)."""
+        totals = self._totals
+        totals.steps += steps
+        totals.step_s += t - self._step_call
+        totals.wait_s += self._open_wait
+        totals.samples += steps * self._batch_size
+        totals.batch_bytes += self._open_bytes
+        totals.add_gpu(gpu)
+        self._step_call, self._open_wait, self._open_bytes = t, 0.0, 0
 
     # --- start and end --------------------------------------------------------------------------
     def _begin(self) -> None:
         self._run.epochs += 1
         self._reset()
         self._waiting_since = self._t0
+        if torch.cuda.is_initialized():  # the GPU's idle time while the first batch is awaited is the first step's
+            self._gpu = GpuTimer()
+            self._gpu.called()
         self._start = _Report(self._t0, StepTotals(), self.counters.snapshot() if self.counters is not None else None)
+        self._last_report = self._start
         what = self._describe()
         self._emit({"kind": "start", "every(s)": self.every, "stall_after(s)": self.stall_after, "what": what,
                     "pid": os.getpid(), "host": socket.gethostname()},
@@ -348,17 +388,16 @@ class Monitor(Generic[T]):
         return ", ".join(parts)
 
     def _finish(self) -> None:
+        t_end = time.perf_counter()
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._gpu is not None:
-            gpu_steps = self._gpu.collect(wait=True)
-            with self._lock:
-                self._totals.add_gpu(gpu_steps)
-        with self._lock:
-            self._waiting_since = None
-        rec = self._record("end", time.perf_counter(), self._start)
-        rec["first_batch(s)"] = self._first_batch_s
+        self._ended(t_end)
+        last, _ = self._record("report", t_end, self._last_report)
+        if last["steps"]:  # the pass's last window: the end line below follows it at once, so it is not logged
+            self._emit(last, None)
+            self._scalars(last, self._last_report)
+        rec, _ = self._record("end", t_end, self._start)
         rec["complete"] = self._ran_out
         self._run.steps_before += self._batches
         how = "finished" if self._ran_out else "stopped before the loader's end (interrupted, or the loop was left)"
@@ -370,8 +409,15 @@ class Monitor(Generic[T]):
             line += f" | {slowest}"
         wait = rec.get("data_loading(%)")
         if wait is not None and wait >= BOTTLENECK_PCT:
-            line += (f" | the step waited for data {wait:.1f}% of the time: loading held training back; more "
-                     "DataLoader workers or reader threads may help (`h5feed bench` measures the loaders here)")
+            line += f" | the step waited for data {wait:.1f}% of the time: loading held training back; "
+            first = self._first_batch_s or 0.0
+            if first >= STARTUP_SHARE * rec["data_wait(s)"]:
+                line += (f"{first:.2f} s of the {rec['data_wait(s)']:.2f} s was the first batch, the loader's "
+                         "start-up: fewer DataLoader workers start sooner, and persistent_workers=True starts "
+                         "them once for the run")
+            else:
+                line += ("more DataLoader workers or reader threads may help (`h5feed bench` measures the "
+                         "loaders here)")
         self._emit(rec, line)
         for sink in self._sinks:
             try:
@@ -380,7 +426,8 @@ class Monitor(Generic[T]):
                 _say(logging.WARNING, f"{self._label} cannot write its scalars: {exc}")
 
     def summary(self) -> Record:
-        """The step figures over the iteration so far (from the second batch on), plus the first batch's wait."""
+        """The step figures over the steps of the pass that ended so far (all of it once the pass is over: the
+        first batch's wait included), plus the first batch's wait on its own."""
         with self._lock:
             totals = self._totals.copy()
         return {"batches": self._batches, "first_batch(s)": self._first_batch_s, **step_figures(totals)}
@@ -405,20 +452,16 @@ class Monitor(Generic[T]):
                         announced = True
                 episode = self._check_stall(now, snap, recent[0] if recent else None, episode)
                 if now - last.time >= self.every:
-                    rec = self._record("report", now, last, snap)
+                    rec, totals = self._record("report", now, last, snap)
                     self._emit(rec, format_line(rec))
-                    self._scalars(rec)
-                    last = _Report(now, self._totals_copy(), snap)
+                    self._scalars(rec, last)
+                    last = self._last_report = _Report(now, totals, snap)
             except Exception:  # a broken report must never stop the training, nor flood its log
                 if not failed:
                     log.exception("%s monitor thread (reported once)", self._label)
                 failed = True
         if not failed:
             self._end_episode(episode)  # the batch came after the last tick
-
-    def _totals_copy(self) -> StepTotals:
-        with self._lock:
-            return self._totals.copy()
 
     def _announce_workers(self, snap: LoaderSnapshot, now: float) -> None:
         reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({o})" if (o := self._object_of(w.current_sample)) else "")
@@ -434,10 +477,15 @@ class Monitor(Generic[T]):
             return None
         return self._store.sample_object(index)
 
-    def _record(self, kind: str, now: float, since: _Report, snap: LoaderSnapshot | None = None) -> Record:
-        """The figures of the window since `since` (a report) or of the whole iteration (`since` = its start)."""
+    def _record(
+        self, kind: str, now: float, since: _Report, snap: LoaderSnapshot | None = None
+    ) -> tuple[Record, StepTotals]:
+        """The figures of the window since `since` (a report) or of the whole iteration (`since` = its start),
+        and the totals they were made of: where the next window begins, so that no step falls between two."""
         with self._lock:
             totals, waiting_since, batches = self._totals.copy(), self._waiting_since, self._batches
+            open_wait = self._open_wait
+        waiting = now - waiting_since if waiting_since is not None else None
         if snap is None and self.counters is not None:
             snap = self.counters.snapshot()
         rec: Record = {
@@ -452,7 +500,9 @@ class Monitor(Generic[T]):
             "elapsed(s)": now - self._t0,
             "window(s)": now - since.time,
             **step_figures(totals - since.totals),
-            "waiting(s)": now - waiting_since if waiting_since is not None else None,
+            "waiting(s)": waiting,
+            "data_wait(s)": totals.wait_s + open_wait + (waiting or 0.0),  # in the pass so far
+            "first_batch(s)": self._first_batch_s,
             "cuda": self._gpu is not None,
         }
         if snap is not None:
@@ -460,7 +510,7 @@ class Monitor(Generic[T]):
             rec["loader"], rec["workers"] = loader_figures(rows), rows
         else:
             rec["loader"], rec["workers"] = None, []
-        return rec
+        return rec, totals
 
     def _check_stall(
         self, now: float, snap: LoaderSnapshot | None, recent: LoaderSnapshot | None, episode: StallEpisode
@@ -517,8 +567,10 @@ class Monitor(Generic[T]):
         return w.current_seconds if w.current_sample is not None else since_start
 
     # --- sinks ----------------------------------------------------------------------------------
-    def _emit(self, rec: Record, line: str, level: int = logging.INFO) -> None:
-        _say(level, line)
+    def _emit(self, rec: Record, line: str | None, level: int = logging.INFO) -> None:
+        """Say `line` (None: nothing) and write `rec` to the JSON-lines file."""
+        if line is not None:
+            _say(level, line)
         if self.jsonl_path is None:
             return
         rec = {"kind": rec["kind"], "name": self.name, "time": time.time(), "rank": self.rank,
@@ -534,10 +586,14 @@ class Monitor(Generic[T]):
                 _say(logging.WARNING, f"{self._label} cannot write its log: {_why(exc, self.jsonl_path)}; training "
                                       "goes on without that file (these lines still go to the trainer's log)")
 
-    def _scalars(self, rec: Record) -> None:
+    def _scalars(self, rec: Record, since: _Report) -> None:
+        """Send a window's scalars, at the run's count of completed steps: a window with none sends nothing, so
+        each one sent is at a later step (the record's `global_step` counts batches handed over, which the
+        window at the end of a pass does not move on)."""
         if not self._sinks or not rec["steps"]:
             return
         prefix = self.name if self.world_size == 1 else f"{self.name}/rank{self.rank}"
         scalars = report_scalars(rec)
+        step = self._run.steps_before + since.totals.steps + rec["steps"]
         for sink in self._sinks:
-            sink.write(prefix, scalars, rec["global_step"])
+            sink.write(prefix, scalars, step)

@@ -84,8 +84,9 @@ class Track:
     first_time: float = math.inf
     epochs: int = 0  # passes begun
     steps: int = 0
-    waited_s: float = 0.0  # over every pass that ended
-    stepped_s: float = 0.0
+    waited_s: float = 0.0  # the trainer's data wait, over every pass that ended
+    elapsed_s: float = 0.0  # those passes' time, from iter() to their end
+    first_batches_s: float = 0.0  # their first batches' waits (part of waited_s)
     ends: deque[Record] = field(default_factory=lambda: deque(maxlen=MAX_PASSES))
     passes: int = 0
     last_complete: bool | None = None  # the last pass's end: ran to the loader's end, or None: no end yet
@@ -108,8 +109,13 @@ class Track:
             self.passes += 1
             self.ends.append(r)
             self.last_complete = r.get("complete", True)
-            self.waited_s += (r["data_loading(s)"] or 0.0) * r["steps"]
-            self.stepped_s += (r["step_time(s)"] or 0.0) * r["steps"]
+            first = r.get("first_batch(s)") or 0.0
+            waited = r.get("data_wait(s)")
+            if waited is None:  # a log of a monitor whose steps left the first batch out: it is added back
+                waited = (r["data_loading(s)"] or 0.0) * r["steps"] + first
+            self.waited_s += waited
+            self.elapsed_s += r["elapsed(s)"]
+            self.first_batches_s += first
         elif kind == "stall":
             self.stalls += 1
             self.stall_times.add(r["time"], 0.0)
@@ -129,8 +135,9 @@ class Track:
 
     @property
     def wait_share(self) -> float | None:
-        """The share of the step spent waiting for data, in %, over every pass that ended."""
-        return 100 * self.waited_s / self.stepped_s if self.stepped_s else None
+        """The share of the time the trainer waited for data, in %, over every pass that ended: each first
+        batch's wait (the loader's start-up) is the GPU's idle time as much as any other."""
+        return 100 * self.waited_s / self.elapsed_s if self.elapsed_s else None
 
 
 def read_track(path: Path) -> Track:
@@ -168,8 +175,9 @@ def summary_lines(tracks: list[Track], refused: Sequence[str] = ()) -> list[str]
     for t in tracks:
         share = f"{t.wait_share:.1f}%" if t.wait_share is not None else "n/a"
         state = "finished" if t.last_complete else "stopped early or still running"
-        lines.append(f"{t.name} rank {t.rank}: {t.steps} steps over {t.epochs} epoch(s), {state}; the step waited "
-                     f"for data {share} of the time ({t.waited_s:.1f} s of {t.stepped_s:.1f} s)")
+        lines.append(f"{t.name} rank {t.rank}: {t.steps} steps over {t.epochs} epoch(s), {state}; the trainer "
+                     f"waited for data {share} of the time ({t.waited_s:.1f} s of {t.elapsed_s:.1f} s, "
+                     f"{t.first_batches_s:.1f} s of it for the first batch of each pass)")
     waits = {t.rank: t.wait_share for t in tracks}
     if len(tracks) > 1 and all(w is not None for w in waits.values()):
         slow = max(waits, key=lambda r: waits[r] or 0.0)
@@ -248,11 +256,12 @@ def plot_png(tracks: list[Track]) -> bytes:
 def report_html(tracks: list[Track], png: bytes, refused: Sequence[str] = ()) -> str:
     """The page: the summary, the plots (embedded), and a table of every pass's end figures (the last
     MAX_PASSES of each track)."""
-    rows = [["rank", "epoch", "steps", "step", "data wait", "GPU idle", "samples/s"]]
+    rows = [["rank", "epoch", "steps", "first batch", "step", "data wait", "GPU idle", "samples/s"]]
     for t in tracks:
         for r in t.ends:
             rows.append([str(t.rank), str(r.get("epoch", "")), str(r.get("step", "")),
-                         num(r.get("step_time(s)"), ".3f", " s"), num(r.get("data_loading(%)"), ".1f", "%"),
+                         num(r.get("first_batch(s)"), ".2f", " s"), num(r.get("step_time(s)"), ".3f", " s"),
+                         num(r.get("data_loading(%)"), ".1f", "%"),
                          num(r.get("gpu_idle(%)"), ".1f", "%"), num(r.get("throughput(samples/s)"), ".2f")])
     workers = [["rank", "worker", "samples", "samples/s", "s reading per sample", "read MB/s"]]
     workers += [[str(f.rank), str(f.worker), str(f.samples), f"{f.samples_per_s:.2f}", num(f.busy_s_per_sample, ".3f"),

@@ -249,7 +249,8 @@ _FIGURES = _fields(  # a report's and a pass's end: `renderer.step_figures` and 
      "loader": _or_none(_LOADER),
      **dict.fromkeys(("throughput(steps/s)", "step_time(s)", "data_loading(s)", "data_loading(%)", "gpu_idle(s)",
                       "gpu_idle(%)", "throughput(samples/s)", "batches(GB/s)"), _MAYBE)},
-    {**_PLACE, "waiting(s)": _MAYBE, "cuda": _flag, "first_batch(s)": _MAYBE, "complete": _flag})
+    {**_PLACE, "waiting(s)": _MAYBE, "data_wait(s)": _number, "cuda": _flag, "first_batch(s)": _MAYBE,
+     "complete": _flag})
 
 _KINDS: dict[str, Check] = {
     "start": _fields({"what": _text}, {"every(s)": _number, "stall_after(s)": _number, "pid": _integer,

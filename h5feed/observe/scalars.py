@@ -1,7 +1,7 @@
 """Where the monitor's scalars go besides its lines and JSON: TensorBoard's events file, a Weights & Biases run.
 
-Each sink takes one set of scalars per report, named as torchtitan names them
-(`time_metrics/data_loading(%)`, ...), at the run's global step.  One sink per
+Each sink takes one set of scalars per report window, named as torchtitan names
+them (`time_metrics/data_loading(%)`, ...), at the run's count of completed steps.  One sink per
 backend; `scalar_sinks` makes the ones asked for, and says what to install when a
 backend that was asked for by name is missing.
 """

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 MAX_PENDING_STEPS = 1024  # CUDA event triples kept while the CPU runs ahead of the GPU
+
+
+class GpuSpan(NamedTuple):
+    """How long the GPU had no work over a span of the trainer's time, and how many steps the span ends: one,
+    or none for the wait in the call that got the loader's end (which counts with the pass's last step)."""
+
+    idle_s: float
+    span_s: float
+    steps: int
 
 
 @dataclass
@@ -30,11 +39,11 @@ class StepTotals:
     def __sub__(self, other: StepTotals) -> StepTotals:
         return StepTotals(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
-    def add_gpu(self, steps: list[tuple[float, float]]) -> None:
-        for idle, step in steps:
-            self.gpu_steps += 1
-            self.gpu_step_s += step
-            self.gpu_idle_s += idle
+    def add_gpu(self, spans: list[GpuSpan]) -> None:
+        for span in spans:
+            self.gpu_steps += span.steps
+            self.gpu_step_s += span.span_s
+            self.gpu_idle_s += span.idle_s
 
 
 class GpuTimer:
@@ -51,7 +60,7 @@ class GpuTimer:
 
     def __init__(self) -> None:
         self._free: list[torch.cuda.Event] = []
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, float]] = deque()
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, float, int]] = deque()
         self._mode: Literal["off", "host", "events"] = "off"  # how the current step is timed
         self._call: torch.cuda.Event | None = None
         self._handoff: torch.cuda.Event | None = None
@@ -72,22 +81,22 @@ class GpuTimer:
         if self._mode == "events":
             self._handoff = self._record()
 
-    def step_done(self, wait_s: float, step_s: float) -> list[tuple[float, float]]:
-        """(idle, step) seconds of the steps known by now, the one that just ended included if it can be."""
+    def step_done(self, wait_s: float, step_s: float, steps: int = 1) -> list[GpuSpan]:
+        """The spans known by now, the one that just ended (`steps` steps of `step_s`) included if it can be."""
         if self._mode == "host":
-            return [(wait_s, step_s)]
+            return [GpuSpan(wait_s, step_s, steps)]
         if self._mode == "events" and self._call is not None and self._handoff is not None:
-            self._pending.append((self._call, self._handoff, step_s))
+            self._pending.append((self._call, self._handoff, step_s, steps))
             if len(self._pending) > MAX_PENDING_STEPS:
                 self._pending.popleft()
         return self.collect()
 
-    def collect(self, wait: bool = False) -> list[tuple[float, float]]:
-        """Steps whose events have completed; `wait` blocks (end of iteration only)."""
+    def collect(self, wait: bool = False) -> list[GpuSpan]:
+        """Spans whose events have completed; `wait` blocks (end of iteration only)."""
         done = []
         while self._pending and (wait or self._pending[0][1].query()):
-            call, handoff, step_s = self._pending.popleft()
+            call, handoff, step_s, steps = self._pending.popleft()
             handoff.synchronize()
-            done.append((call.elapsed_time(handoff) / 1e3, step_s))
+            done.append(GpuSpan(call.elapsed_time(handoff) / 1e3, step_s, steps))
             self._free += [call, handoff]
         return done

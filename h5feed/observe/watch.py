@@ -47,6 +47,26 @@ def _figures(records: list[Record]) -> Record | None:
     return next((r for r in reversed(records) if r.get("kind") in ("report", "end")), None)
 
 
+def _first_batch(records: list[Record]) -> float | None:
+    """When the pass's first batch came: said by every record with figures, and by its own record (which a
+    window read from the end of a long log may have passed over)."""
+    figures = _figures(records)
+    if figures is not None and figures.get("first_batch(s)") is not None:
+        return figures["first_batch(s)"]
+    return next((r["first_batch(s)"] for r in records if r.get("kind") == "first_batch"), None)
+
+
+def _pass_wait(figures: Record) -> str | None:
+    """The pass's data wait so far against its elapsed time, the first batch's share named; None for a record
+    of a monitor that did not write it."""
+    waited, elapsed = figures.get("data_wait(s)"), figures["elapsed(s)"]
+    if waited is None or elapsed <= 0:
+        return None
+    first = figures.get("first_batch(s)")
+    of_it = f"the first batch {first:.2f} s of it" if first is not None else "still waiting for the first batch"
+    return f"data wait in this pass: {waited:.2f} s of {elapsed:.2f} s ({100 * waited / elapsed:.1f}%), {of_it}"
+
+
 def _last_stall(records: list[Record], now: float) -> str | None:
     """The last stall report, and whether it is over (a `resumed` record after it)."""
     at = next((i for i in range(len(records) - 1, -1, -1) if records[i].get("kind") == "stall"), None)
@@ -81,9 +101,8 @@ def render(log: RunLog, records: list[Record], now: float) -> str:
            *_notes(log)]
     if records[0].get("kind") == "start":
         out.append(f"   {records[0]['what']}")
-    first = next((r for r in records if r.get("kind") == "first_batch"), None)
-    if first is not None:
-        out.append(f"   first batch after {first['first_batch(s)']:.2f} s")
+    if (first := _first_batch(records)) is not None:
+        out.append(f"   first batch after {first:.2f} s")
     if (stall := _last_stall(records, now)) is not None:
         out.append(f"   {stall}")
     figures = _figures(records)
@@ -92,6 +111,8 @@ def render(log: RunLog, records: list[Record], now: float) -> str:
         return "\n".join(out)
     when = f"epoch {figures['epoch']}, " if figures.get("epoch") is not None else ""
     out.append(f"   {when}{figures['elapsed(s)'] / 60:.1f} min into the pass")
+    if (wait := _pass_wait(figures)) is not None:
+        out.append(f"   {wait}")
     if (history := _history(records)) is not None:
         out.append(f"   {history}")
     out.append(format_line(figures))
@@ -101,7 +122,8 @@ def render(log: RunLog, records: list[Record], now: float) -> str:
 
 _RANK_COLUMNS: list[Column] = [
     ("rank", "rank", "d"), ("host", "host", "s"), ("pid", "pid", "d"), ("step", "step", "d"), ("epoch", "epoch", "d"),
-    ("steps/s", "throughput(steps/s)", ".2f"), ("step s", "step_time(s)", ".3f"),
+    ("first batch s", "first_batch(s)", ".2f"), ("steps/s", "throughput(steps/s)", ".2f"),
+    ("step s", "step_time(s)", ".3f"),
     ("data wait s", "data_loading(s)", ".3f"), ("data wait %", "data_loading(%)", ".1f"),
     ("GPU idle %", "gpu_idle(%)", ".1f"), ("loader samples/s", "samples_per_s", ".1f"),
     ("read GB/s", "read_GBps", ".2f"), ("decoded GB/s", "decoded_GBps", ".2f"), ("queue", "queue_depth", "d"),
@@ -115,6 +137,7 @@ def _rank_row(records: list[Record], now: float) -> Record:
     return {
         "rank": records[-1]["rank"], "host": start.get("host"), "pid": start.get("pid"),
         "step": figures.get("global_step", figures.get("step")), "epoch": figures.get("epoch"),
+        "first_batch(s)": _first_batch(records),
         **{key: figures.get(key) for key in ("throughput(steps/s)", "step_time(s)", "data_loading(s)",
                                              "data_loading(%)", "gpu_idle(%)")},
         **{key: loader.get(key) for key in ("samples_per_s", "read_GBps", "decoded_GBps", "queue_depth")},
