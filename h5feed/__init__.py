@@ -1,6 +1,6 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
-from h5feed.conversion import ConvertReport, StoreWriter, WriterReport, convert, open_writer
+from h5feed.conversion import ConvertReport, RepairReport, StoreWriter, WriterReport, convert, open_writer, repair
 from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
 from h5feed.flavors import TrainerCollate, trainer_collate
 from h5feed.loading.batch_loader import BatchLoader, CudaBatchLoader
@@ -27,6 +27,7 @@ __all__ = [
     "LoaderSnapshot",
     "Monitor",
     "RawSample",
+    "RepairReport",
     "SourceError",
     "Store",
     "StoreError",
@@ -40,6 +41,7 @@ __all__ = [
     "monitor",
     "open_writer",
     "pipeline_collate",
+    "repair",
     "select_samples",
     "split_samples",
     "trainer_collate",

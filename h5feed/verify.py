@@ -67,35 +67,43 @@ def verify_store(
     if against is not None:
         _check_source_folder(Path(against), store)
     for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):
-        relpath = store.source_paths[i]
         report.samples_checked += 1
-        try:
-            sample = store.read_sample(i)
-        except H5feedError as exc:
-            report.mismatches.append(Mismatch(i, relpath, str(exc)))
-            continue
-        stored = _stored_bits(store.info, sample.aux_hidden_states, sample.last_hidden_state, sample.input_ids,
-                              sample.loss_mask, sample.extras, sample.hidden_scales)
-        for name, want, got in zip(store.info.array_names, store.checksums[i], checksums(list(stored.values()))):
-            if int(want) != got:
-                report.mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
-        if source_format is not None and against is not None:
-            try:
-                original = source_format.load(_source_file(Path(against), relpath, int(store.source_indices[i])))
-            except H5feedError as exc:
-                report.mismatches.append(Mismatch(i, relpath, f"source cannot be read: {exc}"))
-                continue
-            aux, last, scales = original.aux_hidden_states, original.last_hidden_state, original.hidden_scales
-            if store.info.lossy:  # the store must hold exactly what the conversion's quantization gives
-                scales = token_scales([aux, *([last] if last is not None else [])])
-                aux, last = quantize(aux, scales), None if last is None else quantize(last, scales)
-            expected = _stored_bits(store.info, aux, last, original.input_ids, original.stored_loss_mask(),
-                                    original.extras, scales)
-            for name in store.info.array_names:
-                if name not in expected or expected[name].shape != stored[name].shape or not torch.equal(
-                        expected[name], stored[name]):
-                    report.mismatches.append(Mismatch(i, relpath, f"{name} differs from the source file"))
+        report.mismatches += check_sample(store, i, None if against is None else Path(against), source_format)
     return report
+
+
+def check_sample(store: Store, i: int, against: Path | None = None,
+                 source_format: SourceFormat | None = None) -> list[Mismatch]:
+    """Sample `i`'s problems: chunks that fail their crc32c, arrays whose checksum differs from the one recorded at
+    conversion and, with `against` (and the store's `source_format`), tensors that differ from the source file's."""
+    relpath = store.source_paths[i]
+    try:
+        sample = store.read_sample(i)
+    except H5feedError as exc:
+        return [Mismatch(i, relpath, str(exc))]
+    mismatches = []
+    stored = _stored_bits(store.info, sample.aux_hidden_states, sample.last_hidden_state, sample.input_ids,
+                          sample.loss_mask, sample.extras, sample.hidden_scales)
+    for name, want, got in zip(store.info.array_names, store.checksums[i], checksums(list(stored.values()))):
+        if int(want) != got:
+            mismatches.append(Mismatch(i, relpath, f"{name} checksum {got:#010x} != recorded {int(want):#010x}"))
+    if source_format is None or against is None:
+        return mismatches
+    try:
+        original = source_format.load(_source_file(against, relpath, int(store.source_indices[i])))
+    except H5feedError as exc:
+        return [*mismatches, Mismatch(i, relpath, f"source cannot be read: {exc}")]
+    aux, last, scales = original.aux_hidden_states, original.last_hidden_state, original.hidden_scales
+    if store.info.lossy:  # the store must hold exactly what the conversion's quantization gives
+        scales = token_scales([aux, *([last] if last is not None else [])])
+        aux, last = quantize(aux, scales), None if last is None else quantize(last, scales)
+    expected = _stored_bits(store.info, aux, last, original.input_ids, original.stored_loss_mask(),
+                            original.extras, scales)
+    for name in store.info.array_names:
+        if name not in expected or expected[name].shape != stored[name].shape or not torch.equal(
+                expected[name], stored[name]):
+            mismatches.append(Mismatch(i, relpath, f"{name} differs from the source file"))
+    return mismatches
 
 
 def _unreadable_arrays(store: Store) -> list[Mismatch]:
@@ -110,8 +118,9 @@ def _unreadable_arrays(store: Store) -> list[Mismatch]:
             array = group[name]
             if not isinstance(array, zarr.Array):
                 raise TypeError("is a group, not an array")
-        except Exception as exc:  # whatever zarr raises on damaged metadata
-            problems.append(Mismatch(-1, name, f"zarr-python cannot open the array: {exc!r}"))
+        except Exception as exc:  # whatever zarr raises on damaged metadata (its text may quote the whole document)
+            problems.append(Mismatch(-1, name, f"zarr-python cannot open the array: {name}/zarr.json is damaged or "
+                                     f"missing ({type(exc).__name__})"))
     return problems
 
 

@@ -157,7 +157,7 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
     module = sys.modules["h5feed.conversion.converter"]
 
     def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, dict[str, Any]]:
-        original = module._convert_one
+        original = module.convert_one
         calls = []
 
         def convert_one(*args: Any) -> Any:
@@ -166,12 +166,12 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
                 raise KeyboardInterrupt
             return original(*args)
 
-        monkeypatch.setattr(module, "_convert_one", convert_one)
+        monkeypatch.setattr(module, "convert_one", convert_one)
         try:
             with pytest.raises(KeyboardInterrupt):
                 module.convert(src, dst, workers=0, progress=False, **kwargs)
         finally:
-            monkeypatch.setattr(module, "_convert_one", original)
+            monkeypatch.setattr(module, "convert_one", original)
         return module.read_journal(Path(dst))
 
     return run

@@ -148,7 +148,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     if where == "planned":  # the plan holds the new samples; the arrays are not resized yet
         monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)
     elif where == "converting":  # two of the four new samples converted
-        original, calls = module._convert_one, []
+        original, calls = module.convert_one, []
 
         def convert_one(*args):
             calls.append(args)
@@ -156,7 +156,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
                 raise KeyboardInterrupt
             return original(*args)
 
-        monkeypatch.setattr(module, "_convert_one", convert_one)
+        monkeypatch.setattr(module, "convert_one", convert_one)
     elif where == "index written":  # every index column written with eight rows, then killed
         samples = sys.modules["h5feed.conversion.samples"]
         original_publish = samples.publish_index

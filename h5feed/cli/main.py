@@ -91,7 +91,32 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         log.info("%s: %d samples OK (%s)", report.store, report.samples_checked, what)
         return 0
     log.error("%s: %d mismatch(es) in %d samples (%s)", report.store, len(report.mismatches), report.samples_checked, what)
+    from h5feed.conversion.repair import what_to_run
+
+    log.error("%s", what_to_run(report.store))
     return 1
+
+
+def _cmd_repair(args: argparse.Namespace) -> int:
+    from h5feed.conversion.repair import repair
+
+    report = repair(args.store, args.source, progress=not args.quiet, durable=not args.no_fsync)
+    for path in report.rebuilt:
+        log.info("rebuilt %s", path)
+    for problem in report.unrecoverable:
+        log.error("UNRECOVERABLE %s", problem)
+    done = f"repaired {len(report.repaired)} sample(s) ({report.shards_replaced} shard file(s) replaced)"
+    if not report.ok:
+        log.error("%s: %s; %d could not be repaired and are left as they were: restore their source files as they "
+                  "were converted and run the same command again, or convert the store again", report.store, done,
+                  len(report.unrecoverable))
+        return 1
+    if report.repaired or report.rebuilt:
+        rebuilt = f", {len(report.rebuilt)} file(s) rebuilt" if report.rebuilt else ""
+        log.info("%s: %s%s; all %d samples check out now", report.store, done, rebuilt, report.samples_checked)
+    else:
+        log.info("%s: nothing to repair: %d samples OK", report.store, report.samples_checked)
+    return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -165,6 +190,9 @@ EXAMPLES = {
     "verify": """examples:
   h5feed verify /data/hs.zarr                                # every checksum
   h5feed verify /data/hs.zarr --against /data/hidden_states  # every tensor against its source file""",
+    "repair": """examples:
+  h5feed repair /data/hs.zarr                                # re-encode damaged samples from the recorded SRC
+  h5feed repair /data/hs.zarr --from /mnt/old/hidden_states  # the source folder, moved since conversion""",
     "inspect": """examples:
   h5feed inspect /data/hs.zarr
   h5feed inspect s3://stores/hs.zarr --cache-dir /nvme/h5feed-cache --json""",
@@ -183,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="h5feed", description="Feed large per-sample hidden states (EAGLE-3 drafter training) to a GPU trainer: "
-        "convert trainers' files into one checked, compressed Zarr store, verify and inspect it, bench the loaders "
-        "on this machine, watch a training run's data wait.",
+        "convert trainers' files into one checked, compressed Zarr store, verify, repair and inspect it, bench the "
+        "loaders on this machine, watch a training run's data wait.",
         epilog="`h5feed COMMAND --help` shows a command's options and examples.")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--version", action="version", version=f"h5feed {__version__}")
@@ -248,6 +276,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against", metavar="SRC", help="the source folder to compare every tensor with")
     add_location_options(p)
     p.set_defaults(func=_cmd_verify)
+
+    p = _subcommand(sub, "repair", "mend a damaged store in place from its source files, without converting it again",
+                    "Find the damage `h5feed verify` finds in STORE (a local store made by `h5feed convert`) and mend "
+                    "it in place: each damaged sample is converted again from its source file into the same bytes, "
+                    "damaged array metadata is rebuilt.  A source file that changed since conversion, or is gone, "
+                    "leaves its sample as it was (reported, exit status 1).  Safe to kill: run it again to finish.")
+    p.add_argument("store", help="the local store to repair")
+    p.add_argument("--from", dest="source", metavar="SRC",
+                   help="the folder the store was converted from (default: the one it recorded)")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="skip the fsyncs that make each repaired file survive a power loss")
+    p.set_defaults(func=_cmd_repair)
 
     p = _subcommand(sub, "inspect", "what a store holds: samples, tokens, shapes, codec, compression; cache state",
                     "Describe STORE: samples, tokens, shapes, dtype, last-state norm, codec and compression, "

@@ -2,6 +2,7 @@
 
 - `converter`: plan, journal, shards, index, status flip (the local conversion, run by a pool);
 - `samples`: a sample's shards, the arrays' growth and the index publication, shared with the writer;
+- `repair`: a damaged store mended in place from its source files (`h5feed repair`);
 - `writer`: `open_writer`, extraction code appending samples straight into a store;
 - `cluster`: the same per-sample tasks on a Dask cluster (`--scheduler`, `--dask`);
 - `bucket_sources`: sources listed and fetched from a bucket;
@@ -10,6 +11,7 @@
 """
 
 from h5feed.conversion.converter import ConvertReport, convert
+from h5feed.conversion.repair import RepairReport, repair
 from h5feed.conversion.writer import StoreWriter, WriterReport, open_writer
 
-__all__ = ["ConvertReport", "StoreWriter", "WriterReport", "convert", "open_writer"]
+__all__ = ["ConvertReport", "RepairReport", "StoreWriter", "WriterReport", "convert", "open_writer", "repair"]

@@ -87,6 +87,7 @@ from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import contained_path
 from h5feed.store import Store, read_ahead
+from h5feed.store.reader import damaged_arrays, repair_hint
 from h5feed.store.layout import (
     COMPANIONS_DIR,
     DEFAULT_CHUNK_TOKENS,
@@ -141,7 +142,7 @@ class ConvertReport:
 
 
 @dataclass(frozen=True)
-class _PlannedSample:
+class PlannedSample:
     """One sample file's place in the store: its first row, fixed when it was planned."""
 
     relpath: str
@@ -178,11 +179,11 @@ class _Options:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """What the plan file (`PLAN_FILE`) holds: every sample's place, decided before the first one is converted."""
 
     options: _Options
-    samples: tuple[_PlannedSample, ...]  # in plan order: a sample's journal records name its position here
+    samples: tuple[PlannedSample, ...]  # in plan order: a sample's journal records name its position here
     skipped: tuple[dict[str, str], ...]  # the files planning skipped: {"path": relpath, "problem": why}
     total_rows: int  # the token arrays' rows, to the last sample's last shard
     append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
@@ -190,10 +191,10 @@ class _Plan:
     retried: tuple[int, ...] = ()  # positions skipped while converting whose files --retry-skipped planned again
 
     @classmethod
-    def read(cls, dst: Path) -> _Plan:
+    def read(cls, dst: Path) -> Plan:
         """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
         plan = json.loads((dst / PLAN_FILE).read_text())
-        return cls(_Options(**plan["options"]), tuple(_PlannedSample(**s) for s in plan["samples"]),
+        return cls(_Options(**plan["options"]), tuple(PlannedSample(**s) for s in plan["samples"]),
                    tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"), tuple(plan.get("unfinished", ())),
                    tuple(plan.get("retried", ())))
 
@@ -431,7 +432,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
     if info is not None and info.status != "complete" and not (dst_path / PLAN_FILE).exists():
         _clear(dst_path)  # killed while planning: nothing was converted yet
         info = None
-    plan: _Plan | None = None
+    plan: Plan | None = None
     append: _Append | None = None
     if info is not None and info.source_root == WRITER_SOURCE:
         raise StoreError(dst_path, f"was written by {WRITER_API}, not converted: append to it with open_writer, or "
@@ -482,7 +483,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
 
 def _planned_format(dst: Path) -> str | None:
     try:
-        return _Plan.read(dst).options.format
+        return Plan.read(dst).options.format
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -502,13 +503,19 @@ def _check_or_rebuild_index(dst: Path, info: StoreInfo, durable: bool) -> Conver
         skipped = len(info.skipped)
         hint = (f"; {skipped} file(s) were skipped: once repaired, --retry-skipped converts them (appended)"
                 if skipped else "")
-        log.info("%s is already complete: nothing to do%s", dst, hint)
+        log.info("%s is already complete: nothing to do%s (its samples were not read: `h5feed verify %s` checks "
+                 "every chunk, and `h5feed repair %s` re-encodes damaged samples from their source files)",
+                 dst, hint, dst, dst)
     except StoreError as exc:
+        damaged = damaged_arrays(dst, info)
+        if damaged:  # not the index: rebuilding it would not help
+            problems = "; ".join(damaged.values())
+            raise StoreError(dst, f"is complete but damaged: {problems}; {repair_hint(dst)}") from exc
         if not ((dst / PLAN_FILE).exists() and (dst / JOURNAL_FILE).exists()):
             raise StoreError(dst, f"is complete but damaged ({exc.problem}), and has no plan and journal to rebuild "
                              "its index from: pass --overwrite to convert again") from exc
         log.warning("%s: rebuilding the damaged sample index from the plan and journal (%s)", dst, exc.problem)
-        _finalize(dst, _Plan.read(dst).samples, read_journal(dst), info.skipped, durable, rebuild=True)
+        _finalize(dst, Plan.read(dst).samples, read_journal(dst), info.skipped, durable, rebuild=True)
         Store(dst)  # the rebuilt index must open
         info = read_info(dst)
     return ConvertReport(dst, info.num_samples, info.num_tokens, 0, info.num_samples, info.skipped)
@@ -672,7 +679,7 @@ def _worker_name() -> str:
 # --- plan -------------------------------------------------------------------------------
 
 
-def _make_plan(job: _Job, pool: TaskPool, listing: _Listing) -> _Plan:
+def _make_plan(job: _Job, pool: TaskPool, listing: _Listing) -> Plan:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
     fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.settings.durable
     probed, skipped = _probe(job, pool, listing.files, None)
@@ -692,7 +699,7 @@ def _make_plan(job: _Job, pool: TaskPool, listing: _Listing) -> _Plan:
     create_arrays(dst, info, total_rows=row)
     if durable:
         fsync_tree(dst)
-    plan = _Plan(options, tuple(planned), tuple(listing.unreadable + skipped), row, unfinished=tuple(listing.unfinished))
+    plan = Plan(options, tuple(planned), tuple(listing.unreadable + skipped), row, unfinished=tuple(listing.unfinished))
     plan.write(dst, durable)
     return plan
 
@@ -756,11 +763,11 @@ def _probe(
 
 def _lay_out(
     probed: list[tuple[SourceFile, SampleShape, os.stat_result]], row: int, shard_tokens: int
-) -> tuple[list[_PlannedSample], int]:
+) -> tuple[list[PlannedSample], int]:
     """Plan entries for the probed samples from row `row` on, each on a shard boundary; and the row after them."""
     planned = []
     for source, shape, stat in probed:
-        planned.append(_PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row, stat.st_size,
+        planned.append(PlannedSample(source.relpath, source.sample_index, shape.num_tokens, row, stat.st_size,
                                       stat.st_mtime_ns))
         row += rows_taken(shape.num_tokens, shard_tokens)
     return planned, row
@@ -811,11 +818,11 @@ def _check_complete_matches(dst: Path, info: StoreInfo, options: _Options) -> No
                          "with the store's settings to append to it, or choose another DST or pass --overwrite")
 
 
-def _read_plan(job: _Job, sources: list[SourceFile]) -> _Plan:
+def _read_plan(job: _Job, sources: list[SourceFile]) -> Plan:
     """The plan of an unfinished conversion, if this command is the same one that started it."""
     dst, options = job.dst, job.options
     try:
-        plan = _Plan.read(dst)
+        plan = Plan.read(dst)
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise StoreError(dst, f"unfinished store without a readable plan ({exc}); pass --overwrite to start again") from exc
     differ = settings_difference(plan.options.to_json(), options.to_json())
@@ -844,7 +851,7 @@ class _Append:
     retried: list[int] = field(default_factory=list)  # positions whose conversion-time skip `new` supersedes
 
 
-def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_Plan, _Append | None] | None:
+def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[Plan, _Append | None] | None:
     """What a rerun on a complete store has to do: None if nothing; else its plan, and what to append
     when SRC has files the plan has not seen (None: an append was killed before it finished).
 
@@ -853,7 +860,7 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[_P
     src, dst, source_root = job.src, job.dst, job.source_root
     if not (dst / PLAN_FILE).exists():
         return None  # a store without a plan can only be checked (or converted again with --overwrite)
-    plan = _Plan.read(dst)
+    plan = Plan.read(dst)
     if source_root != info.source_root:
         raise StoreError(dst, f"was converted from {info.source_root}, not {source_root}: run the command with that SRC "
                          "(new files there are appended), or convert into another DST")
@@ -910,7 +917,7 @@ def _gone(relpath: str, problem: str) -> dict[str, str]:
             "again"}
 
 
-def _failed_while_converting(plan: _Plan, done: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
+def _failed_while_converting(plan: Plan, done: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
     """The files none of whose samples converted (each skipped while converting, not while planning), with
     their plan positions: planned again after the last sample, they can be retried whole."""
     positions: dict[str, list[int]] = {}
@@ -920,7 +927,7 @@ def _failed_while_converting(plan: _Plan, done: dict[int, dict[str, Any]]) -> di
             if all(i not in plan.retried and "skipped" in done.get(i, {}) for i in found)}
 
 
-def _changed_since_planned(src: Path, plan: _Plan) -> list[tuple[str, str]]:
+def _changed_since_planned(src: Path, plan: Plan) -> list[tuple[str, str]]:
     """(relpath, what changed) of the planned files whose size or mtime differ now; a file gone is left alone
     (its samples are in the store), as is one planned before plans recorded them."""
     changed = []
@@ -932,11 +939,12 @@ def _changed_since_planned(src: Path, plan: _Plan) -> list[tuple[str, str]]:
         except FileNotFoundError:
             continue
         if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
-            changed.append((relpath, _what_changed(size, mtime_ns, stat)))
+            changed.append((relpath, what_changed(size, mtime_ns, stat)))
     return changed
 
 
-def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
+def what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
+    """How a file planned with `size` and `mtime_ns` differs now, as messages say it (shared with `h5feed repair`)."""
     def when(ns: int) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) + f".{ns % 10**9:09d}"
 
@@ -944,7 +952,7 @@ def _what_changed(size: int, mtime_ns: int, stat: os.stat_result) -> str:
             f"modified {when(mtime_ns)} -> {when(stat.st_mtime_ns)})")
 
 
-def _extend_plan(job: _Job, pool: TaskPool, plan: _Plan, append: _Append, info: StoreInfo) -> _Plan:
+def _extend_plan(job: _Job, pool: TaskPool, plan: Plan, append: _Append, info: StoreInfo) -> Plan:
     """Probe the new files and plan them after the last row (a sample longer than a shard spans several)."""
     reference = SampleShape(0, info.hidden_size, info.num_aux_layers, info.source_dtype)
     probed, skipped = _probe(job, pool, append.new, reference)
@@ -986,7 +994,7 @@ def _convert_task(
     record, error = None, None
     try:
         with fetcher.fetched(source) if fetcher is not None else contextlib.nullcontext(source) as local:
-            record = _convert_one(format_name, dst, local, start, expected, info, durable)
+            record = convert_one(format_name, dst, local, start, expected, info, durable)
     except SourceError as exc:
         error = exc
     return _Converted(record, error, _worker_name(), time.perf_counter() - t0)
@@ -995,7 +1003,7 @@ def _convert_task(
 def _convert_pending(
     job: _Job,
     pool: TaskPool,
-    samples: Sequence[_PlannedSample],
+    samples: Sequence[PlannedSample],
     pending: list[int],
     by_relpath: dict[str, SourceFile],
     report: ConvertReport,
@@ -1076,13 +1084,13 @@ def _count(report: ConvertReport, record: dict[str, Any], result: _Converted) ->
     worker.seconds += result.seconds
 
 
-def _disk_error(dst: Path, sample: _PlannedSample, exc: OSError) -> H5feedError:
+def _disk_error(dst: Path, sample: PlannedSample, exc: OSError) -> H5feedError:
     if exc.errno == errno.ENOSPC:
         return StoreError(dst, f"disk full while writing {sample.relpath}: free space and run the same command to resume")
     return StoreError(dst, f"writing {sample.relpath} failed: {exc}")
 
 
-def _convert_one(
+def convert_one(
     format_name: str,
     dst: str,
     source: SourceFile,
@@ -1091,7 +1099,8 @@ def _convert_one(
     info: StoreInfo,
     durable: bool,
 ) -> dict[str, Any]:
-    """Load one source file, check it against the plan (it may have changed since), write its shards; in a worker."""
+    """Load one source file, check it against the plan (it may have changed since), write its shards into the store
+    folder `dst`; in a worker.  `h5feed repair` re-encodes a damaged sample with it, so as the same bytes."""
     fmt = FORMATS[format_name]  # type: ignore[index]
     sample = fmt.load(source)
     num_tokens = expected.num_tokens
@@ -1111,7 +1120,7 @@ def _convert_one(
 # --- journal and finalize ----------------------------------------------------------------
 
 
-def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def _skipped(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
     to convert, in plan order."""
     return list(plan.skipped) + list(plan.unfinished) + [
@@ -1121,7 +1130,7 @@ def _skipped(plan: _Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str
 
 
 def _finalize(
-    dst: Path, samples: Sequence[_PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
+    dst: Path, samples: Sequence[PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
     durable: bool, rebuild: bool = False,
 ) -> None:
     """Rewrite the journal in plan order, then publish the samples it holds (index, then status)."""

@@ -257,33 +257,19 @@ class Store:
         """The rows every array holds, once each array's metadata agrees with the attributes (width, dtype,
         shards and chunks).  An array whose metadata zarr cannot parse is left to `h5feed verify`
         (reads do not use it, and check every chunk's decoded size against the attributes)."""
-        info, rows = self.info, {}
-        for name in info.array_names:
+        rows = {}
+        for name in self.info.array_names:
             try:
                 array = group[name]
-                shape, dtype, chunks, shards = tuple(array.shape), str(array.dtype), array.chunks, array.shards
-            except Exception:
+            except Exception as exc:
                 if name == "aux_hidden_states":  # its rows bound the index: it must open
-                    raise
+                    raise StoreError(self.path, f"{damaged_metadata(name, exc)}; {repair_hint(self.path)}") from exc
                 continue
-            width = (info.width(name),) if info.is_matrix(name) else ()
-            claimed = {"row width": width, "dtype": str(info.storage_dtype(name)).removeprefix("torch."),
-                       "chunk shape": (info.chunk_tokens, *width),
-                       "shard shape": (info.shard_tokens, *width) if info.sharded else None}
-            stored = {"row width": shape[1:], "dtype": dtype, "chunk shape": tuple(chunks),
-                      "shard shape": tuple(shards) if shards else None}
-            for what, value in claimed.items():
-                if value != stored[what]:
-                    raise StoreError(self.path, f"the store's attributes ({self._sizes_claimed()}) give {name} "
-                                     f"{what} {_plain(value)}, but {name}/zarr.json says "
-                                     f"{_plain(stored[what])}; {edited_hint(self.path)}")
-            rows[name] = shape[0]
+            problem = metadata_disagreement(self.info, name, array)
+            if problem is not None:
+                raise StoreError(self.path, f"{problem}; {edited_hint(self.path)}")
+            rows[name] = array.shape[0]
         return min(rows.values())  # a writer grows the arrays one after another: the smallest bounds the samples
-
-    def _sizes_claimed(self) -> str:
-        info = self.info
-        return (f"hidden_size {info.hidden_size}, num_aux_layers {info.num_aux_layers}, chunk_tokens "
-                f"{info.chunk_tokens}, shard_tokens {info.shard_tokens}")
 
     def _check_columns(self, index: Any, n: int) -> None:
         """Every index column holds n rows, and `sample_length`'s stored chunks do (zarr stores no chunk of fill
@@ -389,8 +375,9 @@ class Store:
             return
         if stored != expected:
             where = self._source.where(object_key(self.info, name, int(self.sample_starts[i]) // self.info.object_tokens))
-            raise StoreError(self.path, f"the store's attributes ({self._sizes_claimed()}) give {name} chunks of "
-                             f"{expected} bytes, but the first chunk in {where} holds {stored}; {edited_hint(self.path)}")
+            raise StoreError(self.path, f"the store's attributes ({_sizes_claimed(self.info)}) give {name} chunks "
+                             f"of {expected} bytes, but the first chunk in {where} holds {stored}; "
+                             f"{edited_hint(self.path)}")
 
     def _check_length(self, i: int, name: str, rows: torch.Tensor) -> None:
         """A token array read whole against its crc32c recorded at conversion, which covers exactly the
@@ -778,6 +765,38 @@ class _TooSmall(Exception):
 _REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
 
 
+def metadata_disagreement(info: StoreInfo, name: str, array: Any) -> str | None:
+    """Where the zarr array `name` (opened) disagrees with the store's attributes (row width, dtype, chunk and
+    shard shape), or None: the reader refuses such a store, and `h5feed repair` writes the metadata again."""
+    width = (info.width(name),) if info.is_matrix(name) else ()
+    claimed = {"row width": width, "dtype": str(info.storage_dtype(name)).removeprefix("torch."),
+               "chunk shape": (info.chunk_tokens, *width),
+               "shard shape": (info.shard_tokens, *width) if info.sharded else None}
+    stored = {"row width": tuple(array.shape)[1:], "dtype": str(array.dtype), "chunk shape": tuple(array.chunks),
+              "shard shape": tuple(array.shards) if array.shards else None}
+    for what, value in claimed.items():
+        if value != stored[what]:
+            return (f"the store's attributes ({_sizes_claimed(info)}) give {name} {what} {_plain(value)}, but {name}/zarr.json "
+                    f"says {_plain(stored[what])}")
+    return None
+
+
+def _sizes_claimed(info: StoreInfo) -> str:
+    return (f"hidden_size {info.hidden_size}, num_aux_layers {info.num_aux_layers}, chunk_tokens "
+            f"{info.chunk_tokens}, shard_tokens {info.shard_tokens}")
+
+
+def damaged_metadata(name: str, exc: BaseException) -> str:
+    """What is wrong with an array whose metadata zarr cannot open, in one short line: the exception's own text
+    may quote the whole damaged document."""
+    return f"{name}/zarr.json is damaged or missing (zarr cannot open it: {type(exc).__name__})"
+
+
+def repair_hint(path: Path | str) -> str:
+    """What to run on a store whose arrays are damaged."""
+    return f"run `h5feed repair {path}` to rebuild it and re-encode damaged samples from their source files"
+
+
 def _plain(value: Any) -> str:
     """A shape or figure as a user reads it: (96,) as 96, (16, 96) as 16 x 96."""
     if isinstance(value, tuple):
@@ -787,3 +806,21 @@ def _plain(value: Any) -> str:
     return str(value)
 
 __all__ = ["RawSample", "ReadStats", "Store", "read_ahead"]
+
+
+def damaged_arrays(path: Path, info: StoreInfo) -> dict[str, str]:
+    """The token arrays of the local store `path` whose metadata (`<array>/zarr.json`) zarr cannot open, or which
+    disagrees with the store's attributes, each with what is wrong: what `h5feed repair` writes again."""
+    import zarr
+
+    problems = {}
+    for name in info.array_names:
+        try:
+            array = zarr.open_array(path / name, mode="r", zarr_format=3)
+        except Exception as exc:  # whatever zarr raises on damaged or missing metadata
+            problems[name] = damaged_metadata(name, exc)
+            continue
+        problem = metadata_disagreement(info, name, array)
+        if problem is not None:
+            problems[name] = problem
+    return problems
