@@ -279,7 +279,7 @@ def train(name: str, loader: Any, trainer: DrafterStep, args: argparse.Namespace
         "workers": workers,
         "cache": cache,
         "batches": s["batches"],
-        "steps": s["steps"],  # from the second batch on: the first one includes worker start-up
+        "steps": s["steps"],  # every batch: the first step begins at iter(), its wait the first batch's
         "step_time_s": s["step_time(s)"],
         "data_loading_s": s["data_loading(s)"],
         "data_loading_pct": s["data_loading(%)"],
