@@ -89,7 +89,7 @@ def local_cluster(workers: int, **kwargs: Any) -> Any:
     Its workers keep glibc's adaptive malloc: distributed sets MALLOC_TRIM_THRESHOLD_
     in the workers it spawns, which makes every chunk buffer a fresh mmap, and costs
     the conversion ~20% more CPU (page faults in system time).  Start the workers of
-    a cluster of your own with it unset too (README, "Converting on a cluster").
+    a cluster of your own with it unset too (docs/pipelines.md, "Converting on a cluster").
     """
     import dask
 

@@ -217,7 +217,7 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         flavor: whose items to yield: ``speculators-legacy`` (0.4, shifted), ``speculators`` (0.5+),
             ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22), ``modelopt``,
             ``modelopt-answer-only``, ``modelopt-0.45`` (Model-Optimizer), ``angelslim``, ``nemo-eagle3``
-            (NeMo Automodel's cache); README "Other pipelines".
+            (NeMo Automodel's cache); docs/pipelines.md.
         max_len: the trainer's max_len: only the tokens its collate can use are read.
         transform: called with the item dict where the trainer calls it (speculators noise transforms).
             With a random transform and max_len, the noise is drawn on the rows read only.
