@@ -19,6 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from h5feed import tracing
+
 MAX_WORKERS = 64  # rows of the table: DataLoader worker ids must stay below this
 
 
@@ -65,6 +67,7 @@ class WorkerCounters:
     def __init__(self, row: torch.Tensor, lock: threading.Lock) -> None:
         self._row = row.numpy()  # a view of the shared row: a numpy scalar update is ~50x cheaper than torch's
         self._lock = lock
+        self._began: dict[int, float] = {}  # with a trace: when each sample under way began (h5feed.tracing)
 
     def __reduce__(self) -> Any:
         raise TypeError("WorkerCounters is a view of a shared row: pickle the LoaderCounters that owns it")
@@ -83,9 +86,15 @@ class WorkerCounters:
     def add_read(self, nbytes: int, seconds: float) -> None:
         self._add((Field.BYTES_READ, nbytes), (Field.CURRENT_BYTES, nbytes), (Field.READ_SECONDS, seconds))
         self._set((Field.LAST_PROGRESS, time.time()))
+        if tracing.tracing():
+            now = time.perf_counter()
+            tracing.span("read", "worker", now - seconds, now, bytes=nbytes)
 
     def add_decode(self, seconds: float) -> None:
         self._add((Field.DECODE_SECONDS, seconds))
+        if tracing.tracing():
+            now = time.perf_counter()
+            tracing.span("decode", "worker", now - seconds, now)
 
     def add_delivered(self, nbytes: int) -> None:
         self._add((Field.BYTES_DELIVERED, nbytes))
@@ -109,6 +118,8 @@ class WorkerCounters:
         if self._row[Field.STARTED] == 0:
             self.start()
         self._set((Field.CURRENT_SAMPLE, index), (Field.CURRENT_SINCE, time.time()), (Field.CURRENT_BYTES, 0))
+        if tracing.tracing():
+            self._began[index] = time.perf_counter()
 
     def end_sample(self, index: int, tokens: int) -> None:
         """Count a finished sample; with several reader threads, `current` stays on the newest read."""
@@ -117,6 +128,9 @@ class WorkerCounters:
             if self._row[Field.CURRENT_SAMPLE] == index:
                 self._row[Field.CURRENT_SAMPLE] = -1
             self._row[Field.LAST_PROGRESS] = time.time()
+        began = self._began.pop(index, None)
+        if began is not None:
+            tracing.span("sample", "worker", began, time.perf_counter(), sample=index, tokens=tokens)
 
     def skip_corrupt(self, index: int) -> None:
         """Count a damaged sample that was skipped instead of delivered."""

@@ -16,6 +16,7 @@ from h5feed.cli.options import add_location_options, add_storage_option, locatio
 from h5feed.errors import H5feedError, StoreError
 from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
 from h5feed.observe.report import add_report_parser
+from h5feed.observe.trace import add_trace_parser
 from h5feed.observe.watch import add_watch_parser
 from h5feed.text import printable
 
@@ -301,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_watch_parser(sub)
     add_report_parser(sub)
+    add_trace_parser(sub)
     return parser
 
 

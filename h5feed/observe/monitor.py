@@ -51,6 +51,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from h5feed import tracing
 from h5feed.metrics import CountedReader, LoaderCounters, LoaderSnapshot, WorkerSnapshot
 from h5feed.observe.renderer import (
     Record,
@@ -132,6 +133,7 @@ def monitor(
     tensorboard: bool | Literal["auto"] = False,
     wandb: bool | Literal["auto"] = "auto",
     name: str = "train",
+    trace: bool = False,
 ) -> Monitor[T]:
     """Wrap `loader` so that iterating it reports where the time goes: `for batch in monitor(loader): ...`.
 
@@ -150,9 +152,14 @@ def monitor(
             it has called `wandb.init()`, against their own step metric `{name}/global_step` and
             without moving the run's step; True insists on it; False never.
         name: tells several monitors apart in lines, files and scalars.
+        trace: also write the run's timeline into `log_dir` (`h5feed.tracing`): the trainer's waits and steps,
+            each worker's samples, reads and decodes, the copies to the GPU; `h5feed trace LOG_DIR` makes one
+            Chrome/Perfetto trace of it.  Each span is a line of a file, so leave it off for long runs.
     """
+    if trace and log_dir is None:
+        raise ValueError("trace=True writes the timeline into log_dir: give one")
     return Monitor(loader, every=every, log_dir=log_dir, jsonl=jsonl, stall_after=stall_after,
-                   tensorboard=tensorboard, wandb=wandb, name=name)
+                   tensorboard=tensorboard, wandb=wandb, name=name, trace=trace)
 
 
 @dataclass
@@ -226,6 +233,7 @@ class Monitor(Generic[T]):
         tensorboard: bool | Literal["auto"],
         wandb: bool | Literal["auto"],
         name: str,
+        trace: bool = False,
     ) -> None:
         if every <= 0 or stall_after <= 0:
             raise ValueError("every and stall_after must be positive numbers of seconds")
@@ -238,6 +246,7 @@ class Monitor(Generic[T]):
         self.counters = reader.counters if reader is not None and isinstance(reader.counters, LoaderCounters) else None
         self._store = self.dataset.store if isinstance(self.dataset, OverStore) else None
         log_path = Path(log_dir) if log_dir is not None else None
+        self._trace_dir = log_path if trace else None
         if jsonl is not None:
             self.jsonl_path: Path | None = Path(jsonl)
         else:
@@ -283,13 +292,16 @@ class Monitor(Generic[T]):
             batches = iter(self.loader)  # starts the workers
             while True:
                 try:
-                    batch = next(batches)
+                    with tracing.section("h5feed: wait for a batch", "trainer", batch=self._batches + 1):
+                        batch = next(batches)
                 except StopIteration:
                     self._ran_out = True
                     return
-                self._got(t_call, time.perf_counter(), batch)
+                t_got = time.perf_counter()
+                self._got(t_call, t_got, batch)
                 yield batch
                 t_call = time.perf_counter()
+                tracing.span("step", "trainer", t_got, t_call, batch=self._batches)
                 self._asked(t_call)
         finally:
             self._finish()
@@ -351,6 +363,8 @@ class Monitor(Generic[T]):
 
     # --- start and end --------------------------------------------------------------------------
     def _begin(self) -> None:
+        if self._trace_dir is not None:  # before the loader starts its workers: they inherit it
+            tracing.configure(trace_dir=self._trace_dir)
         self._run.epochs += 1
         self._reset()
         self._waiting_since = self._t0
@@ -543,6 +557,7 @@ class Monitor(Generic[T]):
         lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
         if what_to_do:
             lines.append(f"  what to do: {what_to_do}")
+        tracing.instant("stall", "trainer", verdict=verdict)
         self._emit({"kind": "stall", "verdict": verdict, "message": text, "advice": what_to_do, "epoch": self._epoch,
                     "step": batches, "global_step": self._run.steps_before + batches, "waiting(s)": wait,
                     "workers": rows}, "\n".join(lines), level=logging.WARNING)

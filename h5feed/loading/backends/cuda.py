@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from h5feed import tracing
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, TrainerCollate
 from h5feed.gpu import CudaBloscDecoder, Placement, why_unavailable
@@ -180,7 +181,8 @@ class CudaBackend(DecodeBackend):
                 while (len(group) < self.decode_group and (ahead := staging.ready()) is not None
                        and ahead.region == group[-1].region + 1):  # one contiguous copy
                     group.append(staging.take())
-                decoded.extend(self._decode(group, trainer))
+                with tracing.section("h5feed: decode on the GPU", "delivery", batches=len(group)):
+                    decoded.extend(self._decode(group, trainer))
 
             while staging or decoded:
                 if not decoded:

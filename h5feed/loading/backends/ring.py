@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from h5feed import tracing
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import Batch, RowKey, TensorSpec, TrainerCollate
 from h5feed.loading.backends.base import DecodeBackend, ReadyBatch
@@ -128,9 +129,10 @@ class BatchWriter:
 
         def decode_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:
             counters.begin_sample(indices[n])
-            for rk, dest in rows.items():
-                if rk.array is not None:  # the rest derive_rows writes
-                    self._decode(indices[n], rk.array, rk.shift, dest, counters)
+            with tracing.nvtx_range("h5feed: decode a sample"):  # its span: the counters' "sample"
+                for rk, dest in rows.items():
+                    if rk.array is not None:  # the rest derive_rows writes
+                        self._decode(indices[n], rk.array, rk.shift, dest, counters)
 
         windows = [self.stream.tokens_to_read(i) for i in indices]
         marks = place_items(collate.row_keys, plan, batch, decode_rows, windows=windows,
@@ -261,7 +263,8 @@ class RingBackend(DecodeBackend):
             return ReadyBatch(batch, passed, in_fresh_memory=filled.slot is None)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream), \
+                tracing.section("h5feed: copy a batch to the GPU", "delivery"):
             on_device = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                          for k, v in batch.items()}
             copied = torch.cuda.Event()
