@@ -29,10 +29,14 @@ DPI = 90  # the plots' pixels per inch: an 11-inch wide figure is 990 px, the pa
 
 @dataclass(frozen=True)
 class Section:
-    """A part of the page: an optional `<h2>` heading over HTML built with the helpers below."""
+    """A part of the page: an optional heading over HTML built with the helpers below.  `level` 3 and 4 head
+    the parts of a part (a page of several runs, each of several attempts); `anchor` is the heading's id, for
+    a `links` list to point at."""
 
     heading: str | None
     body: str
+    level: int = 2
+    anchor: str | None = None
 
 
 def _escape(text: str) -> str:
@@ -79,6 +83,12 @@ def bullets(lines: Iterable[str], element_id: str) -> str:
     return f'<ul id="{_escape(element_id)}">{items}</ul>'
 
 
+def links(items: Iterable[tuple[str, str]], element_id: str) -> str:
+    """A `<ul>` of (text, anchor) links to sections of the same page (a page of several parts starts with it)."""
+    entries = "".join(f'<li><a href="#{_escape(anchor)}">{_escape(text)}</a></li>' for text, anchor in items)
+    return f'<ul id="{_escape(element_id)}">{entries}</ul>'
+
+
 def preformatted(text: str, element_id: str) -> str:
     """Plain text whose line breaks and spacing matter (code to copy), escaped."""
     return f'<pre id="{_escape(element_id)}">{_escape(text)}</pre>'
@@ -103,13 +113,14 @@ def page_html(title: str, sections: Sequence[Section]) -> str:
     Once loaded, the body's `data-plot-width` holds each image's decoded width in pixels, space-separated
     (0 for one that did not decode), which a headless browser can read back without looking at pixels.
     """
-    body = "\n".join((f"<h2>{_escape(s.heading)}</h2>\n" if s.heading else "") + s.body for s in sections)
+    body = "\n".join(_heading(s) + s.body for s in sections)
     title = _escape(title)
     return textwrap.dedent("""\
         <!doctype html>
         <html><head><meta charset="utf-8"><title>{title}</title>
         <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}td,th{{padding:2px 10px;text-align:right}}
         td{{white-space:nowrap}}.text{{text-align:left;white-space:normal}}pre{{white-space:pre-wrap}}
+        h2[id]{{border-top:3px solid #888;padding-top:0.6em;margin-top:2em}}
         </style></head>
         <body>
         <h1>{title}</h1>
@@ -122,3 +133,10 @@ def page_html(title: str, sections: Sequence[Section]) -> str:
         </script>
         </body></html>
         """).format(title=title, body=body)
+
+
+def _heading(section: Section) -> str:
+    if section.heading is None:
+        return ""
+    anchor = f' id="{_escape(section.anchor)}"' if section.anchor is not None else ""
+    return f"<h{section.level}{anchor}>{_escape(section.heading)}</h{section.level}>\n"

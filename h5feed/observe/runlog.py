@@ -40,6 +40,23 @@ class RunLogError(H5feedError):
     """A run log that cannot be read (not a regular file, unreadable)."""
 
 
+@dataclass(frozen=True)
+class RunId:
+    """Which run a monitor's file is of: the one rule by which `h5feed watch` and `h5feed report` tell runs apart
+    in a folder above several.  The monitor writes a run of several ranks as one file per rank
+    (`...-{name}-rank{r}.jsonl`) in its log_dir, so those files share a folder, a name and a world size; a run of
+    one rank is its file alone (`jsonl=` may name it anything, anywhere)."""
+
+    where: Path  # the log_dir of a run of several ranks, the file of a run of one
+    name: str
+    world_size: int
+
+    @classmethod
+    def of(cls, path: Path, name: str, world_size: int) -> RunId:
+        """The run of the file at `path`, whose records say `name` and `world_size`."""
+        return cls(path.parent if world_size > 1 else path, name, world_size)
+
+
 def monitor_files(path: Path) -> list[Path]:
     """The monitors' files: the one given, or those in the folder and its sub-folders (a parent of several runs);
     none while the folder does not exist yet (the run creates it)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from h5feed.observe.renderer import Column, Record, format_line, format_table, format_workers, num
-from h5feed.observe.runlog import JSONL_PREFIX, WATCH_WINDOW_BYTES, RunLog, RunLogError, monitor_files
+from h5feed.observe.runlog import JSONL_PREFIX, WATCH_WINDOW_BYTES, RunId, RunLog, RunLogError, monitor_files
 from h5feed.text import printable
 
 
@@ -186,7 +186,7 @@ def frame(target: Path, now: float | None = None) -> str | None:
     """What `h5feed watch` shows for a run folder or one file: a block per monitor, one per run of several ranks,
     and a line per file refused; None while there is no file.  Raises RunLogError when every file is refused."""
     now = time.time() if now is None else now
-    runs: dict[Any, list[tuple[RunLog, list[Record]]]] = {}
+    runs: dict[RunId, list[tuple[RunLog, list[Record]]]] = {}
     refused = []
     for path in monitor_files(target):
         log = RunLog(path)
@@ -195,14 +195,13 @@ def frame(target: Path, now: float | None = None) -> str | None:
         except RunLogError as exc:
             refused.append(str(exc))
             continue
-        world = records[-1].get("world_size", 1) if records else 1
-        key = (records[-1]["name"], world) if world > 1 else path
+        key = RunId.of(path, records[-1]["name"], records[-1]["world_size"]) if records else RunId(path, "", 1)
         runs.setdefault(key, []).append((log, records))
     if not runs:
         if refused:
             raise RunLogError("\n".join(refused))
         return None
-    return "\n\n".join([*(render_ranks(run, now) if isinstance(key, tuple) else render(*run[0], now)
+    return "\n\n".join([*(render_ranks(run, now) if key.world_size > 1 else render(*run[0], now)
                            for key, run in runs.items()), *refused])
 
 
