@@ -2,12 +2,14 @@
 
 A loader is judged by the trainer's samples/s against its step alone, not by its own speed.
 Measured on an H200 box with a Kimi-shaped EAGLE-3 drafter step (`h5feed bench`,
-bench/RESULTS.md): CPU worker processes keep the step at 98-99% of its speed alone on about
-1.6 cores a GPU; reader threads share the trainer's interpreter and cost the step more; the GPU
-decoder runs its kernels beside the step's and slows it (1.08x warm to 1.3x cold) while using a
-third of the CPU.  So the GPU decoder is worth its cost only where cores are scarce: where a GPU
-has fewer than `CPU_DECODE_CORES_PER_GPU` cores of its own, the CPU decode would starve and the
-GPU's is the faster trainer; everywhere else, worker processes.
+`bench/node_bench.py`; bench/RESULTS.md): with 16 cores for one GPU, worker processes,
+reader threads and the GPU decoder all give the step 93-94% of its speed alone over a short
+warm pass, its start included; with eight ranks on those cores (two a GPU), once running,
+worker processes wait 0.1-1.1% on about 1.1 cores a GPU, threads 5.6-6.2% (they share the
+trainer's interpreter and its cores), the GPU decoder 0.2% on 0.8 cores a GPU, but its 6-7 ms
+of GPU a sample run beside the step's kernels, which an emulated step cannot show.  So the GPU
+decoder is taken only where cores are scarce: where a GPU has fewer than
+`CPU_DECODE_CORES_PER_GPU` cores of its own; everywhere else, worker processes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from h5feed.loading.backends import arguments_of, get_backend
 from h5feed.store import Store
 
-CPU_DECODE_CORES_PER_GPU = 2.0  # cores a GPU needs for worker processes to feed a Kimi-shaped step (1.6 measured)
+CPU_DECODE_CORES_PER_GPU = 2.0  # cores a GPU for worker processes to feed a Kimi-shaped step (1.0-1.4 measured)
 MAX_AUTO_WORKERS = 4  # more workers than this read no faster per GPU and cost the node's cores
 
 
