@@ -27,6 +27,13 @@ so the windows together cover the pass.  The GPU's idle time is known from the
 first step on when CUDA is up at `iter()` (else from the first step begun after
 it is), and `gpu_idle(%)` is over the steps where it is known.
 
+Where loading holds the step back (a pass, or a report's window, whose steps waited for data
+`BOTTLENECK_PCT` of their time, and every stall) the monitor says what limits it, from the
+workers' counters (`watchdog.diagnose`): the storage, the CPU, too few workers or more than the
+cores.  Its line says how many samples the workers have finished that the trainer has not
+taken yet: ready ahead of it.  `headspace=N` measures what data costs the step: N steps on a
+replayed batch, without the loader, against the loaded steps (SPDL's headspace analysis).
+
 Each pass over the loader is an epoch of one run: monitors of the same
 name and files in one process (a loop that wraps its loader afresh each epoch, or
 one monitor iterated per epoch) count the run's `global_step` on, write one
@@ -44,7 +51,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
@@ -68,9 +75,13 @@ from h5feed.observe.scalars import ScalarSink, TensorBoardSink, report_scalars, 
 from h5feed.observe.timers import GpuSpan, GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
     RECENT_S,
+    Diagnosis,
+    LoaderSetup,
+    LoaderWork,
     StallEpisode,
     advice,
     classify,
+    diagnose,
     process_state,
     verdict_text,
     worker_sentence,
@@ -81,6 +92,7 @@ log = logging.getLogger(__name__)
 
 BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
 STARTUP_SHARE = 0.5  # of a bottleneck pass's wait, the first batch's share that makes start-up the thing to fix
+NOTHING_PCT = 1.0  # a headspace below this: data costs the step nothing measurable
 
 T = TypeVar("T")
 
@@ -109,6 +121,13 @@ class Batched(Protocol):
 
 
 @runtime_checkable
+class Sampled(Protocol):
+    """A loader whose batches a batch sampler makes (None: `batch_size` says, or one sample a batch)."""
+
+    batch_sampler: Any
+
+
+@runtime_checkable
 class WorkerPool(Protocol):
     """A loader that reads in worker processes, and says how they start."""
 
@@ -134,6 +153,7 @@ def monitor(
     wandb: bool | Literal["auto"] = "auto",
     name: str = "train",
     trace: bool = False,
+    headspace: int = 0,
 ) -> Monitor[T]:
     """Wrap `loader` so that iterating it reports where the time goes: `for batch in monitor(loader): ...`.
 
@@ -155,11 +175,17 @@ def monitor(
         trace: also write the run's timeline into `log_dir` (`h5feed.tracing`): the trainer's waits and steps,
             each worker's samples, reads and decodes, the copies to the GPU; `h5feed trace LOG_DIR` makes one
             Chrome/Perfetto trace of it.  Each span is a line of a file, so leave it off for long runs.
+        headspace: for a measurement run, not a real one: after the pass's first batch and `headspace` batches
+            more, the monitor hands the trainer the batch it just had `headspace` times again without asking the
+            loader, so those steps cost no data, and the end line and `end` record say how much faster training
+            would run if data cost nothing (the loaded steps' mean time, the first batch's step left out, against
+            the replayed steps').  The replayed steps TRAIN ON ONE BATCH REPEATED, and the pass has `headspace`
+            steps more than the loader's batches; done once per run.  0 (the default): never.
     """
     if trace and log_dir is None:
         raise ValueError("trace=True writes the timeline into log_dir: give one")
     return Monitor(loader, every=every, log_dir=log_dir, jsonl=jsonl, stall_after=stall_after,
-                   tensorboard=tensorboard, wandb=wandb, name=name, trace=trace)
+                   tensorboard=tensorboard, wandb=wandb, name=name, trace=trace, headspace=headspace)
 
 
 @dataclass
@@ -170,9 +196,40 @@ class _Run:
     epochs: int = 0  # passes begun
     tensorboard: TensorBoardSink | None = None
     log_failed: bool = False  # a write of the JSON-lines file failed: reported once, and the file left alone
+    headspace_measured: bool = False  # the replayed steps of `headspace=` were run (once a run)
 
 
 _RUNS: dict[tuple[str, int, str, str], _Run] = {}  # by (name, rank, JSON-lines file, log_dir): one per run
+
+StepKind = Literal["first", "loaded", "replayed"]  # the pass's first step (the loader's start-up), or not
+
+
+@dataclass
+class _Headspace:
+    """The steps' time with the loader's batches and on a replayed one (`headspace=`): what data costs the step.
+
+    The pass's first step is left out of the loaded ones: its wait is the loader's start-up, a cost of its own
+    (`first_batch(s)`), not the steady state that the replayed steps are measured in."""
+
+    loaded_steps: int = 0
+    loaded_s: float = 0.0
+    replayed_steps: int = 0
+    replayed_s: float = 0.0
+
+    def add(self, kind: StepKind, step_s: float) -> None:
+        if kind == "loaded":
+            self.loaded_steps += 1
+            self.loaded_s += step_s
+        elif kind == "replayed":
+            self.replayed_steps += 1
+            self.replayed_s += step_s
+
+    def figures(self) -> Record:
+        loaded = self.loaded_s / self.loaded_steps if self.loaded_steps else None
+        replayed = self.replayed_s / self.replayed_steps if self.replayed_steps else None
+        faster = 100 * (loaded / replayed - 1) if loaded is not None and replayed else None
+        return {"headspace(%)": faster, "step_loaded(s)": loaded, "step_replayed(s)": replayed,
+                "replayed_steps": self.replayed_steps}
 
 
 @dataclass
@@ -234,11 +291,14 @@ class Monitor(Generic[T]):
         wandb: bool | Literal["auto"],
         name: str,
         trace: bool = False,
+        headspace: int = 0,
     ) -> None:
         if every <= 0 or stall_after <= 0:
             raise ValueError("every and stall_after must be positive numbers of seconds")
+        if headspace < 0:
+            raise ValueError(f"headspace is a number of steps to replay, not {headspace}")
         self.loader = loader
-        self.every, self.stall_after, self.name = every, stall_after, name
+        self.every, self.stall_after, self.name, self.headspace = every, stall_after, name, headspace
         self.rank, self.world_size = distributed_rank()
         self._label = label(name, self.rank, self.world_size)
         self.dataset = loader.dataset if isinstance(loader, OverDataset) else None
@@ -258,6 +318,14 @@ class Monitor(Generic[T]):
         sinks = [self._run.tensorboard if tensorboard else None, wandb_sink(wandb)]
         self._sinks: list[ScalarSink] = [sink for sink in sinks if sink is not None]
         self._batch_size = (loader.batch_size if isinstance(loader, Batched) else None) or 1
+        # samples a batch holds, for the samples ready ahead: unknown when a batch sampler makes the batches
+        sampled = isinstance(loader, Sampled) and loader.batch_sampler is not None
+        per_batch = loader.batch_size if isinstance(loader, Batched) else None
+        self._per_batch: int | None = per_batch or (None if sampled else 1)
+        store = self._store if isinstance(self._store, Store) else None
+        self._setup = LoaderSetup(workers=loader.num_workers if isinstance(loader, WorkerPool) else 0,
+                                  cores=len(os.sched_getaffinity(0)), remote=store is not None and store.remote,
+                                  fp8=store.info.fp8 if store is not None else None)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._reset()
@@ -271,6 +339,9 @@ class Monitor(Generic[T]):
         self._step_call = self._t0  # when the step under way began: the call that asked for its batch, or iter()
         self._open_wait = 0.0  # the wait and size of the batch of the step under way, not yet in the totals
         self._open_bytes = 0
+        self._open_kind: StepKind = "first"
+        self._replayed = 0  # batches handed over again (headspace=), not the loader's
+        self._headspace = _Headspace()
         self._stalled_batch: int | None = None  # the batch (1-based) a stall was reported for, and its wait
         self._stalled_batch_wait: float | None = None
         self._gpu: GpuTimer | None = None
@@ -289,14 +360,19 @@ class Monitor(Generic[T]):
         self._begin()
         try:
             t_call = self._t0
+            replay_after = self.headspace + 1 if self.headspace and not self._run.headspace_measured else None
             batches = iter(self.loader)  # starts the workers
+            loaded = 0
             while True:
+                if loaded == replay_after:
+                    t_call = yield from self._replay(batch, t_call)
                 try:
                     with tracing.section("h5feed: wait for a batch", "trainer", batch=self._batches + 1):
                         batch = next(batches)
                 except StopIteration:
                     self._ran_out = True
                     return
+                loaded += 1
                 t_got = time.perf_counter()
                 self._got(t_call, t_got, batch)
                 yield batch
@@ -306,7 +382,21 @@ class Monitor(Generic[T]):
         finally:
             self._finish()
 
-    def _got(self, t_call: float, t_got: float, batch: Any) -> None:
+    def _replay(self, batch: T, t_call: float) -> Generator[T, None, float]:
+        """Hand the trainer `batch` again `headspace` times without asking the loader (see `monitor`); returns
+        when the trainer asked for the batch after them."""
+        self._run.headspace_measured = True
+        self._emit({"kind": "headspace", "epoch": self._epoch, "step": self._batches, "replays": self.headspace},
+                   f"{self._label} headspace: the next {self.headspace} steps train on batch {self._batches} again, "
+                   "without the loader, to time the step when data costs nothing")
+        for _ in range(self.headspace):
+            self._got(t_call, time.perf_counter(), batch, replayed=True)
+            yield batch
+            t_call = time.perf_counter()
+            self._asked(t_call)
+        return t_call
+
+    def _got(self, t_call: float, t_got: float, batch: Any, replayed: bool = False) -> None:
         if self._gpu is None and torch.cuda.is_initialized():
             self._gpu = GpuTimer()
         if self._gpu is not None:
@@ -315,6 +405,8 @@ class Monitor(Generic[T]):
         with self._lock:
             self._waiting_since = None
             self._batches += 1
+            self._replayed += replayed
+            self._open_kind = "replayed" if replayed else "first" if self._batches == 1 else "loaded"
             self._open_wait, self._open_bytes = t_got - t_call, nbytes
             if self._batches == self._stalled_batch:
                 self._stalled_batch_wait = t_got - t_call
@@ -359,6 +451,8 @@ class Monitor(Generic[T]):
         totals.samples += steps * self._batch_size
         totals.batch_bytes += self._open_bytes
         totals.add_gpu(gpu)
+        if steps:
+            self._headspace.add(self._open_kind, t - self._step_call)
         self._step_call, self._open_wait, self._open_bytes = t, 0.0, 0
 
     # --- start and end --------------------------------------------------------------------------
@@ -407,11 +501,12 @@ class Monitor(Generic[T]):
         if self._thread is not None:
             self._thread.join()
         self._ended(t_end)
-        last, _ = self._record("report", t_end, self._last_report)
+        snap = self.counters.snapshot() if self.counters is not None else None
+        last, _ = self._record("report", t_end, self._last_report, snap)
         if last["steps"]:  # the pass's last window: the end line below follows it at once, so it is not logged
             self._emit(last, None)
             self._scalars(last, self._last_report)
-        rec, _ = self._record("end", t_end, self._start)
+        rec, _ = self._record("end", t_end, self._start, snap)
         rec["complete"] = self._ran_out
         self._run.steps_before += self._batches
         how = "finished" if self._ran_out else "stopped before the loader's end (interrupted, or the loop was left)"
@@ -423,15 +518,13 @@ class Monitor(Generic[T]):
             line += f" | {slowest}"
         wait = rec.get("data_loading(%)")
         if wait is not None and wait >= BOTTLENECK_PCT:
-            line += f" | the step waited for data {wait:.1f}% of the time: loading held training back; "
-            first = self._first_batch_s or 0.0
-            if first >= STARTUP_SHARE * rec["data_wait(s)"]:
-                line += (f"{first:.2f} s of the {rec['data_wait(s)']:.2f} s was the first batch, the loader's "
-                         "start-up: fewer DataLoader workers start sooner, and persistent_workers=True starts "
-                         "them once for the run")
-            else:
-                line += ("more DataLoader workers or reader threads may help (`h5feed bench` measures the "
-                         "loaders here)")
+            diagnosis = self._diagnose(self._start.snap, snap)
+            self._note(rec, diagnosis)
+            line += (f" | the step waited for data {wait:.1f}% of the time: loading held training back; "
+                     f"{self._cause(rec['data_wait(s)'], diagnosis)}")
+        if self.headspace:
+            rec |= self._headspace.figures()
+            line += f" | {self._headspace_text(rec)}"
         self._emit(rec, line)
         for sink in self._sinks:
             try:
@@ -439,12 +532,53 @@ class Monitor(Generic[T]):
             except OSError as exc:  # TensorBoard's events file on a full disk: the loop goes on all the same
                 _say(logging.WARNING, f"{self._label} cannot write its scalars: {exc}")
 
+    def _diagnose(self, before: LoaderSnapshot | None, now: LoaderSnapshot | None) -> Diagnosis | None:
+        """What limits loading, from the workers' counters between two snapshots (and without them, whether
+        there are more workers than cores)."""
+        work = LoaderWork.between(before, now) if before is not None and now is not None else None
+        return diagnose(self._setup, work)
+
+    @staticmethod
+    def _note(rec: Record, diagnosis: Diagnosis | None) -> None:
+        """Put the diagnosis in the record, for `h5feed watch` and whoever reads the file."""
+        rec["limit"], rec["diagnosis"] = (diagnosis.limit, diagnosis.text) if diagnosis is not None else (None, None)
+
+    def _cause(self, wait_s: float, diagnosis: Diagnosis | None) -> str:
+        """Why a pass waited for data and what to change: its start-up, when the first batch was most of the
+        wait, else what limits the loader."""
+        first = self._first_batch_s or 0.0
+        if first >= STARTUP_SHARE * wait_s:
+            fix = (diagnosis.text if diagnosis is not None and diagnosis.limit == "oversubscribed" else
+                   "fewer DataLoader workers start sooner, and persistent_workers=True starts them once for the run")
+            return f"{first:.2f} s of the {wait_s:.2f} s was the first batch, the loader's start-up; {fix}"
+        if diagnosis is not None:
+            return diagnosis.text
+        if self.counters is None:
+            return ("this loader has no h5feed counters, so what limits it cannot be seen; `h5feed bench STORE` "
+                    "measures h5feed's loaders on this machine")
+        return "`h5feed bench STORE` measures the loaders on this machine"
+
+    def _headspace_text(self, rec: Record) -> str:
+        """The end line's headspace: how much faster the step would be if data cost nothing, or why not known."""
+        faster = rec["headspace(%)"]
+        if faster is None:
+            if self._run.headspace_measured:
+                return "headspace measured in an earlier pass of this run"
+            return (f"headspace not measured: the pass had {self._batches} batches, and the replay begins after "
+                    f"{self.headspace + 1}")
+        times = (f"a step took {rec['step_loaded(s)']:.4f} s with the loader's batches, "
+                 f"{rec['step_replayed(s)']:.4f} s on {rec['replayed_steps']} replayed ones")
+        if faster < NOTHING_PCT:
+            return f"data costs the step nothing measurable: {times}"
+        return f"training would run {faster:.0f}% faster if data cost nothing: {times}"
+
     def summary(self) -> Record:
         """The step figures over the steps of the pass that ended so far (all of it once the pass is over: the
         first batch's wait included), plus the first batch's wait on its own."""
         with self._lock:
-            totals = self._totals.copy()
-        return {"batches": self._batches, "first_batch(s)": self._first_batch_s, **step_figures(totals)}
+            totals, headspace = self._totals.copy(), self._headspace.figures()
+        return {"batches": self._batches, "first_batch(s)": self._first_batch_s, **step_figures(totals),
+                **(headspace if self.headspace else {})}
 
     # --- the reporting thread -------------------------------------------------------------------
     def _watch(self) -> None:
@@ -467,7 +601,7 @@ class Monitor(Generic[T]):
                 episode = self._check_stall(now, snap, recent[0] if recent else None, episode)
                 if now - last.time >= self.every:
                     rec, totals = self._record("report", now, last, snap)
-                    self._emit(rec, format_line(rec))
+                    self._emit(rec, format_line(rec) + self._hint(rec, last.snap, snap))
                     self._scalars(rec, last)
                     last = self._last_report = _Report(now, totals, snap)
             except Exception:  # a broken report must never stop the training, nor flood its log
@@ -476,6 +610,18 @@ class Monitor(Generic[T]):
                 failed = True
         if not failed:
             self._end_episode(episode)  # the batch came after the last tick
+
+    def _hint(self, rec: Record, before: LoaderSnapshot | None, now: LoaderSnapshot | None) -> str:
+        """A report line's verdict, when its window's steps waited for data: what limits the loader ("" when
+        they did not, or nothing can be said); the record gets it too."""
+        wait = rec["data_loading(%)"]
+        if wait is None or wait < BOTTLENECK_PCT:
+            return ""
+        diagnosis = self._diagnose(before, now)
+        if diagnosis is None:
+            return ""
+        self._note(rec, diagnosis)
+        return f" | the step waited for data {wait:.1f}% of this window: {diagnosis.text}"
 
     def _announce_workers(self, snap: LoaderSnapshot, now: float) -> None:
         reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({o})" if (o := self._object_of(w.current_sample)) else "")
@@ -498,7 +644,7 @@ class Monitor(Generic[T]):
         and the totals they were made of: where the next window begins, so that no step falls between two."""
         with self._lock:
             totals, waiting_since, batches = self._totals.copy(), self._waiting_since, self._batches
-            open_wait = self._open_wait
+            open_wait, loaded = self._open_wait, self._batches - self._replayed
         waiting = now - waiting_since if waiting_since is not None else None
         if snap is None and self.counters is not None:
             snap = self.counters.snapshot()
@@ -521,10 +667,20 @@ class Monitor(Generic[T]):
         }
         if snap is not None:
             rows = worker_rows(snap, since.snap, self._object_of)
-            rec["loader"], rec["workers"] = loader_figures(rows), rows
+            rec["loader"], rec["workers"] = loader_figures(rows, self._ahead(snap, loaded)), rows
         else:
             rec["loader"], rec["workers"] = None, []
         return rec, totals
+
+    def _ahead(self, snap: LoaderSnapshot, loaded: int) -> int | None:
+        """Samples the workers have finished in this pass (or skipped, damaged) that the trainer has not taken
+        yet, out of `loaded` batches taken: what is ready ahead of it.  None where a batch sampler makes the
+        batches (how many samples the trainer took is not known)."""
+        start = self._start.snap
+        if self._per_batch is None or start is None:
+            return None
+        done = sum(snap.total(name) - start.total(name) for name in ("samples", "corrupt"))
+        return max(0, int(done) - loaded * self._per_batch)  # the last batch may be short
 
     def _check_stall(
         self, now: float, snap: LoaderSnapshot | None, recent: LoaderSnapshot | None, episode: StallEpisode
@@ -553,12 +709,14 @@ class Monitor(Generic[T]):
             row["state"], row["cpu_s"] = process_state(row["pid"])
         text = verdict_text(verdict, wait, min(quiet) if quiet else None, batches,
                              loader_figures(rows) if recent is not None else None)
-        what_to_do = advice(verdict, rows)
+        diagnosis = self._diagnose(recent, snap)
+        what_to_do = advice(verdict, rows, diagnosis)
         lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
         if what_to_do:
             lines.append(f"  what to do: {what_to_do}")
         tracing.instant("stall", "trainer", verdict=verdict)
-        self._emit({"kind": "stall", "verdict": verdict, "message": text, "advice": what_to_do, "epoch": self._epoch,
+        self._emit({"kind": "stall", "verdict": verdict, "message": text, "advice": what_to_do,
+                    "limit": diagnosis.limit if diagnosis is not None else None, "epoch": self._epoch,
                     "step": batches, "global_step": self._run.steps_before + batches, "waiting(s)": wait,
                     "workers": rows}, "\n".join(lines), level=logging.WARNING)
         return episode

@@ -69,7 +69,12 @@ def worker_rows(
     return rows
 
 
-def loader_figures(rows: list[Record]) -> Record:
+def loader_figures(rows: list[Record], ahead: int | None = None) -> Record:
+    """The loader's figures, summed over its workers' rows.  `ahead`: samples the workers have finished and the
+    trainer has not yet taken (None: unknown).  It is also the record's `queue_depth`, which `h5feed watch` and
+    the scalars show: the workers' own count of that name moves only where a reader reads ahead in its own
+    threads, and stays 0 under a DataLoader over a map-style dataset, whatever happens."""
+
     def total(key: str) -> float | None:
         values = [r[key] for r in rows if r[key] is not None]
         return sum(values) if values else None
@@ -79,7 +84,8 @@ def loader_figures(rows: list[Record]) -> Record:
         "samples_per_s": total("samples_per_s"),
         "read_GBps": read / 1e3 if read is not None else None,
         "decoded_GBps": decoded / 1e3 if decoded is not None else None,
-        "queue_depth": sum(r["queue_depth"] for r in rows),
+        "queue_depth": ahead if ahead is not None else sum(r["queue_depth"] for r in rows),
+        "samples_ahead": ahead,
         "corrupt": sum(r["corrupt"] for r in rows),
         "network_GBps": network / 1e3 if network is not None else None,
         "requests_per_s": total("requests_per_s"),
@@ -127,8 +133,11 @@ def format_line(rec: Record) -> str:
     if loader is not None:
         line += (
             f" | loader {num(loader['samples_per_s'], '.1f')} samples/s, {num(loader['read_GBps'], '.2f')} GB/s read, "
-            f"{num(loader['decoded_GBps'], '.2f')} GB/s decoded, queue {loader['queue_depth']}"
+            f"{num(loader['decoded_GBps'], '.2f')} GB/s decoded"
         )
+        if loader.get("samples_ahead") is not None:
+            ahead = loader["samples_ahead"]
+            line += f", {ahead} sample{'' if ahead == 1 else 's'} ready ahead of the trainer"
         if loader.get("requests") or loader.get("cache_hits") or loader.get("cache_misses"):
             line += network_text(loader)
         if loader.get("writer_wait_s"):
@@ -157,7 +166,7 @@ Column = tuple[str, str, str]  # heading, record key, format spec
 
 _WORKER_COLUMNS: list[Column] = [
     ("worker", "worker", "d"), ("pid", "pid", "d"), ("samples", "samples", "d"), ("samples/s", "samples_per_s", ".2f"),
-    ("read MB/s", "read_MBps", ".1f"), ("queue", "queue_depth", "d"), ("sample", "sample", "d"),
+    ("read MB/s", "read_MBps", ".1f"), ("sample", "sample", "d"),
     ("for s", "sample_s", ".1f"), ("MB so far", "sample_MB", ".1f"), ("no progress s", "since_progress_s", ".1f"),
 ]
 

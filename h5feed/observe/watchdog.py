@@ -1,4 +1,11 @@
-"""Stall reports: what a stall is (from the trainer's wait and the workers' progress) and what each worker is doing."""
+"""Verdicts on loading: what a stall is (from the trainer's wait and the workers' progress), what each worker is
+doing, and what limits the loader (`diagnose`: the storage, the CPU, too few or too many workers) with the one
+change that would help most.
+
+Why a diagnosis rather than a hint: "more workers may help" is wrong as often as right.  With 32 workers on 2
+cores more workers only take turns on the cores; with the storage at its rate they only queue more reads; with
+the cores busy decoding they only share them.  The workers' own counters say which it is.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +15,16 @@ from typing import Literal
 
 import psutil
 
+from h5feed.metrics import LoaderSnapshot
 from h5feed.observe.renderer import Record, num
 
 RECENT_S = 10.0  # the window of a stall report's "recent" throughput
+READ_BOUND = 0.6  # reading takes this share of the workers' busy time: the storage (or the network) sets the pace
+CPU_BOUND = 0.8  # decoding keeps this share of the cores busy: the CPU sets the pace
+BUSY_BOUND = 0.5  # workers busy less than this share of the time do not set the pace: what is after them does
 
 Verdict = Literal["bottleneck", "stuck", "idle", "waiting", "writer"]
+Limit = Literal["oversubscribed", "handover", "storage", "network", "cpu", "workers"]
 
 
 def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float,
@@ -83,28 +95,141 @@ def verdict_text(verdict: Verdict, wait: float | None, quiet: float | None, step
             "workers do cannot be seen")
 
 
-def advice(verdict: Verdict, rows: list[Record]) -> str:
-    """What to do about a stall, in one sentence ("" when nothing needs doing)."""
+@dataclass(frozen=True)
+class LoaderSetup:
+    """What the loader reads with: its DataLoader worker processes (0: it reads in the trainer's process), the
+    cores this process may use (`os.sched_getaffinity`), and what is known of the store it reads (`fp8` None:
+    not an h5feed store)."""
+
+    workers: int
+    cores: int
+    remote: bool = False
+    fp8: bool | None = None
+
+
+@dataclass(frozen=True)
+class LoaderWork:
+    """What the loader's workers did over a window, from their counters: the seconds they spent reading (the
+    disk, the network) and decoding (the CPU), summed over the workers and their threads, and the bytes read."""
+
+    seconds: float
+    read_s: float
+    decode_s: float
+    bytes_read: int
+
+    @classmethod
+    def between(cls, before: LoaderSnapshot, now: LoaderSnapshot) -> LoaderWork:
+        def grown(name: str) -> float:  # a worker started since `before` counts from nothing
+            return now.total(name) - before.total(name)
+
+        return cls(now.time - before.time, grown("read_seconds"), grown("decode_seconds"), int(grown("bytes_read")))
+
+    @property
+    def busy_s(self) -> float:
+        return self.read_s + self.decode_s
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What limits loading, and the one change that would help most with its expected effect, in a sentence."""
+
+    limit: Limit
+    text: str
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
+    """What limits the loader, from what it reads with and what its workers did (`work`; None: no window of
+    counters).  None when nothing can be said: no counters and no more workers than cores, or an idle window.
+
+    Oversubscription comes first: it needs no counters, and until it is fixed the rest measures workers that
+    take turns.  Workers idle most of the window are not what the trainer waits for: the hand-over after them
+    is (or their start-up).  Then the workers' time: mostly reading, the storage (or the network) is the limit;
+    otherwise decoding, and either the cores are all busy (the CPU is the limit) or more workers would use the
+    idle ones.
+    """
+    workers, cores = setup.workers, setup.cores
+    if workers > cores:
+        return Diagnosis("oversubscribed", f"{_count(workers, 'worker')} on {_count(cores, 'core')}: use {cores}; "
+                                           "workers beyond the cores only take turns on them, and each one started "
+                                           "delays the first batch")
+    if work is None or work.seconds <= 0 or work.busy_s <= 0:
+        return None
+    busy = work.busy_s / work.seconds  # cores' worth of reading and decoding
+    if workers and busy < BUSY_BOUND * workers:
+        return Diagnosis("handover", f"the workers read or decoded only {busy / workers:.0%} of the time, so they are "
+                                     "not what the trainer waits for: handing their batches over is (collate, "
+                                     "pin_memory, the copy between processes), or their start-up; h5feed's "
+                                     "BatchLoader decodes into shared page-locked slots and passes only a slot's "
+                                     "number between processes")
+    whose = "the reading threads'" if not workers else "1 worker's" if workers == 1 else f"{workers} workers'"
+    read_share = work.read_s / work.busy_s
+    if read_share >= READ_BOUND:
+        rate = work.bytes_read / work.seconds / 1e9
+        source = "the network" if setup.remote else "the storage"
+        return Diagnosis("network" if setup.remote else "storage",
+                         f"reading takes {read_share:.0%} of {whose} time at {rate:.2f} GB/s: {source} is the limit, "
+                         f"so more workers will not help; {_fewer_bytes(setup, read_share)}")
+    decode_share = 1 - read_share
+    doing = (f"decoding takes {decode_share:.0%} of {whose} time" if decode_share >= READ_BOUND
+             else f"reading takes {read_share:.0%} and decoding {decode_share:.0%} of {whose} time")
+    decoding_cores = work.decode_s / work.seconds
+    readers = workers or max(1, round(busy))  # threads in the trainer's process: as many as were busy
+    on_gpu = "BatchLoader(decode='cuda') decodes on the GPU instead and leaves the cores to the trainer"
+    if decoding_cores >= CPU_BOUND * cores:
+        return Diagnosis("cpu", f"{doing}, keeping {decoding_cores:.1f} of {_count(cores, 'core')} busy: the CPU is "
+                                f"the limit, so more workers will not help; {on_gpu}")
+    if readers >= cores:
+        return Diagnosis("cpu", f"{doing}, with as many {'workers' if workers else 'reading threads'} as cores "
+                                f"({cores}): more would only take turns on them; {on_gpu}")
+    more = min(cores, 2 * readers)
+    effect = "roughly double the rate" if more == 2 * readers else f"raise the rate about {more / readers:.1f}x"
+    change = f"{more} workers" if workers else f"{more} DataLoader worker processes (num_workers={more})"
+    return Diagnosis("workers", f"{doing} on {_count(cores, 'core')}: {change} would {effect}")
+
+
+def _fewer_bytes(setup: LoaderSetup, read_share: float) -> str:
+    """The change for a loader the storage holds back: fewer bytes to read, or a faster place to read them from."""
+    if setup.fp8 is False:
+        faster = 1 / (1 - read_share / 2)  # the reads take half as long, the decoding as long as before
+        return (f"an FP8 store (`h5feed convert --precision fp8`, lossy) reads half the bytes: about {faster:.1f}x "
+                "the samples per second")
+    already = "the store is FP8 already: " if setup.fp8 else ""
+    if setup.remote:
+        return f"{already}a node cache (cache_dir=) on a local disk reads each object from the network once"
+    return f"{already}a faster disk, or a copy of the store on local NVMe, is what helps"
+
+
+def advice(verdict: Verdict, rows: list[Record], diagnosis: Diagnosis | None = None) -> str:
+    """What to do about a stall, in a sentence or two ("" when nothing needs doing); `diagnosis` (of the recent
+    window) says what limits a loader that is slower than the step, and too many workers whatever the verdict."""
     in_hand = [r for r in rows if r["sample"] is not None]
+    text = ""
     if verdict == "stuck" and in_hand:
         pids = " ".join(f"py-spy dump --pid {r['pid']}" for r in in_hand[:2])
-        return (f"to see where a worker is blocked: `{pids}`; a hung network mount or bucket looks like this, and "
+        text = (f"to see where a worker is blocked: `{pids}`; a hung network mount or bucket looks like this, and "
                 "a worker that waits on a lock (a second loader over the same files) too")
-    if verdict == "stuck":
-        who = "no worker has started: one still starting (spawn imports take seconds)" if not rows else \
-            "no worker holds a sample: one"
-        return (f"{who} or one that died: its error is in this process's log; DataLoader(timeout=...) turns a "
+    elif verdict == "stuck":
+        who = ("no worker has started yet: one may still be starting (spawn imports take seconds)" if not rows else
+               "no worker holds a sample, so none is reading: the batch may be held up after the workers")
+        text = (f"{who}, or a worker died and its error is in this process's log; DataLoader(timeout=...) turns a "
                 "worker that never answers into an error")
-    if verdict == "bottleneck":
-        return ("loading is slower than the step: more DataLoader workers (num_workers) or reader threads (threads), "
-                "or a faster disk; `h5feed bench STORE` measures the loaders on this machine")
-    if verdict == "writer":
-        return ("extraction is slower than training: the trainer goes at the writer's pace (more extraction "
+    elif verdict == "bottleneck":
+        if diagnosis is not None:
+            return diagnosis.text
+        text = "loading is slower than the step; `h5feed bench STORE` measures the loaders on this machine"
+    elif verdict == "writer":
+        text = ("extraction is slower than training: the trainer goes at the writer's pace (more extraction "
                 "servers, or start training later); nothing is wrong with the loader")
-    if verdict == "waiting":
-        return (f"`py-spy dump --pid {os.getpid()}` shows where the loader is; h5feed's datasets count what their "
+    elif verdict == "waiting":
+        text = (f"`py-spy dump --pid {os.getpid()}` shows where the loader is; h5feed's datasets count what their "
                 "workers do, and the monitor then names the one that holds the trainer up")
-    return ""
+    if diagnosis is not None and diagnosis.limit == "oversubscribed" and verdict in ("stuck", "waiting"):
+        text = f"{text}; {diagnosis.text}" if text else diagnosis.text
+    return text
 
 
 def process_state(pid: int) -> tuple[str, float | None]:
@@ -126,5 +251,4 @@ def worker_sentence(row: Record) -> str:
     else:
         doing = f"no sample in hand, last progress {num(row['since_progress_s'], '.1f', ' s')} ago"
     return (f"  worker {row['worker']} ({state}): {doing}; {row['samples']} samples done, recent "
-            f"{num(row['samples_per_s'], '.2f')} samples/s, {num(row['read_MBps'], '.1f')} MB/s, "
-            f"queue {row['queue_depth']}")
+            f"{num(row['samples_per_s'], '.2f')} samples/s, {num(row['read_MBps'], '.1f')} MB/s")
