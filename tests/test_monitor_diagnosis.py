@@ -149,6 +149,19 @@ def test_a_monitored_disk_bound_loader_names_the_storage(tmp_path, caplog):
     [line] = [m for m in caplog.messages if "batches in" in m]
     assert "loading held training back; reading takes 100% of the reading threads' time" in line
     assert "the storage is the limit, so more workers will not help" in line and "may help" not in line
+    shown = h5feed_watch_once(tmp_path)  # what `h5feed watch` shows of it
+    assert f"   what limits loading: {end['diagnosis']}" in shown.splitlines()
+
+
+def h5feed_watch_once(log_dir: Path) -> str:
+    """`h5feed watch LOG_DIR --once`, as a user runs it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "h5feed", "watch", str(log_dir), "--once"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def test_a_monitored_decode_bound_loader_asks_for_more_workers_in_its_lines_and_its_end(tmp_path, caplog,

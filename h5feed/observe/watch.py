@@ -28,7 +28,8 @@ def _history(records: list[Record], last: int = 40) -> str | None:
     waits = [r["data_loading(%)"] for r in records if r.get("kind") == "report" and r.get("data_loading(%)") is not None]
     if not waits:
         return None
-    return f"data wait over the last {len(waits[-last:])} reports: {sparkline(waits[-last:])} (now {waits[-1]:.1f}%)"
+    return (f"data wait over the last {len(waits[-last:])} reports: {sparkline(waits[-last:])} "
+            f"(the last {waits[-1]:.1f}%)")
 
 
 def _state(records: list[Record], now: float) -> str:
@@ -115,6 +116,8 @@ def render(log: RunLog, records: list[Record], now: float) -> str:
         out.append(f"   {wait}")
     if (history := _history(records)) is not None:
         out.append(f"   {history}")
+    if figures.get("diagnosis"):
+        out.append(f"   what limits loading: {figures['diagnosis']}")
     out.append(format_line(figures))
     out += format_workers(figures["workers"])
     return "\n".join(out)
@@ -126,7 +129,7 @@ _RANK_COLUMNS: list[Column] = [
     ("step s", "step_time(s)", ".3f"),
     ("data wait s", "data_loading(s)", ".3f"), ("data wait %", "data_loading(%)", ".1f"),
     ("GPU idle %", "gpu_idle(%)", ".1f"), ("loader samples/s", "samples_per_s", ".1f"),
-    ("read GB/s", "read_GBps", ".2f"), ("decoded GB/s", "decoded_GBps", ".2f"), ("queue", "queue_depth", "d"),
+    ("read GB/s", "read_GBps", ".2f"), ("decoded GB/s", "decoded_GBps", ".2f"), ("ready ahead", "queue_depth", "d"),
 ]
 
 
