@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -297,3 +298,29 @@ def torchrun(script: Path, ranks: int, *args: Any, timeout: float = LAUNCH_TIMEO
         output, _ = proc.communicate()
         raise AssertionError(f"torchrun of {ranks} ranks hung for {timeout} s:\n{output[-4000:]}") from None
     assert proc.returncode == 0, output[-4000:]
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """Each item takes `delay` seconds, counted in h5feed's shared counters as h5feed's datasets count theirs: as
+    reading (`stage="read"`) or as decoding ("decode")."""
+
+    def __init__(self, n: int, delay: float, stage: str = "read") -> None:
+        from h5feed.metrics import LoaderCounters
+
+        self.n, self.delay, self.stage = n, delay, stage
+        self.counters = LoaderCounters()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        counters = self.counters.worker()
+        counters.begin_sample(i)
+        time.sleep(self.delay)
+        if self.stage == "read":
+            counters.add_read(1_000_000, self.delay)
+        else:
+            counters.add_read(1_000_000, 0.0)
+            counters.add_decode(self.delay)
+        counters.end_sample(i, 100)
+        return torch.zeros(1000)

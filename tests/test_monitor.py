@@ -11,36 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, get_worker_info
+
+from conftest import SlowDataset
 
 import h5feed
 from h5feed.cli import main as cli_main
-from h5feed.metrics import LoaderCounters
 from h5feed.observe.renderer import format_line, format_workers
 from h5feed.observe.watchdog import StallEpisode, classify
 
 REPO = Path(__file__).resolve().parents[1]
 STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
 STALL_S = 2.5
-
-
-class SlowDataset(Dataset):
-    """Each item takes `delay` seconds and is counted in h5feed's shared counters, as h5feed's datasets do."""
-
-    def __init__(self, n: int, delay: float) -> None:
-        self.n, self.delay = n, delay
-        self.counters = LoaderCounters()
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        counters = self.counters.worker()
-        counters.begin_sample(i)
-        time.sleep(self.delay)
-        counters.add_read(1_000_000, self.delay)
-        counters.end_sample(i, 100)
-        return torch.zeros(1000)
 
 
 def records(path: Path) -> list[dict]:

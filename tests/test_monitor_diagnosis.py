@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
+
+from conftest import SlowDataset
 
 import h5feed
-from h5feed.metrics import LoaderCounters
 from h5feed.observe.renderer import format_line
 from h5feed.observe.watchdog import Diagnosis, LoaderSetup, LoaderWork, advice, diagnose
 
@@ -112,36 +113,13 @@ def test_stall_advice_is_grammatical_and_a_bottleneck_gets_the_diagnosis():
 # --- end to end: a monitored loader says what limits it -------------------------------------------------------
 
 
-class CountedDataset(Dataset):
-    """Each item takes `delay` seconds, counted as reading or as decoding in h5feed's shared counters."""
-
-    def __init__(self, n: int, delay: float, stage: str) -> None:
-        self.n, self.delay, self.stage = n, delay, stage
-        self.counters = LoaderCounters()
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        counters = self.counters.worker()
-        counters.begin_sample(i)
-        time.sleep(self.delay)
-        if self.stage == "read":
-            counters.add_read(1_000_000, self.delay)
-        else:
-            counters.add_read(1_000_000, 0.0)
-            counters.add_decode(self.delay)
-        counters.end_sample(i, 100)
-        return torch.zeros(1000)
-
-
 def _cores(monkeypatch, n: int) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
 
 
 def test_a_monitored_disk_bound_loader_names_the_storage(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="h5feed")
-    for _ in h5feed.monitor(DataLoader(CountedDataset(10, 0.03, "read")), every=60.0, log_dir=tmp_path, name="disk"):
+    for _ in h5feed.monitor(DataLoader(SlowDataset(10, 0.03, "read")), every=60.0, log_dir=tmp_path, name="disk"):
         pass
     end = records(tmp_path / "h5feed-monitor-disk.jsonl")[-1]
     assert end["kind"] == "end" and end["limit"] == "storage"
@@ -168,7 +146,7 @@ def test_a_monitored_decode_bound_loader_asks_for_more_workers_in_its_lines_and_
                                                                                         monkeypatch):
     _cores(monkeypatch, 16)
     caplog.set_level(logging.INFO, logger="h5feed")
-    loader = DataLoader(CountedDataset(40, 0.03, "decode"), num_workers=1)
+    loader = DataLoader(SlowDataset(40, 0.03, "decode"), num_workers=1)
     for _ in h5feed.monitor(loader, every=0.3, log_dir=tmp_path, name="decode"):
         time.sleep(0.005)
     recs = records(tmp_path / "h5feed-monitor-decode.jsonl")
@@ -183,7 +161,7 @@ def test_a_monitored_decode_bound_loader_asks_for_more_workers_in_its_lines_and_
 def test_a_monitored_oversubscribed_loader_is_told_to_use_fewer_workers(tmp_path, caplog, monkeypatch):
     _cores(monkeypatch, 1)
     caplog.set_level(logging.INFO, logger="h5feed")
-    for _ in h5feed.monitor(DataLoader(CountedDataset(8, 0.02, "decode"), num_workers=2), every=60.0,
+    for _ in h5feed.monitor(DataLoader(SlowDataset(8, 0.02, "decode"), num_workers=2), every=60.0,
                             log_dir=tmp_path, name="many"):
         pass
     end = records(tmp_path / "h5feed-monitor-many.jsonl")[-1]
@@ -197,7 +175,7 @@ def test_a_monitored_oversubscribed_loader_is_told_to_use_fewer_workers(tmp_path
 
 def test_samples_ready_ahead_move_with_the_loader_and_replace_the_constant_queue(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="h5feed")
-    fast = DataLoader(CountedDataset(24, 0.0, "decode"), num_workers=2, batch_size=2, prefetch_factor=2)
+    fast = DataLoader(SlowDataset(24, 0.0, "decode"), num_workers=2, batch_size=2, prefetch_factor=2)
     for _ in h5feed.monitor(fast, every=0.05, log_dir=tmp_path, name="ahead"):
         time.sleep(0.03)  # a slow trainer: the workers fill their prefetch
     loaders = [r["loader"] for r in records(tmp_path / "h5feed-monitor-ahead.jsonl") if r["kind"] == "report"]
@@ -207,7 +185,7 @@ def test_samples_ready_ahead_move_with_the_loader_and_replace_the_constant_queue
     assert any("samples ready ahead of the trainer" in m for m in caplog.messages)
     assert not any(" queue " in m for m in caplog.messages)
 
-    for _ in h5feed.monitor(DataLoader(CountedDataset(6, 0.02, "read")), every=0.02, log_dir=tmp_path, name="none"):
+    for _ in h5feed.monitor(DataLoader(SlowDataset(6, 0.02, "read")), every=0.02, log_dir=tmp_path, name="none"):
         pass  # reading in the trainer's process: nothing is read ahead, but the sample being handed over
     recs = [r for r in records(tmp_path / "h5feed-monitor-none.jsonl") if r["kind"] in ("report", "end")]
     assert recs and all(r["loader"]["samples_ahead"] <= 1 for r in recs)
@@ -216,7 +194,7 @@ def test_samples_ready_ahead_move_with_the_loader_and_replace_the_constant_queue
 
 def test_samples_ahead_are_unknown_where_a_batch_sampler_makes_the_batches(tmp_path):
     sampler = torch.utils.data.BatchSampler(range(6), batch_size=3, drop_last=False)
-    for _ in h5feed.monitor(DataLoader(CountedDataset(6, 0.0, "read"), batch_sampler=sampler), log_dir=tmp_path,
+    for _ in h5feed.monitor(DataLoader(SlowDataset(6, 0.0, "read"), batch_sampler=sampler), log_dir=tmp_path,
                             name="sampled"):
         pass
     end = records(tmp_path / "h5feed-monitor-sampled.jsonl")[-1]
