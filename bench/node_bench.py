@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
-from train_step import evict, fp8_store, make_data
+from train_step import add_data_options, evict, fp8_store, make_data
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
@@ -454,14 +454,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=8,
                    help="training ranks of the node, one process each (default %(default)s)")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--data", type=Path, help="an h5feed store; its source_root holds the .pt files")
-    data.add_argument("--make-data", type=int, metavar="N", help="write N synthetic samples and convert them")
-    p.add_argument("--data-dir", type=Path, default=Path("~/.cache/h5feed/bench").expanduser(),
-                   help="where --make-data builds (shared with `h5feed bench`; reused when complete)")
-    p.add_argument("--hidden-size", type=int, help="--make-data's H (default: 7168 with CUDA, 64 without)")
-    p.add_argument("--tokens", default="1500:1900", help="--make-data tokens per sample, LO:HI (default %(default)s)")
-    p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1, help="0 converts in this process")
+    add_data_options(p)
     p.add_argument("--fp8", action="store_true", help="the h5feed loaders also read an FP8 copy of the store")
     p.add_argument("--loaders", default="pt-baseline,workers,threads",
                    help=f"comma-separated, run in this order, of {', '.join(LOADERS)} (default %(default)s)")

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
-from train_step import DrafterStep, Shape, evict, filesystem, make_data, step_seconds, train
+from train_step import DrafterStep, Shape, add_data_options, evict, filesystem, make_data, step_seconds, train
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
@@ -301,14 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2,
                    help="ranks, one GPU each (gloo on the CPU without CUDA) (default: every GPU, or 2)")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--data", type=Path, help="an h5feed store; its source_root holds the .pt files")
-    data.add_argument("--make-data", type=int, metavar="N", help="write N synthetic Kimi-shaped samples and convert them")
-    p.add_argument("--data-dir", type=Path, default=Path("~/.cache/h5feed/bench").expanduser(),
-                   help="where --make-data builds (shared with `h5feed bench`; reused when complete)")
-    p.add_argument("--hidden-size", type=int, help="H (default: 7168 with CUDA, 64 without)")
-    p.add_argument("--tokens", default="1500:1900", help="--make-data tokens per sample, LO:HI (default %(default)s)")
-    p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1)
+    add_data_options(p)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers of each rank (default %(default)s)")
     p.add_argument("--steps", type=int, help="stop each rank after this many steps (default: one epoch)")

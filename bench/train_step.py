@@ -313,16 +313,22 @@ def table(runs: list[dict[str, Any]]) -> str:
                      for row in rows)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_data_options(p: argparse.ArgumentParser) -> None:
+    """The data options the GPU benches share: a store, or synthetic Kimi-shaped samples made (and reused) under
+    `--data-dir`, as `h5feed bench` makes its own."""
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--data", type=Path, help="an h5feed store; its source_root holds the .pt files")
     data.add_argument("--make-data", type=int, metavar="N", help="write N synthetic Kimi-shaped samples and convert them")
     p.add_argument("--data-dir", type=Path, default=Path("~/.cache/h5feed/bench").expanduser(),
                    help="where --make-data builds (shared with `h5feed bench`; reused when complete)")
-    p.add_argument("--hidden-size", type=int, help="H (default: the store's; 7168 with CUDA, 64 without)")
+    p.add_argument("--hidden-size", type=int, help="--make-data's H (default: the store's; 7168 with CUDA, 64 without)")
     p.add_argument("--tokens", default="1500:1900", help="--make-data tokens per sample, LO:HI (default %(default)s)")
-    p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1, help="0 converts in this process")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_data_options(p)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--flavor", choices=("speculators-legacy", "modelopt"), default="speculators-legacy",
                    help="the trainer whose files, dataset and collate are measured (default %(default)s)")
