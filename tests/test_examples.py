@@ -63,7 +63,7 @@ def test_speculators_04_noise_goes_onto_the_batch(pre_norm_store):
 
 def test_a_script_runs_as_users_run_it(pre_norm_store):
     """`python examples/speculators_04.py STORE --workers 2`: DataLoader worker processes, the script's own CLI."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run([sys.executable, "examples/speculators_04.py", str(pre_norm_store), "--max-len", "48",
                           "--workers", "2", "--steps", "4"], check=False, cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)

@@ -1011,7 +1011,7 @@ if os.geteuid() == 0:
 def run_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run python ``code`` in a child that file permissions bind (see BECOME_NOBODY)."""
     code = code.replace("# BECOME_NOBODY", BECOME_NOBODY)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": str(cwd)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "HOME": str(cwd)}
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=300, check=False)
 

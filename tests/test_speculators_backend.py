@@ -260,7 +260,7 @@ def train_command(run: Path, verifier: Path, *extra: str) -> subprocess.Complete
          "--log-dir", str(run / "logs"), "--hidden-states-backend", "h5feed", "--h5feed-store", str(run / "hs.zarr"),
          *extra],
         check=False, capture_output=True, text=True, timeout=300, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
 
 
 def test_the_command_takes_the_backends_flags(run, verifier):
@@ -298,7 +298,7 @@ def test_registering_after_speculators_parser_was_set_up_warns():
             "    import h5feed.integrations.speculators\n"
             "print([str(w.message) for w in caught])")
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert r.returncode == 0, r.stderr
     assert ("speculators' train parser was set up before h5feed's backend was registered, so it lacks "
             "--h5feed-store: import h5feed.integrations.speculators before speculators.train, or run "

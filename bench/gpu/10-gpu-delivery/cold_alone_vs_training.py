@@ -7,7 +7,7 @@ import time
 
 import torch
 
-sys.path.insert(0, "bench"); sys.path.insert(0, ".")
+sys.path.insert(0, "bench"); sys.path.insert(0, "src")
 import train_step as ts
 
 import h5feed

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-sys.path.insert(0, "bench"); sys.path.insert(0, ".")
+sys.path.insert(0, "bench"); sys.path.insert(0, "src")
 import train_step as ts
 
 from h5feed.gpu import CudaBloscDecoder
