@@ -18,7 +18,7 @@ Prints each pass as it ends, then the medians, FP8 over exact per checkout, and 
         [--hidden-size 4096] [--tokens 900:1100] [--samples 16] [--passes 3]
 
 A checkout to compare against can be exported without a worktree:
-`mkdir /tmp/old && git archive HEAD h5feed | tar -x -C /tmp/old`.
+`mkdir /tmp/old && git archive HEAD src/h5feed | tar -x -C /tmp/old`, then `--root /tmp/old/src`.
 """
 
 from __future__ import annotations
@@ -113,13 +113,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/h5feed-fp8-cpu"))
     parser.add_argument("--root", type=Path, action="append",
-                        help="a folder holding an h5feed/ package (repeat to compare; default: this checkout)")
+                        help="a folder holding an h5feed/ package, as a checkout's src/ (repeat to compare; "
+                             "default: this checkout's)")
     parser.add_argument("--hidden-size", type=int, default=4096)
     parser.add_argument("--tokens", default="900:1100", help="each sample's tokens, drawn from LOW:HIGH")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--passes", type=int, default=3, help="passes of each checkout")
     args = parser.parse_args()
-    roots = args.root or [Path(__file__).resolve().parent.parent]
+    roots = args.root or [Path(__file__).resolve().parents[1] / "src"]
     low, high = (int(x) for x in args.tokens.split(":"))
     exact, fp8 = stores(args.work, args.hidden_size, (low, high), args.samples)
     print("before:", load(), file=sys.stderr, flush=True)

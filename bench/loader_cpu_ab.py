@@ -77,8 +77,10 @@ def one_pass(root: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--a", type=Path, required=True, help="the baseline: a folder holding an h5feed/ package")
-    parser.add_argument("--b", type=Path, required=True, help="the change: a folder holding an h5feed/ package")
+    parser.add_argument("--a", type=Path, required=True,
+                        help="the baseline: a folder holding an h5feed/ package (a checkout's src/)")
+    parser.add_argument("--b", type=Path, required=True,
+                        help="the change: a folder holding an h5feed/ package (a checkout's src/)")
     default_store = Path("~/.cache/h5feed/bench/speculators-legacy-pt-H7168-K3-T1500-1900-n48-s0/store")
     parser.add_argument("--store", type=Path, default=default_store.expanduser())
     parser.add_argument("--workers", type=int, default=4, help="worker processes (or, with --threads, threads)")

@@ -8,7 +8,8 @@ and B's cost relative to A.
 
     python bench/read_cost_ab.py --a OLD_ROOT --b NEW_ROOT --work /tmp/ab [--samples 16] [--passes 5] [--rounds 3]
 
-OLD_ROOT and NEW_ROOT are folders that hold an `h5feed/` package (a `git archive` of a commit, a worktree).
+OLD_ROOT and NEW_ROOT are folders that hold an `h5feed/` package (a worktree's src/, or that of a `git archive`
+of a commit).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def run_with(root: Path, args: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--a", type=Path, required=True, help="the baseline: a folder holding an h5feed/ package")
-    parser.add_argument("--b", type=Path, required=True, help="the change: a folder holding an h5feed/ package")
+    parser.add_argument("--a", type=Path, required=True,
+                        help="the baseline: a folder holding an h5feed/ package (a checkout's src/)")
+    parser.add_argument("--b", type=Path, required=True,
+                        help="the change: a folder holding an h5feed/ package (a checkout's src/)")
     parser.add_argument("--work", type=Path, required=True, help="where the sources and the two stores go")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=7168)

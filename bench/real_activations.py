@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
 sys.path.append(str(Path(__file__).resolve().parent))  # fp8_sizes beside this file (last: shadows nothing)
 
 from fp8_sizes import NOISE_RMS, figures, hidden_rows, hidden_state_bytes, store_token_errors

@@ -57,7 +57,7 @@ import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's h5feed and the test server
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this checkout's h5feed and the test server
 
 from s3_server import CREDENTIALS, REGION, boto3_client
 

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
 from train_step import DrafterStep, Shape, add_data_options, evict, filesystem, make_data, step_seconds, train

@@ -60,7 +60,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
 
 import h5feed
 from h5feed.baseline import create_collate_fn

@@ -1,13 +1,15 @@
 """Extraction straight into a store, and a drafter training on it while extraction runs: no `.pt` file at all.
 
-A causal LM (here a small Llama with random weights, made on the spot; pass `--model NAME` for one of
-transformers' hub models) runs over prompts with `output_hidden_states=True`.  For each prompt the
+A causal LM (here a small Llama with random weights, made on the spot; `run(..., model=...)` takes any of
+transformers' causal LMs) runs over prompts with `output_hidden_states=True`.  For each prompt the
 EAGLE-3 inputs are kept as speculators' `.pt` files hold them (`hidden_states`: K aux layers, then the
 last layer's output before the final norm, taken by a hook) and appended to the store by
 `h5feed.open_writer`.  A trainer in the same script follows the store (`Follow`) and trains the tiny
 drafter of examples/speculators_04.py on each sample as soon as it is published.
 
     python examples/extract_and_train.py /tmp/hs.zarr --prompts 32 --tokens 64:256
+
+It needs transformers beside h5feed (`pip install transformers`); the tiny model runs on the CPU, no GPU needed.
 
 A vLLM or SGLang connector would be the same: its `save_kv_layer` / hidden-state hook calls
 `writer.append(input_ids=..., hidden_states=[...])` per finished request.
@@ -138,6 +140,9 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--max-len", type=int, default=256)
     args = p.parse_args()
+    if importlib.util.find_spec("transformers") is None:  # said before a store is made, not at the model's import
+        raise SystemExit(f"{Path(__file__).name}: the model is made with transformers, which is not installed: "
+                         "pip install transformers")
     low, high = (int(x) for x in args.tokens.split(":"))
     done, losses = run(args.store, args.prompts, (low, high), args.hidden_size, max_len=args.max_len)
     print(f"extracted {done.samples} samples ({done.tokens} tokens): model {done.model_seconds:.2f} s, "

@@ -287,7 +287,7 @@ def torchrun(script: Path, ranks: int, *args: Any, timeout: float = LAUNCH_TIMEO
     of a step at DDP's all-reduce would."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(script), *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

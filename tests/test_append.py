@@ -196,7 +196,7 @@ def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)  # uninterrupted
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(dst), "--workers", "0",
                "--chunk-tokens", str(CHUNK)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
 
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

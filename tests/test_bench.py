@@ -5,6 +5,7 @@ No timings are asserted: the loaders' batches, the counts and the report's shape
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
@@ -256,3 +257,32 @@ def test_default_set_built_once_and_rebuilt_when_incomplete(tmp_path: Path) -> N
     assert ensure_default_set(tmp_path, spec, convert_workers=0, progress=False) == store
     assert victim.stat().st_size > 10 and marker.stat().st_mtime_ns != stamp[0]
     assert len(Store(store)) == 3
+
+
+def test_the_default_set_says_its_cost_first_and_where_it_stays_last(tmp_path, capsys, monkeypatch) -> None:
+    """Building the set is said before it starts (gigabytes, minutes); the end says where it stays and how to
+    remove it; --no-keep-cache removes it instead."""
+    @dataclasses.dataclass(frozen=True)
+    class TinySpec(SyntheticSpec):  # the CLI's set at a test's size
+        hidden_size: int = 32
+        tokens: tuple[int, int] = (20, 30)
+
+    monkeypatch.setattr(bench.cli, "SyntheticSpec", TinySpec)
+    folder = tmp_path / TinySpec(num_samples=3).name
+    args = ["bench", "--cache-dir", str(tmp_path), "--num-samples", "3", "--workers", "1", "--max-len", str(MAX_LEN),
+            "--no-cold", "--loaders", f"{BASELINE},BatchLoader-threads", "--step", "none"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("[h5feed bench] ")]
+    assert said[0].startswith(f"[h5feed bench] building the bench set once, in {folder}: 3 synthetic ")
+    assert said[0].endswith(f"This takes a few minutes on a machine of few cores; later runs reuse both (remove "
+                            f"them with `rm -rf {folder}`)")
+    assert re.fullmatch(rf"\[h5feed bench\] the bench set and its store \([\d.]+ GB\) stay in {re.escape(str(folder))} "
+                        rf"for the next run; remove them with `rm -rf {re.escape(str(folder))}`, or run with "
+                        r"--no-keep-cache", said[-1]), said[-1]
+    assert (folder / "store" / "zarr.json").is_file()
+    assert main([*args, "--no-keep-cache"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[h5feed bench] ")]
+    assert not any("building" in line for line in said)  # reused
+    assert said[-1] == f"[h5feed bench] removed the bench set {folder} (--no-keep-cache)"
+    assert not folder.exists()

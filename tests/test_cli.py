@@ -507,7 +507,13 @@ def test_inspect_and_verify_refuse_what_is_not_a_finished_store(tmp_path, cli, i
         assert r.status == 1
         assert f"h5feed {command}: error: {dst}: conversion has not finished" in r.output
     r = cli("inspect", src)
-    assert r.status == 1 and f"{src}: not an h5feed store (no zarr.json)" in r.output
+    assert r.status == 1 and f"{src}: a folder of speculators-legacy-pt sample files (data_{{i}}.pt), not an h5feed " \
+        f"store: convert them into one with `h5feed convert {src} DST`" in r.output
+    r = cli("inspect", tmp_path / "missing")  # as `h5feed convert` says of a missing SRC
+    assert r.status == 1 and f"{tmp_path / 'missing'}: does not exist: check the path, or create the store" in r.output
+    (tmp_path / "empty").mkdir()
+    r = cli("inspect", tmp_path / "empty")
+    assert r.status == 1 and f"{tmp_path / 'empty'}: not an h5feed store (no zarr.json)" in r.output
 
 
 def test_h5feed_alone_prints_its_help_and_every_command(capsys):

@@ -46,7 +46,7 @@ def storage_flags(s3: S3) -> list[str]:
 
 def h5feed_cli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`h5feed ARGS` in its own process, killed after `timeout` seconds (a FIFO opened would block it for ever)."""
-    env = {**os.environ, "PYTHONPATH": str(WORKTREE)}
+    env = {**os.environ, "PYTHONPATH": str(WORKTREE / "src")}
     return subprocess.run([sys.executable, "-m", "h5feed", "-q", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, check=False)
 

@@ -169,7 +169,7 @@ def test_a_killed_converter_resumes_to_the_objects_of_an_uninterrupted_run(src_u
     dst = f"s3://{bucket}/killed"
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", src_url, dst, "--workers", "0", "--chunk-tokens",
                str(CHUNK), "--staging-dir", str(tmp_path / "staging"), *cli_options(s3)]
-    env = {**os.environ, "PYTHONPATH": str(WORKTREE)}
+    env = {**os.environ, "PYTHONPATH": str(WORKTREE / "src")}
     log = tmp_path / "run.log"
     s3.proxy.delay = 0.08  # every request slowed down: the run is still going when it is killed
     with open(log, "w") as out:

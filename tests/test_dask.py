@@ -105,7 +105,7 @@ def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluste
     convert(source, ref, workers=0, chunk_tokens=CHUNK, progress=False)
     command = [sys.executable, "-m", "h5feed.cli", "convert", str(source), str(dst), "--scheduler",
                cluster.scheduler_address, "--chunk-tokens", str(CHUNK)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120

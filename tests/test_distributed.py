@@ -226,7 +226,7 @@ def test_monitor_writes_a_file_per_rank_and_watch_names_the_slow_rank(launches):
         ends.append(records[-1])
     assert [(e["kind"], e["step"]) for e in ends] == [("end", 3), ("end", 3)]
 
-    done = subprocess.run([sys.executable, "-m", "h5feed.cli", "watch", "--once", str(run_dir)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "h5feed.cli", "watch", "--once", str(run_dir)], cwd=REPO / "src",
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

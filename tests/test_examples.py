@@ -63,7 +63,7 @@ def test_speculators_04_noise_goes_onto_the_batch(pre_norm_store):
 
 def test_a_script_runs_as_users_run_it(pre_norm_store):
     """`python examples/speculators_04.py STORE --workers 2`: DataLoader worker processes, the script's own CLI."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run([sys.executable, "examples/speculators_04.py", str(pre_norm_store), "--max-len", "48",
                           "--workers", "2", "--steps", "4"], check=False, cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
@@ -126,3 +126,29 @@ def test_extraction_writes_straight_into_a_store_that_a_drafter_trains_on_meanwh
             assert torch.equal(sample.aux_hidden_states, aux) and torch.equal(sample.last_hidden_state, captured.pop()[0])
     finally:
         hook.remove()
+
+
+def test_extraction_without_transformers_says_what_to_install(tmp_path, monkeypatch):
+    """Before a store is made, not as an import error from the middle of the example."""
+    module = example("extract_and_train")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "transformers" else find_spec(name))
+    monkeypatch.setattr(sys, "argv", ["extract_and_train.py", str(tmp_path / "hs.zarr")])
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert str(stopped.value) == ("extract_and_train.py: the model is made with transformers, which is not "
+                                  "installed: pip install transformers")
+    assert "(`pip install transformers`)" in module.__doc__
+    assert not (tmp_path / "hs.zarr").exists()
+
+
+def test_the_folder_that_holds_the_clone_imports_the_package(tmp_path):
+    """A clone named h5feed, and Python started beside it: the package lives in src/, so the clone's own folder
+    cannot stand in for it as an empty namespace package (which has no BatchLoader)."""
+    assert (ROOT / "src" / "h5feed" / "__init__.py").is_file() and not (ROOT / "h5feed").exists()
+    (tmp_path / "h5feed").symlink_to(ROOT, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", "import h5feed; print(h5feed.__file__, h5feed.BatchLoader.__name__)"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(ROOT / "src" / "h5feed" / "__init__.py"), "BatchLoader"]

@@ -628,6 +628,25 @@ def test_pt_and_ckpt_mixed_is_ambiguous(tmp_path: Path) -> None:
         detect_format(root)
 
 
+@pytest.mark.parametrize("most, odd", [("speculators-legacy-pt", "speculators-v0-pt"),
+                                       ("speculators-v0-pt", "speculators-legacy-pt")])
+def test_one_speculators_generation_among_the_other_is_named(tmp_path: Path, most: str, odd: str) -> None:
+    """Both generations name their files data_{i}.pt: a file of the other one among them is named for what it is,
+    not for the keys it lacks."""
+    import h5feed
+
+    src = tmp_path / "src"
+    write_synthetic(src, most, 3, H, lengths=(4, 8), seed=1)
+    write_synthetic(tmp_path / "other", odd, 1, H, lengths=(4, 8), seed=2)
+    shutil.copy(tmp_path / "other" / "data_0.pt", src / "data_3.pt")
+    with pytest.raises(SourceError) as err:
+        h5feed.convert(src, tmp_path / "store", workers=0, progress=False)
+    keys = {"speculators-legacy-pt": "a 'hidden_states' list", "speculators-v0-pt": "'hidden_state' + 'target'"}
+    assert str(err.value) == (f"{src / 'data_3.pt'}: is a {odd} file ({keys[odd]}), but this source is read as "
+                              f"{most} (its first file's format, or --format): convert the two kinds of file from "
+                              "separate folders")
+
+
 def test_formats_pickle_by_name(tmp_path: Path) -> None:
     """Workers receive formats by pickling; the safetensors one holds a lock and mmapped tables."""
     import pickle
@@ -1011,7 +1030,7 @@ if os.geteuid() == 0:
 def run_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run python ``code`` in a child that file permissions bind (see BECOME_NOBODY)."""
     code = code.replace("# BECOME_NOBODY", BECOME_NOBODY)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": str(cwd)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "HOME": str(cwd)}
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=300, check=False)
 

@@ -174,7 +174,7 @@ def test_inspect_prints_no_control_sequences_from_a_lock_holder(tmp_path, cli):
 
 
 def h5feed_cli(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     return subprocess.run([sys.executable, "-m", "h5feed", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, check=False)
 
@@ -216,7 +216,7 @@ for args in json.loads(sys.argv[1]):
 def measured(*commands: list[object]) -> list[tuple[float, float]]:
     """(peak RSS in MB, seconds) of each `h5feed` command, each run in a process forked from one that imported
     h5feed (so the figures are of the command's own work, and torch is imported once)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     argv = json.dumps([[str(a) for a in command] for command in commands])
     result = subprocess.run([sys.executable, "-c", MEASURE, argv], capture_output=True, text=True, timeout=120,
                             env=env, check=False)

@@ -150,7 +150,7 @@ def test_sigkill_during_a_repair_then_a_second_repair_finishes_it(tmp_path, asse
         data = bytearray(path.read_bytes())
         data[offset + 20] ^= 0xFF
         path.write_bytes(bytes(data))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     rng = random.Random(7)
     for trial in range(3):
         dst = tmp_path / f"trial{trial}"

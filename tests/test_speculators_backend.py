@@ -25,6 +25,7 @@ import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.speculators import H5feedBackend, StoreTransfer
 from h5feed.io import cache_state, open_url
+from h5feed.speculators_train import NEEDS
 from h5feed.store import CHECKSUMMED, Store
 from h5feed.synthetic import VOCAB_SIZE, write_synthetic
 
@@ -260,7 +261,7 @@ def train_command(run: Path, verifier: Path, *extra: str) -> subprocess.Complete
          "--log-dir", str(run / "logs"), "--hidden-states-backend", "h5feed", "--h5feed-store", str(run / "hs.zarr"),
          *extra],
         check=False, capture_output=True, text=True, timeout=300, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
 
 
 def test_the_command_takes_the_backends_flags(run, verifier):
@@ -270,15 +271,28 @@ def test_the_command_takes_the_backends_flags(run, verifier):
     assert f"h5feed_store: {run / 'hs.zarr'}" in r.stdout
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="shows where the command stops without an accelerator")
-def test_without_an_accelerator_train_stops_at_speculators_trainer(run, verifier):
-    """On CPU everything before speculators' Trainer runs (arguments, backend, draft model, loaders); its
-    `Trainer.setup_model` moves the model to accelerator `local_rank`, which a CPU-only torch cannot."""
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="shows what the command says without an accelerator")
+def test_without_an_accelerator_the_command_says_so_before_anything_runs(run, verifier):
+    """Not after loading the verifier, the draft model and the data, where speculators' Trainer would stop."""
     r = train_command(run, verifier)
     assert r.returncode == 1
-    assert "in setup_model\n    self.model.to(self.local_rank)" in r.stderr
-    assert r.stderr.rstrip().endswith("RuntimeError: Cannot access accelerator device when none is available.")
-    assert "hidden_states_backend: h5feed" in (run / "ckpt" / "run.yaml").read_text()
+    assert r.stderr.strip() == ("python -m h5feed.speculators_train: torch sees no GPU (speculators' Trainer places "
+                                f"the model on one); it needs {NEEDS}")
+    assert not (run / "ckpt").exists()
+
+
+def test_a_missing_package_is_named_with_what_to_install(monkeypatch):
+    from importlib import util
+
+    import h5feed.speculators_train as command
+
+    find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name: None if name == "transformers" else find_spec(name))
+    assert command.unmet_requirement(["--dump-config"]) == "transformers is not installed"
+    with pytest.raises(SystemExit) as stopped:
+        command.main(["--dump-config"])
+    assert str(stopped.value) == f"python -m h5feed.speculators_train: transformers is not installed; it needs {NEEDS}"
+    assert "pip install 'speculators>=0.9,<0.10'" in NEEDS and "a GPU" in NEEDS
 
 
 @pytest.mark.skipif(not torch.accelerator.is_available(), reason="speculators' Trainer needs an accelerator")
@@ -298,7 +312,7 @@ def test_registering_after_speculators_parser_was_set_up_warns():
             "    import h5feed.integrations.speculators\n"
             "print([str(w.message) for w in caught])")
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert r.returncode == 0, r.stderr
     assert ("speculators' train parser was set up before h5feed's backend was registered, so it lacks "
             "--h5feed-store: import h5feed.integrations.speculators before speculators.train, or run "

@@ -572,7 +572,8 @@ def test_the_cli_names_the_missing_option(tmp_path: Path) -> None:
 
     def run(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(tmp_path / "store"),
-                               "--workers", "0", *extra], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+                               "--workers", "0", *extra], cwd=ROOT / "src", capture_output=True, text=True, timeout=120,
+                              check=False)
 
     r = run()
     assert r.returncode == 1

@@ -192,7 +192,7 @@ def test_a_second_converter_is_refused_and_the_store_stays_intact(tmp_path, asse
     convert(src, ref, workers=0, chunk_tokens=64, progress=False)
     ready = {"locked": lambda: (dst / LOCK_FILE).exists(), "planned": lambda: (dst / "h5feed-plan.json").exists(),
              "converting": lambda: _journal_lines(dst) >= 1, "half-done": lambda: _journal_lines(dst) >= 12}[when]
-    first = subprocess.Popen(_cli("convert", src, dst, "--workers", 1, "--chunk-tokens", 64), cwd=REPO,
+    first = subprocess.Popen(_cli("convert", src, dst, "--workers", 1, "--chunk-tokens", 64), cwd=REPO / "src",
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -254,7 +254,7 @@ def test_workers_die_with_a_killed_converter_and_the_next_run_cleans_up(tmp_path
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, LEGACY, 24, 128, lengths=(200, 400), seed=1)
     convert(src, ref, workers=0, chunk_tokens=64, progress=False)
-    main = subprocess.Popen(_cli("convert", src, dst, "--workers", 2, "--chunk-tokens", 64), cwd=REPO,
+    main = subprocess.Popen(_cli("convert", src, dst, "--workers", 2, "--chunk-tokens", 64), cwd=REPO / "src",
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while _journal_lines(dst) < 1 and main.poll() is None and time.monotonic() < deadline:
@@ -277,7 +277,7 @@ def test_workers_die_with_a_killed_converter_and_the_next_run_cleans_up(tmp_path
 def test_semaphores_left_by_a_killed_process_group_are_removed_by_the_next_run(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, LEGACY, 24, 128, lengths=(200, 400), seed=1)
-    group = subprocess.Popen(_cli("convert", src, dst, "--workers", 2, "--chunk-tokens", 64), cwd=REPO,
+    group = subprocess.Popen(_cli("convert", src, dst, "--workers", 2, "--chunk-tokens", 64), cwd=REPO / "src",
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while _journal_lines(dst) < 1 and group.poll() is None and time.monotonic() < deadline:

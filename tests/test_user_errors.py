@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -150,3 +152,51 @@ def test_inspect_and_verify_of_a_store_being_converted_name_the_writer_and_its_p
         holder.wait()
     after = cli("inspect", dst)  # the writer is gone: the store is unfinished, to be resumed
     assert after.status == 1 and "run the same `h5feed convert` command again to resume it" in after.output
+
+
+def test_a_script_that_converts_unguarded_is_told_to_guard_the_call(tmp_path):
+    """A script calling h5feed.convert(..., workers=2) at its top level: every spawned worker runs the script
+    again as it starts.  The re-run call says to guard it, not that "another h5feed convert" holds the store;
+    the same call under `if __name__ == "__main__":` converts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from h5feed.synthetic import write_synthetic
+
+    src = tmp_path / "src"
+    write_synthetic(src, "speculators-legacy-pt", 2, H, lengths=(4, 8), seed=5)
+    call = f"h5feed.convert({str(src)!r}, {str(tmp_path / 'store')!r}, workers=2, progress=False)"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+
+    def run(body: str) -> subprocess.CompletedProcess[str]:
+        script = tmp_path / "convert_it.py"
+        script.write_text(f"import h5feed\n{body}\nprint('converted')\n")
+        return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    unguarded = run(call)
+    assert unguarded.returncode != 0 and "converted" not in unguarded.stdout
+    assert (f"{tmp_path / 'convert_it.py'}: calls h5feed.convert at its top level, which every worker process of "
+            'the conversion runs again as it starts; put the call under `if __name__ == "__main__":`'
+            in unguarded.stderr), unguarded.stderr
+    assert "is writing this store" not in unguarded.stderr
+    guarded = run(f"if __name__ == '__main__':\n    {call}")
+    assert guarded.returncode == 0 and "converted" in guarded.stdout, guarded.stderr
+
+
+def test_a_loader_pointed_at_the_sample_files_says_to_convert_them(tmp_path):
+    """The folder the samples were written to, given where their store was meant: the error names what the
+    folder holds and the command that makes a store of it."""
+    from h5feed.synthetic import write_synthetic
+
+    src = tmp_path / "hidden_states"
+    write_synthetic(src, "speculators-v0-pt", 2, H, lengths=(4, 8), seed=6)
+    said = (f"{src}: a folder of speculators-v0-pt sample files (data_{{i}}.pt), not an h5feed store: convert them "
+            f"into one with `h5feed convert {src} DST`")
+    for open_it in (lambda: BatchLoader(src, max_len=64), lambda: HiddenStatesStream(src, "speculators", 64)):
+        with pytest.raises(StoreError) as err:
+            open_it()
+        assert said in str(err.value)
+    with pytest.raises(StoreError, match="missing: does not exist: check the path, or create the store with "):
+        BatchLoader(tmp_path / "missing", max_len=64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS
 from h5feed.bench.runner import run_bench
 from h5feed.bench.step import REPRESENTATIVE
-from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec
+from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec, set_folder
 from h5feed.cli.options import add_location_options, location_options
 from h5feed.errors import H5feedError
 from h5feed.observe.page import pyplot
@@ -25,6 +26,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not args.html.parent.is_dir():
             raise H5feedError(f"{args.html}: no folder {args.html.parent} to write the page in")
     spec = SyntheticSpec(num_samples=args.num_samples)
+    built = set_folder(args.cache_dir, spec) if args.store is None else None
+    try:
+        _run_and_print(args, where, spec)
+    finally:
+        if built is not None:
+            _keep_or_remove(built, args.keep_cache, quiet=args.quiet)
+    return 0
+
+
+def _keep_or_remove(folder: Path, keep: bool, quiet: bool) -> None:
+    """The built set stays for the next run unless asked otherwise; either way the user learns where its gigabytes
+    are, and how to get them back."""
+    if not keep:
+        shutil.rmtree(folder, ignore_errors=True)
+        if not quiet:
+            print(f"[h5feed bench] removed the bench set {folder} (--no-keep-cache)", file=sys.stderr, flush=True)
+    elif not quiet and folder.is_dir():
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        print(f"[h5feed bench] the bench set and its store ({size / 1e9:.1f} GB) stay in {folder} for the next run; "
+              f"remove them with `rm -rf {folder}`, or run with --no-keep-cache", file=sys.stderr, flush=True)
+
+
+def _run_and_print(args: argparse.Namespace, where: dict[str, Any], spec: SyntheticSpec) -> None:
     result = run_bench(
         args.store,
         workers=args.workers,
@@ -46,7 +70,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         page = result.write_html(args.html)
         if not args.quiet:
             print(f"[h5feed bench] the page with plots: {page}", file=sys.stderr, flush=True)
-    return 0
 
 
 def _positive(text: str) -> int:
@@ -73,7 +96,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "pin_memory=True) from speculators 0.4's .pt loader in a DataLoader and from h5feed's loaders, on the "
         "same samples, and check that every loader delivers the same batches. On a GPU, a training step runs on "
         "every batch and loaders are ranked by the trainer's samples/s against the step alone. With no STORE, a Kimi-shaped "
-        "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir.", 100),
+        "synthetic set (H=7168, K=3, 1500..1900 tokens) is written and converted once under --cache-dir: some 8 GB of "
+        ".pt files and their store, a few minutes on a machine of few cores; later runs reuse it.", 100),
         epilog="loaders:\n" + "\n".join(f"  {name} = {label}" for name, label in LOADER_LABELS.items())
         + "\n\nexamples:\n  h5feed bench --workers 4                  # the embedded synthetic set, built once"
         "\n  h5feed bench --step mytrain.bench:make_step  # ranked by your own training step (on a GPU)"
@@ -97,6 +121,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="samples of the embedded default set (default: %(default)s, ~100 MB each)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where the embedded default set is kept (default: %(default)s)")
+    p.add_argument("--keep-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the embedded default set (~8 GB, minutes to build) for the next run (default: on)")
     p.add_argument("--step", default=REPRESENTATIVE, metavar="NAME",
                    help="the training step run on every batch on a GPU, by which loaders are ranked: "
                         f"{REPRESENTATIVE!r} (default: an EAGLE-3 drafter step at the store's shape: attention, "

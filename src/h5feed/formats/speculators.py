@@ -36,6 +36,16 @@ __all__ = ["ArrowRows", "SpeculatorsLegacyPt", "SpeculatorsSafetensors", "Specul
            "split_layers"]
 
 
+_KEYS_OF = {"speculators-legacy-pt": "a 'hidden_states' list", "speculators-v0-pt": "'hidden_state' + 'target'"}
+
+
+def _one_of_the_other_kind(path: Path, found: FormatName, read_as: FormatName) -> SourceError:
+    """A data_{i}.pt file of the other speculators generation among those of one: both are named data_{i}.pt, so
+    only their keys tell them apart; say which the file is rather than which keys it lacks."""
+    return SourceError(path, f"is a {found} file ({_KEYS_OF[found]}), but this source is read as {read_as} (its "
+                       f"first file's format, or --format): convert the two kinds of file from separate folders")
+
+
 class SpeculatorsLegacyPt(TorchDictFormat):
     """A: ``data_{i}.pt`` with ``hidden_states`` = list of K+1 [T, H] tensors (last one pre-norm)."""
 
@@ -46,6 +56,8 @@ class SpeculatorsLegacyPt(TorchDictFormat):
     extensions = (".pt",)
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
+        if "hidden_states" not in d and "hidden_state" in d and "target" in d:
+            raise _one_of_the_other_kind(path, "speculators-v0-pt", self.name)
         require_keys(path, d, ("input_ids", "hidden_states"), self.name)
         refuse_unknown_keys(path, d, ("input_ids", "hidden_states", "loss_mask"), self.name)
         ids = token_vector(path, d["input_ids"], "input_ids")
@@ -94,6 +106,8 @@ class SpeculatorsV0Pt(TorchDictFormat):
     extensions = (".pt",)
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
+        if isinstance(d.get("hidden_states"), (list, tuple)) and "hidden_state" not in d:
+            raise _one_of_the_other_kind(path, "speculators-legacy-pt", self.name)
         require_keys(path, d, ("input_ids", "hidden_state", "target"), self.name)
         refuse_unknown_keys(path, d, ("input_ids", "hidden_state", "target", "loss_mask"), self.name)
         ids = token_vector(path, d["input_ids"], "input_ids")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import inspect
 import io
 import json
 import logging
@@ -282,6 +283,7 @@ def convert(
             since): those that load now are appended, the others stay recorded as skipped (with skip_bad; else
             the first is an error).  Without it, a rerun leaves them as they were.
     """
+    _refuse_a_worker_rerun()
     if scheduler is not None and scheduler != "local" and workers is not None:
         raise ValueError(f"workers sets the size of the local pool or of scheduler='local'; the cluster at "
                          f"{scheduler} has the workers it has")
@@ -309,6 +311,21 @@ def convert(
         return _convert_anywhere(src, dst, settings, dict(storage_options or {}), staging_dir)
     except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
         raise type(exc)(exc.path, f"{exc.problem}; then run the same command again to resume") from exc
+
+
+def _refuse_a_worker_rerun() -> None:
+    """Refuse a call made by the top level of a script that a worker process is running again as it starts.
+
+    Worker processes are spawned: each runs the main script's top level again (as `__mp_main__`) before its
+    first task.  An unguarded `h5feed.convert(...)` there would convert again from every worker, and finds the
+    store locked by the converter that started them: the error would blame "another h5feed convert"."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise H5feedError(
+                f"{frame.f_code.co_filename}: calls h5feed.convert at its top level, which every worker process "
+                "of the conversion runs again as it starts; put the call under `if __name__ == \"__main__\":`")
+        frame = frame.f_back
 
 
 @dataclass(frozen=True)

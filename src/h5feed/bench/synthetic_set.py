@@ -46,6 +46,11 @@ class SyntheticSpec:
 DEFAULT_SPEC = SyntheticSpec()
 
 
+def set_folder(cache_dir: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
+    """Where `ensure_default_set` keeps a set and its store: one folder for both, which one `rm -rf` removes."""
+    return Path(cache_dir).expanduser() / spec.name
+
+
 def _source_complete(src: Path, marker: Path, spec: SyntheticSpec) -> bool:
     try:
         record = json.loads(marker.read_text())
@@ -90,7 +95,7 @@ def ensure_default_set(
     from h5feed.conversion import convert
 
     say = log or (lambda message: None)
-    folder = Path(cache_dir).expanduser() / spec.name
+    folder = set_folder(cache_dir, spec)
     src, store_path, marker = folder / "src", folder / "store", folder / "src-complete.json"
     if not _source_complete(src, marker, spec):
         for stale in (marker, src, store_path):
@@ -98,8 +103,11 @@ def ensure_default_set(
                 shutil.rmtree(stale)
             else:
                 stale.unlink(missing_ok=True)
-        say(f"writing {spec.num_samples} synthetic {spec.format} samples (~{spec.approx_bytes() / 1e9:.1f} GB, "
-            f"H={spec.hidden_size}, K={spec.num_aux_layers}, {spec.tokens[0]}..{spec.tokens[1]} tokens) to {src}")
+        say(f"building the bench set once, in {folder}: {spec.num_samples} synthetic {spec.format} samples "
+            f"(~{spec.approx_bytes() / 1e9:.1f} GB, H={spec.hidden_size}, K={spec.num_aux_layers}, "
+            f"{spec.tokens[0]}..{spec.tokens[1]} tokens), then their store beside them (about two thirds their "
+            "size).  This takes a few minutes on a machine of few cores; later runs reuse both (remove them with "
+            f"`rm -rf {folder}`)")
         t0 = time.perf_counter()
         files = write_synthetic(src, spec.format, spec.num_samples, spec.hidden_size, spec.num_aux_layers,
                                         spec.tokens, spec.seed)
