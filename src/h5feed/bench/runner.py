@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -434,7 +434,8 @@ def run_bench(
     return result
 
 
-def _time_step_alone(trainer: StepRunner, batch: Any, result: BenchResult, say: Any) -> StepRunner | None:
+def _time_step_alone(trainer: StepRunner, batch: Any, result: BenchResult,
+                     say: Callable[[str], None]) -> StepRunner | None:
     """The step timed alone on the first batch (on the device already), kept in `result`; None (no step beside
     the loaders) when the representative step cannot take this flavor's batches."""
     try:
