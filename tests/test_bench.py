@@ -100,9 +100,14 @@ def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny
     usable = [p for p in result.passes if p.loader not in (BASELINE, ITEMS)]
     best = max(usable, key=lambda p: p.ratio)  # one cache state: the best ratio
     assert result.fastest() == best.loader
-    assert table.splitlines()[-2:] == [
-        (f"Fastest here: {SHORT_LABELS[best.loader]}: {best.ratio:.2f}x the .pt loader warm, "
+    equals = [p.loader for p in usable if p is not best and p.ratio >= best.ratio * 0.95]  # within the noise
+    assert result.ranking() == (best.loader, equals)
+    advice = table.split("\n\nFastest here: ", 1)[1].splitlines()
+    assert advice == [
+        (f"{SHORT_LABELS[best.loader]}: {best.ratio:.2f}x the .pt loader warm, "
          f"{best.cpu_per_sample:.3f} CPU s/sample (the .pt loader: {base.cpu_per_sample:.3f})."),
+        *([f"As good within the noise: {', '.join(SHORT_LABELS[name] for name in equals)} (within 5%, the "
+           "run-to-run noise of a busy machine)."] if equals else []),
         code + USABLE[best.loader].format(flavor="speculators-legacy", max_len=MAX_LEN, workers=2, dtype="bfloat16"),
     ]
     assert "target" not in table and " met" not in table

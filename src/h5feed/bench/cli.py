@@ -64,6 +64,7 @@ def _run_and_print(args: argparse.Namespace, where: dict[str, Any], spec: Synthe
         read_cache_dir=where["cache_dir"],
         read_cache_limit=where["cache_limit"],
         step=None if args.step == "none" else args.step,
+        verbose=args.verbose,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(verbose=args.verbose))
     if args.html is not None:
@@ -135,7 +136,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "and peak memory per loader as plots, every column of the table, the notes (needs "
                         "matplotlib: pip install 'h5feed[report]')")
     p.add_argument("--verbose", action="store_true",
-                   help="the table with every column: CPU cores, GB/s, each worker's samples/s, the other processes' CPU")
+                   help="the table with every column (CPU cores, GB/s, each worker's samples/s, the other processes' "
+                        "CPU) and a line for each untimed checking pass")
     add_location_options(p, cache_flag="--read-cache-dir")  # --cache-dir is where the default set is kept
     p.set_defaults(func=_cmd_bench)
     return p

@@ -49,7 +49,7 @@ BASELINE = "pt-baseline"
 ITEMS = "HiddenStatesStream-items"
 GPU_DECODE = "BatchLoader-cuda"
 LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", GPU_DECODE, "StreamLoader", "HiddenStatesDataset", ITEMS)
-DEFAULT_LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", GPU_DECODE, "StreamLoader", ITEMS)
+DEFAULT_LOADERS = (BASELINE, "BatchLoader", "BatchLoader-threads", GPU_DECODE, "StreamLoader")  # ITEMS: asked for
 LOADER_LABELS = {
     BASELINE: "speculators 0.4 .pt, DataLoader + 0.4 collate + pin_memory (baseline)",
     "BatchLoader": "h5feed BatchLoader, worker processes",

@@ -20,6 +20,7 @@ STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "running", "fir
                 "next() ms", "peak mem", "batches")  # the default with a training step
 STEP_ONLY = {"of step alone", "running"}  # columns that need a training step
 SAME_SPEED = 0.01  # loaders within this share of the step alone of the best are equals: the fewest cores wins
+SAME_RATIO = 0.05  # without a step, loaders within this of the best ratio are equals (one pass each: the noise)
 TEXT_COLUMNS = ("loader", "cache", "per-worker samples/s", "batches")  # aligned left; the figures align right
 CACHES = ("cold", "warm")  # the cache states, in the order they are measured
 WIDTH = 120  # the report's lines, but for paths and the code to copy
@@ -84,25 +85,32 @@ class BenchResult:
                 return p
         return None
 
-    def fastest(self) -> str | None:
-        """The trainer-path loader to use here, among those whose batches were checked equal to the reference's:
-        with a training step, the one that leaves it fastest once running (the mean over the cache states measured
-        of its share of the step alone after the first batch, which a long epoch runs at; within `SAME_SPEED` of
-        the best, the one on the fewest cores); without, the best ratio to the baseline.  None if none was measured so."""
+    def ranking(self) -> tuple[str | None, list[str]]:
+        """The trainer-path loader to use here, and the others as good within the noise, among the loaders whose
+        batches were checked equal to the reference's.  With a training step: the one that leaves it fastest once
+        running (the mean over the cache states measured of its share of the step alone after the first batch,
+        which a long epoch runs at); of those within `SAME_SPEED` of the best, the one on the fewest cores.
+        Without: the best ratio to the baseline, others within `SAME_RATIO` of it its equals."""
         usable = [p for p in self.passes if p.loader in USABLE and self.checks.get(p.loader, "equal") == "equal"]
         if self.step is not None:
-            share = _means(usable, lambda p: p.running_share)
-            cores = _means(usable, lambda p: p.loader_cores)
-            best = max(share.values(), default=None)
-            if best is None:
-                return None
-            return min((name for name in share if share[name] >= best - SAME_SPEED), key=lambda name: cores[name])
-        ratios = _means(usable, lambda p: p.ratio)
-        return max(ratios, key=lambda name: ratios[name], default=None)
+            figure, cores = _means(usable, lambda p: p.running_share), _means(usable, lambda p: p.loader_cores)
+            best = max(figure.values(), default=None)
+            equals = [name for name in figure if best is not None and figure[name] >= best - SAME_SPEED]
+            chosen = min(equals, key=lambda name: cores[name], default=None)
+        else:
+            figure = _means(usable, lambda p: p.ratio)
+            chosen = max(figure, key=lambda name: figure[name], default=None)
+            equals = [name for name in figure if chosen is not None and figure[name] >= figure[chosen] * (1 - SAME_RATIO)]
+        return chosen, [name for name in equals if name != chosen]
+
+    def fastest(self) -> str | None:
+        """The trainer-path loader to use here (`ranking`); None if none was measured so."""
+        return self.ranking()[0]
 
     def recommendation(self) -> str:
-        """What to use on this machine, measured here: the loader `fastest` picks, its figures, its settings."""
-        best = self.fastest()
+        """What to use on this machine, measured here: the loader `ranking` picks, its figures, its settings, and
+        the loaders within the noise of it."""
+        best, equals = self.ranking()
         if best is None:
             return ""
         passes = [p for p in self.passes if p.loader == best]
@@ -112,13 +120,19 @@ class BenchResult:
             figures = "; ".join(f"{p.cache}: {100 * p.running_share:.1f}% of the step alone once running, first "
                                 f"batch after {p.first_batch_s:.2f} s, {p.loader_cores:.2f} loader cores"
                                 for p in passes if p.running_share is not None)
-            return f"Best for this training step here: {SHORT_LABELS[best]}: {figures}.\nTo use it: {settings}"
-        base = {p.cache: p for p in self.passes if p.loader == BASELINE}
-        figures = ", ".join(f"{p.ratio:.2f}x the .pt loader {p.cache}" for p in passes if p.ratio is not None)
-        cpu = max(p.cpu_per_sample for p in passes)
-        base_cpu = max((p.cpu_per_sample for p in base.values()), default=float("nan"))
-        return (f"Fastest here: {SHORT_LABELS[best]}: {figures}, {cpu:.3f} CPU s/sample (the .pt loader: "
-                f"{base_cpu:.3f}).\nTo use it: {settings}")
+            advice = f"Best for this training step here: {SHORT_LABELS[best]}: {figures}."
+            within = f"within {100 * SAME_SPEED:.0f} point of the step alone, on more cores"
+        else:
+            base = {p.cache: p for p in self.passes if p.loader == BASELINE}
+            figures = ", ".join(f"{p.ratio:.2f}x the .pt loader {p.cache}" for p in passes if p.ratio is not None)
+            cpu = max(p.cpu_per_sample for p in passes)
+            base_cpu = max((p.cpu_per_sample for p in base.values()), default=float("nan"))
+            advice = (f"Fastest here: {SHORT_LABELS[best]}: {figures}, {cpu:.3f} CPU s/sample (the .pt loader: "
+                      f"{base_cpu:.3f}).")
+            within = f"within {100 * SAME_RATIO:.0f}%, the run-to-run noise of a busy machine"
+        if equals:
+            advice += f"\nAs good within the noise: {', '.join(SHORT_LABELS[name] for name in equals)} ({within})."
+        return f"{advice}\nTo use it: {settings}"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -270,6 +270,7 @@ def run_bench(
     read_cache_limit: int | None = None,
     step: str | None = REPRESENTATIVE,
     step_device: torch.device | str | None = None,
+    verbose: bool = False,
 ) -> BenchResult:
     """Time the loaders on the same samples, check their batches equal, and return the figures (module docstring).
 
@@ -289,6 +290,7 @@ def run_bench(
         step: the training step run beside every loader on a GPU (`h5feed.bench.step`): "drafter", the
             representative EAGLE-3 drafter step at the store's shape, or "package.module:function" (your own);
             None: the loaders alone.
+        verbose: also a line for each loader's untimed checking pass.
         step_device: where the step runs (default: the GPU, where CUDA is; without it no step runs unless
             a device is given, as tests give the CPU).
     """
@@ -414,8 +416,9 @@ def run_bench(
             else:
                 result.checks[name] = compare_digests(digests, reference)
             del digests
-            say(f"{LOADER_LABELS[name]}: checking pass (untimed) in {time.perf_counter() - t0:.2f} s: "
-                f"batches {result.checks[name]}")
+            if verbose or result.checks[name] not in ("reference", "equal"):
+                say(f"{LOADER_LABELS[name]}: checking pass (untimed) in {time.perf_counter() - t0:.2f} s: "
+                    f"batches {result.checks[name]}")
             if first is not None and trainer is not None:
                 trainer = _time_step_alone(trainer, first, result, say)
                 del first
