@@ -214,6 +214,35 @@ def test_files_written_without_a_lock_and_keys_vllm_does_not_write(tmp_path: Pat
         convert(src, tmp_path / "c.zarr", workers=0, progress=False, last_state_norm="pre")
 
 
+def test_a_file_of_fewer_positions_than_tokens_names_prefix_caching(tmp_path: Path, cli) -> None:
+    """With prefix caching (or chunked prefill) vLLM computes, and its connector writes, only the positions after
+    the cached prefix, beside the whole prompt's token ids: refused, naming the cause and the fix, not a generic
+    shape error; with --skip-bad a recorded skip with that reason, the other files converted."""
+    src = tmp_path / "vllm"
+    files = write_requests(src)
+    cached = files["cmpl-b7"]  # 17 tokens, the first 12 served from the prefix cache: 5 positions written
+    save_file({"hidden_states": cached["hidden_states"][12:].contiguous(), "token_ids": cached["token_ids"]},
+              str(src / "cmpl-b7.safetensors"))
+    problem = (r"'hidden_states' holds 5 positions but 'token_ids' has 17 tokens \(12 missing\): vLLM wrote only the "
+               r"positions it computed, most likely because prefix caching or chunked prefill was on during extraction"
+               r".*enable_prefix_caching=False and chunked prefill off")
+    with pytest.raises(SourceError, match=problem) as raised:
+        convert(src, tmp_path / "a.zarr", workers=0, progress=False, last_state_norm="pre")
+    assert raised.value.path == str(src / "cmpl-b7.safetensors")
+    result = cli("convert", src, tmp_path / "b.zarr", "--last-state-norm", "pre", "--workers", "0")
+    assert result.status != 0 and "cmpl-b7.safetensors" in result.output
+    assert "holds 5 positions but 'token_ids' has 17 tokens" in result.output
+    assert not (tmp_path / "a.zarr").exists() and not (tmp_path / "b.zarr").exists()
+    result = cli("convert", src, tmp_path / "c.zarr", "--last-state-norm", "pre", "--workers", "0", "--skip-bad")
+    assert result.status == 0, result.output
+    store = Store(tmp_path / "c.zarr")
+    [skipped] = store.info.skipped
+    assert skipped["path"] == "cmpl-b7.safetensors" and "prefix caching or chunked prefill" in skipped["problem"]
+    assert sorted(store.source_paths) == sorted(f"{r}.safetensors" for r in LENGTHS if r != "cmpl-b7")
+    for i, relpath in enumerate(store.source_paths):
+        assert_sample_is_file(store, i, files[relpath.removesuffix(".safetensors")])
+
+
 # --------------------------------------------------------------------------- files still being written
 
 

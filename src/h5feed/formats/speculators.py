@@ -275,6 +275,8 @@ def layers_file_shape(path: Path, f: Any, fmt: FormatName) -> SampleShape:
     t = token_vector(path, tensor_meta(f, "token_ids"), "token_ids").shape[0]
     hs = tensor_meta(f, "hidden_states")
     check_hidden(path, hs, "'hidden_states'", "[T, K+1, H]")
+    if hs.shape[0] < t:
+        raise SourceError(path, _suffix_only(hs.shape[0], t))
     if hs.shape[0] != t:
         raise SourceError(path, f"'hidden_states' has {hs.shape[0]} tokens but 'token_ids' has {t}")
     if hs.shape[1] < 2:
@@ -287,6 +289,20 @@ def layers_file_shape(path: Path, f: Any, fmt: FormatName) -> SampleShape:
         raise SourceError(path, f"'hidden_states' has hidden size 0 (shape {fmt_shape(hs)})")
     check_fp8_scales(path, f, hs)
     return SampleShape(t, hs.shape[2], hs.shape[1] - 1, hs.dtype)
+
+
+def _suffix_only(positions: int, tokens: int) -> str:
+    """Why a vLLM-written file holds fewer hidden-state positions than tokens, and what to do.
+
+    With prefix caching vLLM computes (and its connector writes) only the positions after the cached prefix, and
+    with chunked prefill only those of a chunk: the file then pairs a suffix of the states with the whole prompt,
+    and no position of it can be told to be whose.  Extracting again without either is the only repair."""
+    return (f"'hidden_states' holds {positions} positions but 'token_ids' has {tokens} tokens ({tokens - positions} "
+            "missing): vLLM wrote only the positions it computed, most likely because prefix caching or chunked "
+            "prefill was on during extraction (the missing ones came from its prefix cache, or from another "
+            "chunk); extract these prompts again with enable_prefix_caching=False and chunked prefill off "
+            "(enable_chunked_prefill=False, max_num_batched_tokens at least the longest prompt), as "
+            "Model-Optimizer's vLLM dump script does")
 
 
 def split_layers(path: Path, f: Any, shape: SampleShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

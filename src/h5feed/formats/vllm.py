@@ -9,6 +9,10 @@ convert into an FP8 store that keeps both as they are.  The last of the K layers
 before the norm, only when ``num_hidden_layers`` is in that list (as speculators configures it): the
 files cannot say so, so the user states it (``--last-state-norm pre``), as for other formats.
 
+With prefix caching or chunked prefill on, vLLM computes and the connector writes only part of a prompt's
+positions beside all of its token ids: such a file is refused, naming that cause, since no position of it can
+be matched to its token.
+
 Each file is written under a companion ``{req_id}.safetensors.lock``, created and held with
 ``flock(LOCK_EX)`` before the file exists and released once it is written; readers take ``LOCK_SH``,
 as vLLM's own ``load_hidden_states`` does.  Discovery waits, a bounded time, for the locks held; a file
