@@ -211,8 +211,9 @@ class BenchResult:
             out += ["", "loaders:"]
             out += [line for name in self.loader_names()
                     for line in textwrap.wrap(name, WIDTH, initial_indent="  ", subsequent_indent="    ")]
-            out.append("  (--verbose: CPU cores, GB/s, each worker's samples/s and the other processes' CPU; "
-                       "--json: everything)")
+            out += textwrap.wrap("(--verbose: every column (CPU cores, GB/s, each worker's samples/s, the other "
+                                 "processes' CPU) and the untimed checking passes; --json: everything)", WIDTH,
+                                 initial_indent="  ", subsequent_indent="  ")
         for note in self.notes:
             out += textwrap.wrap(f"note: {note}", WIDTH, subsequent_indent="  ")
         advice = self.recommendation()
