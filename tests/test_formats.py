@@ -1157,8 +1157,9 @@ def test_formats_are_told_apart_by_their_keys(tmp_path: Path) -> None:
     assert detect_format(tmp_path / "nemo") is FORMATS["nemo-eagle3-cache"]
     save_sample(tmp_path / "neither" / "data_0.ckpt", {"input_ids": torch.arange(3), "hidden_states": torch.zeros(3, H)})
     expect_error(lambda: detect_format(tmp_path / "neither"), tmp_path / "neither" / "data_0.ckpt",
-                 "keys ('input_ids', 'hidden_states') match neither SpecForge ('aux_hidden_state' + 'hidden_state') "
-                 "nor AngelSlim ('hidden_states' + 'target_hiddens')")
+                 "keys ('input_ids', 'hidden_states') match neither SpecForge EAGLE-3 ('aux_hidden_state' + "
+                 "'hidden_state'), SpecForge DSpark ('hidden_states' + 'target_last_hidden_states') nor AngelSlim "
+                 "('hidden_states' + 'target_hiddens')")
 
 
 def test_modelopt_files_that_would_lose_something_are_refused(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from h5feed.formats.modelopt import ModelOptPt
 from h5feed.formats.nemo import NemoEagle3Cache
 from h5feed.formats.safe_load import gz_head_dict, load_torch_dict
 from h5feed.formats.safetensors_file import open_safetensors
-from h5feed.formats.specforge import SpecForgeCkpt
+from h5feed.formats.specforge import DSPARK_KEYS, EAGLE3_KEYS, SpecForgeCkpt
 from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors, SpeculatorsV0Pt
 from h5feed.formats.vllm import VllmSafetensors
 from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
@@ -34,7 +34,8 @@ FORMATS: dict[FormatName, SourceFormat] = {
 
 def _format_of_keys(d: dict, extension: str) -> FormatName | None:
     """The format a sample file's keys say (None: no known one).  ``hidden_states`` is a list in speculators
-    legacy, the last state in Model-Optimizer and the aux concat in AngelSlim: the companions decide."""
+    legacy, the last state in Model-Optimizer and the aux concat in AngelSlim and SpecForge DSpark: the companions
+    decide."""
     if extension == ".pt":
         if isinstance(d.get("hidden_states"), (list, tuple)):
             return "speculators-legacy-pt"
@@ -43,7 +44,7 @@ def _format_of_keys(d: dict, extension: str) -> FormatName | None:
         if "hidden_states" in d and any(k in d for k in ModelOptPt.aux_keys):
             return "modelopt-pt"
         return None
-    if "aux_hidden_state" in d:
+    if EAGLE3_KEYS[0] in d or DSPARK_KEYS[1] in d:
         return "specforge-ckpt"
     if "target_hiddens" in d:
         return "angelslim-ckpt"
@@ -53,7 +54,8 @@ def _format_of_keys(d: dict, extension: str) -> FormatName | None:
 _KEYS_EXPECTED = {
     ".pt": "speculators legacy ('hidden_states' list), speculators v0 ('hidden_state' + 'target') nor "
            "Model-Optimizer ('hidden_states' + 'aux_hidden_states' or 'hidden_state_features')",
-    ".ckpt": "SpecForge ('aux_hidden_state' + 'hidden_state') nor AngelSlim ('hidden_states' + 'target_hiddens')",
+    ".ckpt": "SpecForge EAGLE-3 ('aux_hidden_state' + 'hidden_state'), SpecForge DSpark ('hidden_states' + "
+             "'target_last_hidden_states') nor AngelSlim ('hidden_states' + 'target_hiddens')",
 }
 
 
