@@ -50,6 +50,11 @@ def test_a_traced_run_is_one_trace_of_the_trainer_and_its_workers(store, tmp_pat
     with loader:
         batches = sum(1 for _ in h5feed.monitor(loader, log_dir=tmp_path, trace=True))
     assert batches == SAMPLES
+    assert not tracing.tracing()  # on for the traced pass only
+    after = tmp_path / "after"
+    with h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48, threads=1, shuffle=False) as later:
+        assert sum(1 for _ in h5feed.monitor(later, log_dir=after)) == SAMPLES
+    assert not list(after.glob(f"{tracing.TRACE_PREFIX}*"))
     assert main(["trace", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{tmp_path / 'h5feed-trace.json'}: ") and "open it in https://ui.perfetto.dev" in out

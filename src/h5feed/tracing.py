@@ -79,6 +79,13 @@ def configure(trace_dir: str | os.PathLike[str] | None = None, nvtx: bool | None
     _TRACER.load()
 
 
+def stop_trace() -> None:
+    """Stop writing spans, in this process and the processes it starts from now on (a monitor that turned the
+    trace on turns it off when its pass ends, so a later loader is not traced unasked)."""
+    os.environ.pop(TRACE_DIR_ENV, None)
+    _TRACER.load()
+
+
 def tracing() -> bool:
     """Whether spans are written (a trace directory is set)."""
     return _TRACER.trace_dir is not None

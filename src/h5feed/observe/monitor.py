@@ -500,6 +500,8 @@ class Monitor(Generic[T]):
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._trace_dir is not None:  # on for this pass only: the next pass (or another loader) asks again
+            tracing.stop_trace()
         self._ended(t_end)
         snap = self.counters.snapshot() if self.counters is not None else None
         last, _ = self._record("report", t_end, self._last_report, snap)
