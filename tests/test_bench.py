@@ -108,7 +108,7 @@ def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny
          f"{best.cpu_per_sample:.3f} CPU s/sample (the .pt loader: {base.cpu_per_sample:.3f})."),
         *([f"As good within the noise: {', '.join(SHORT_LABELS[name] for name in equals)} (within 5%, the "
            "run-to-run noise of a busy machine)."] if equals else []),
-        code + USABLE[best.loader].format(flavor="speculators-legacy", max_len=MAX_LEN, workers=2, dtype="bfloat16"),
+        code + USABLE[best.loader].format(flavor="speculators-legacy", max_len=MAX_LEN, workers=2, dtype="bfloat16", device=""),
     ]
     assert "target" not in table and " met" not in table
 

@@ -178,7 +178,7 @@ def test_the_advice_is_the_fastest_trainer_and_among_equals_the_fewest_cores() -
         "batch after 0.25 s, 1.60 loader cores; warm: 99.6% of the step alone once running, first batch after 0.25 s, "
         "1.90 loader cores.",
         "To use it: " + USABLE["BatchLoader"].format(flavor="speculators-legacy", max_len=64, workers=4,
-                                                     dtype="bfloat16"),
+                                                     dtype="bfloat16", device=', device="cuda"'),
     ]
     result.checks["BatchLoader"] = "DIFFER: batch 3 (hidden_states)"  # never the advice
     assert result.fastest() == "BatchLoader-cuda"

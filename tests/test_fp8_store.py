@@ -25,8 +25,9 @@ from h5feed import BatchLoader, HiddenStatesDataset, StoreError
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
 from h5feed.gpu import why_unavailable
+from h5feed.loading.backends.fp8_crossing import DeviceDequantization
 from h5feed.loading.datasets import HiddenStatesStream
-from h5feed.store import Store, plain_allocator
+from h5feed.store import HIDDEN_ARRAYS, Store, plain_allocator
 from h5feed.store import layout as store_layout
 from h5feed.store.fp8 import CPU_BLOCK_VALUES, MAX_SCALE, MIN_SCALE, dequantize_into, quantize, token_scales
 from h5feed.synthetic import write_synthetic
@@ -307,6 +308,57 @@ def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, decod
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert_same_batch(g, w)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(("flavor", "num_workers", "max_len"), [
+    ("speculators-legacy", 2, 24), ("specforge-shifted", 0, 24), ("modelopt", 2, 24), ("nemo-eagle3", 0, None)])
+def test_cpu_backends_send_fp8_to_the_gpu_and_dequantize_there(pairs, assert_same_batch, flavor, num_workers,
+                                                               max_len):
+    """With device="cuda", threads and worker processes leave an FP8 store's hidden states as stored (codes and
+    scales) and the GPU dequantizes them: the same batches, bit for bit, through the ring's reused slots."""
+    pair = pairs(FLAVOR_SOURCES[flavor])
+    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, threads=2,
+                         num_workers=num_workers, shuffle=False, device="cuda")
+    assert loader.backend.writer.crossing.keys
+    collate = h5feed.trainer_collate(flavor, max_len,
+                                     hidden_states_dtype=get_flavor(flavor).default_hidden_states_dtype)
+    items = [fp8transfer_item(pair, i, flavor, max_len) for i in range(N)]
+    want = [flat(collate(items[j : j + 2])) for j in range(0, N, 2)]
+    for _ in range(2):  # the second pass reuses slots whose pads the first dirtied
+        got = [{key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in flat(batch).items()}
+               for batch in loader]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_batch(g, w)
+
+
+@pytest.mark.parametrize(("flavor", "max_len"), [("speculators-legacy", 24), ("speculators", 24),
+                                               ("specforge-shifted", 24), ("modelopt", 24), ("angelslim", None),
+                                               ("nemo-eagle3", None)])
+def test_fp8_codes_and_scales_in_a_batch_dequantize_to_the_batch(pairs, assert_same_batch, flavor, max_len):
+    """What the CPU backends hand the GPU for an FP8 store (codes as bytes, a scale row key per hidden key) is
+    dequantized by `DeviceDequantization` into the batch the CPU's own dequantization makes; run here on the CPU,
+    which computes the same bits (the GPU run is the test above)."""
+    pair = pairs(FLAVOR_SOURCES[flavor])
+    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=3, threads=1, shuffle=False)
+    writer = loader.backend.writer
+    crossing = DeviceDequantization.of(writer.collate)
+    assert [sk.key for sk in crossing.keys] == [rk.key for rk in writer.collate.row_keys
+                                                if rk.array in HIDDEN_ARRAYS]
+    crossed = dataclasses.replace(writer, trailing=crossing.trailing(writer.trailing), crossing=crossing)
+    for start in range(0, N, 3):
+        indices = list(range(start, min(start + 3, N)))
+        as_stored = crossed.write(indices, None).batch
+        assert all(as_stored[sk.key].dtype == torch.uint8 for sk in crossing.keys)
+        want = writer.write(indices, None).batch
+        assert_same_batch(flat(writer.collate.finish(crossing.dequantized(as_stored))),
+                          flat(writer.collate.finish(want)))
+    loader.close()
 
 
 def test_the_compressed_frames_of_an_fp8_store_are_its_fp8_bytes(pairs):

@@ -69,12 +69,13 @@ SHORT_LABELS = {  # the table's names (the long ones are listed under it)
     ITEMS: "items, no trainer",
 }
 # The trainer-path loaders a user can take from the bench, as the code that makes them (formatted with the
-# bench's flavor, max_len, workers and dtype); the baseline and the item path are not advice.
+# bench's flavor, max_len, workers and dtype, and `device`: ', device="cuda"' where the step ran on a GPU, else
+# ''); the baseline and the item path are not advice.
 USABLE = {
     "BatchLoader": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
-                    'num_workers={workers}, hidden_states_dtype=torch.{dtype})'),
+                    'num_workers={workers}, hidden_states_dtype=torch.{dtype}{device})'),
     "BatchLoader-threads": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
-                            'threads={workers}, hidden_states_dtype=torch.{dtype})'),
+                            'threads={workers}, hidden_states_dtype=torch.{dtype}{device})'),
     GPU_DECODE: ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, decode="cuda", '
                  'threads={workers}, hidden_states_dtype=torch.{dtype})'),
     "StreamLoader": ('h5feed.StreamLoader(h5feed.HiddenStatesStream(STORE, "{flavor}", {max_len}, '
@@ -171,6 +172,7 @@ class Setup:
     workers: int
     baseline_files: list[Path] | None
     missing_loss_mask: str
+    device: torch.device | None = None  # the GPU the training step runs on: BatchLoader delivers batches there
 
     def trainer_collate(self) -> Callable[[list[Batch]], Batch]:
         """The collate the flavor's trainer runs: speculators 0.4's own for speculators-legacy, else h5feed's
@@ -218,7 +220,8 @@ def make_loader(name: str, s: Setup) -> BuiltLoader:
     if name in ("BatchLoader", "BatchLoader-threads", GPU_DECODE):
         threads = {"num_workers": s.workers} if name == "BatchLoader" else {"threads": max(s.workers, 1)}
         decode = "cuda" if name == GPU_DECODE else "cpu"
-        loader = BatchLoader(s.stream(), batch_size=1, decode=decode, **threads)
+        device = {"device": s.device} if s.device is not None and decode == "cpu" else {}
+        loader = BatchLoader(s.stream(), batch_size=1, decode=decode, **threads, **device)
         return BuiltLoader(loader, lambda: h5feed_counts(loader.dataset.counters), lambda: loader.gpu_decode_ms)
     if name == "StreamLoader":
         stream = s.stream()

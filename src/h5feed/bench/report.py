@@ -114,8 +114,9 @@ class BenchResult:
         if best is None:
             return ""
         passes = [p for p in self.passes if p.loader == best]
+        on_gpu = self.step is not None and self.step.device != "CPU"
         settings = USABLE[best].format(flavor=self.flavor, max_len=self.max_len, workers=self.workers,
-                                       dtype=self.hidden_states_dtype)
+                                       dtype=self.hidden_states_dtype, device=', device="cuda"' if on_gpu else "")
         if self.step is not None:
             figures = "; ".join(f"{p.cache}: {100 * p.running_share:.1f}% of the step alone once running, first "
                                 f"batch after {p.first_batch_s:.2f} s, {p.loader_cores:.2f} loader cores"

@@ -366,7 +366,6 @@ def run_bench(
         raise H5feedError("nothing to measure: cold passes are off or impossible, and warm passes are off")
 
     store_bytes = opened.stored_nbytes() if opened.remote else _dir_bytes(Path(store_path))
-    setup = Setup(opened, flavor, max_len, hidden_states_dtype, workers, baseline_files, missing_loss_mask)
     sampler = MemorySampler()
     if sampler.metric == "rss":
         notes.append("PSS is not available here: memory is the sum of RSS, which counts shared pages in every "
@@ -380,6 +379,10 @@ def run_bench(
                      "box the bench runs a drafter step beside each loader and ranks them by the trainer's speed")
     elif step is not None:
         trainer = StepRunner(step, training_step(step, opened, step_device), step_device)
+    # a GPU trainer's BatchLoader delivers its batches on the GPU, copied one batch ahead on a stream of its own
+    setup = Setup(opened, flavor, max_len, hidden_states_dtype, workers, baseline_files, missing_loss_mask,
+                  step_device if trainer is not None and step_device is not None and step_device.type == "cuda"
+                  else None)
     if not machine["cuda"]:
         notes.append("no CUDA here: pin_memory=True copies nothing (the baseline and the StreamLoader skip the "
                      "pinned copy a GPU trainer pays, ~1 batch of copying each) and BatchLoader's slots are not "

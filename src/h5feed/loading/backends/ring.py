@@ -39,8 +39,9 @@ import torch
 
 from h5feed import tracing
 from h5feed.errors import CorruptSampleError
-from h5feed.flavors import Batch, RowKey, TensorSpec, TrainerCollate
+from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, TrainerCollate
 from h5feed.loading.backends.base import DecodeBackend, ReadyBatch
+from h5feed.loading.backends.fp8_crossing import DeviceDequantization
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
 from h5feed.loading.options import Batching
@@ -76,10 +77,20 @@ class BatchWriter:
     ring: SlotRing
     layout: SlotLayout
     trailing: dict[str, TensorSpec]  # each row key's per-position shape and dtype
+    crossing: DeviceDequantization = DeviceDequantization.NONE  # an FP8 store's hidden states kept for the GPU
     _pool: BufferPool = field(init=False, repr=False)  # buffers for rows decoded before a cast (per process)
 
     def __post_init__(self) -> None:
         self._pool = BufferPool(capacity=8)
+
+    @property
+    def row_keys(self) -> list[RowKey]:
+        """The keys placed row by row: the collate's, and the scales of hidden states that cross as FP8."""
+        return self.crossing.row_keys(self.collate.row_keys)
+
+    def specs(self, plan: BatchPlan) -> dict[str, TensorSpec]:
+        """The slot's tensors of a batch of `plan`."""
+        return self.crossing.specs(self.collate.specs(plan, self.trailing), self.trailing)
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if key != "_pool"}
@@ -121,7 +132,7 @@ class BatchWriter:
         store, collate = self.stream.store, self.collate
         tokens = [int(store.sample_lengths[i]) for i in indices]
         plan = collate.plan([collate.item_rows(t) for t in tokens])
-        specs = collate.specs(plan, self.trailing)
+        specs = self.specs(plan)
         if slot is None:
             batch: Batch = {key: shared_allocator(*spec) for key, spec in specs.items()}
         else:
@@ -135,7 +146,7 @@ class BatchWriter:
                         self._decode(indices[n], rk.array, rk.shift, dest, counters)
 
         windows = [self.stream.tokens_to_read(i) for i in indices]
-        marks = place_items(collate.row_keys, plan, batch, decode_rows, windows=windows,
+        marks = place_items(self.row_keys, plan, batch, decode_rows, windows=windows,
                             dirty=None if slot is None else self.ring.dirty[slot])
         if slot is not None:
             self.ring.dirty[slot] = marks
@@ -152,10 +163,14 @@ class BatchWriter:
     def _decode(self, i: int, array: str, start: int, dest: torch.Tensor, stats: ReadStats) -> None:
         """Stored rows [start, start + len(dest)) into `dest`: in place when it has the stored dtype
         (bf16 viewed as its uint16 bits), else through a reused buffer and one cast; an FP8 store's hidden
-        states through a reused buffer, dequantized with their tokens' scales."""
+        states as stored where they cross to the GPU so (a `dest` of bytes), else through a reused buffer,
+        dequantized with their tokens' scales."""
         info = self.stream.store.info
         logical, stored = info.logical_dtype(array), info.storage_dtype(array)
         shape = (dest.shape[0], info.width(array)) if info.is_matrix(array) else (dest.shape[0],)
+        if info.fp8 and array in HIDDEN_ARRAYS and dest.dtype == stored:
+            self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], dest.view(shape), stats)
+            return
         if info.fp8 and array in HIDDEN_ARRAYS:
             fp8, scales = self._pool(shape, stored), self._pool((dest.shape[0],), info.storage_dtype(HIDDEN_SCALES))
             self.stream.store.read_rows_into(i, array, start, start + dest.shape[0], fp8, stats)
@@ -187,13 +202,17 @@ class RingBackend(DecodeBackend):
         self.stream, self.collate, self.batching = stream, collate, batching
         self.device = torch.device(device) if device is not None and torch.device(device).type != "cpu" else None
         self.slots_per_worker = slots_per_writer
-        trailing = collate.trailing()
+        # with a GPU to dequantize on, an FP8 store's hidden states cross as stored (half the bytes, no CPU pass)
+        on_gpu = store.info.fp8 and self.device is not None
+        crossing = DeviceDequantization.of(collate) if on_gpu else DeviceDequantization.NONE
+        trailing = crossing.trailing(collate.trailing())
         longest = max((collate.item_rows(int(store.sample_lengths[i])) for i in stream.indices), default=1)
-        layout = SlotLayout(collate.specs(collate.largest_plan(batch_size, max(longest, 1)), trailing))
-        ring = SlotRing(slots, layout.nbytes, len(collate.row_keys))
+        largest = collate.specs(collate.largest_plan(batch_size, max(longest, 1)), trailing)
+        layout = SlotLayout(crossing.specs(largest, trailing))
+        ring = SlotRing(slots, layout.nbytes, len(crossing.row_keys(collate.row_keys)))
         if torch.cuda.is_available():
             ring.page_lock()
-        self.writer = BatchWriter(stream, collate, ring, layout, trailing)
+        self.writer = BatchWriter(stream, collate, ring, layout, trailing, crossing)
         self._handed_out: set[int] = set()  # slots whose batch the trainer may still hold
         self._lock = threading.RLock()  # _release runs from finalizers, which may fire while it is held
         self._pid = os.getpid()
@@ -267,6 +286,8 @@ class RingBackend(DecodeBackend):
                 tracing.section("h5feed: copy a batch to the GPU", "delivery"):
             on_device = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                          for k, v in batch.items()}
+            if self.writer.crossing.keys:
+                on_device = self.writer.crossing.dequantized(on_device)
             copied = torch.cuda.Event()
             copied.record()
             trainer.adopt(on_device)
