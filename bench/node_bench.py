@@ -12,8 +12,9 @@ Loaders (`--loaders`):
 
 - `pt-baseline`: speculators 0.4's `.pt` dataset (`h5feed.baseline`) in a DataLoader with its collate
   (`create_collate_fn(max_len)`) and pin_memory, as its trainer runs it;
-- `workers`: `h5feed.BatchLoader` with `--workers` DataLoader worker processes;
-- `threads`: `h5feed.BatchLoader` with `--workers` reader threads in the rank's process;
+- `workers`: `h5feed.BatchLoader` with `--workers` DataLoader worker processes (with CUDA, `device="cuda"`: the
+  batch copied to the GPU one batch ahead, an FP8 store's hidden states dequantized there);
+- `threads`: `h5feed.BatchLoader` with `--workers` reader threads in the rank's process (`device="cuda"` too);
 - `cuda`: `h5feed.BatchLoader(decode="cuda")` with `--workers` reader threads (needs CUDA).
 
 Every loader gives rank r the same samples in the same order: every N-th sample of the store
@@ -105,6 +106,7 @@ class RankJob:
     max_len: int
     step_ms: float
     start_method: str  # how the loader's worker processes start: as in a rank that torchrun started
+    repeat: int = 1  # the store's samples read this many times over in one epoch (a longer epoch, as a larger store's)
 
 
 @dataclass
@@ -208,10 +210,13 @@ def build_loader(job: RankJob, cuda: bool) -> Any:
     stream_args: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": job.max_len,
                                    "hidden_states_dtype": torch.bfloat16, "batch_size": 1, "shuffle": False,
                                    "rank": job.rank, "world_size": job.ranks}
+    if job.repeat > 1:
+        stream_args["samples"] = list(range(len(store))) * job.repeat
+    on_gpu = {"device": "cuda"} if cuda else {}  # as a GPU trainer's BatchLoader delivers: copied a batch ahead
     if job.loader == "workers":
-        return h5feed.BatchLoader(store, **stream_args, num_workers=job.workers)
+        return h5feed.BatchLoader(store, **stream_args, num_workers=job.workers, **on_gpu)
     if job.loader == "threads":
-        return h5feed.BatchLoader(store, **stream_args, threads=job.workers)
+        return h5feed.BatchLoader(store, **stream_args, threads=job.workers, **on_gpu)
     if job.loader == "cuda":
         return h5feed.BatchLoader(store, **stream_args, decode="cuda", threads=job.workers)
     sequence = HiddenStatesStream(store, **stream_args).rank_sequence()  # the same samples as h5feed's
@@ -380,7 +385,7 @@ class Ranks:
 def run_pass(loader: str, store: Store, data: str, cache: str, args: argparse.Namespace) -> PassResult:
     """One loader over `store` in `--ranks` ranks started together; `cache` "cold" drops the page cache first."""
     jobs = [RankJob(loader, str(store.path), r, args.ranks, args.workers, args.max_len, args.step_ms,
-                    mp.get_start_method()) for r in range(args.ranks)]
+                    mp.get_start_method(), args.repeat) for r in range(args.ranks)]
     log.info("%s on %s (%s): %d ranks", loader, data, cache, args.ranks)
     ranks = Ranks(jobs)
     try:
@@ -463,6 +468,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=65.0, help="the emulated training step (default %(default)s)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each loader (root; else fadvise)")
     p.add_argument("--warm", action="store_true", help="a second pass of each loader after the first")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="read the store's samples this many times over in each epoch: the longer epoch of a larger "
+                        "store, for steady figures from a box's few samples (the repeats of a cold pass come from "
+                        "the page cache: use it for warm figures)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds the ranks may take to get ready, and again to finish (default %(default)s)")
     p.add_argument("--out", type=Path, required=True, help="the JSON file of every figure")
