@@ -12,13 +12,13 @@ from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, 
 from h5feed.bench.step import StepAlone
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, preformatted, pyplot, table
 
-TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "of step alone", "running", "first batch s", "data wait",
-                 "next() ms", "x baseline", "CPU s/sample", "CPU cores", "loader cores", "GPU ms/sample", "GB/s", "peak mem",
+TABLE_COLUMNS = ("loader", "cache", "samples", "samples/s", "of step alone", "running", "step x alone",
+                 "first batch s", "data wait", "next() ms", "x baseline", "CPU s/sample", "CPU cores", "loader cores", "GPU ms/sample", "GB/s", "peak mem",
                  "per-worker samples/s", "batches", "other CPU")  # --verbose
 SHORT_COLUMNS = ("loader", "cache", "samples/s", "x baseline", "CPU s/sample", "peak mem", "batches")  # the default
-STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "running", "first batch s", "data wait", "loader cores",
-                "next() ms", "peak mem", "batches")  # the default with a training step
-STEP_ONLY = {"of step alone", "running"}  # columns that need a training step
+STEP_COLUMNS = ("loader", "cache", "samples/s", "of step alone", "running", "step x alone", "first batch s", "data wait",
+                "loader cores", "next() ms", "peak mem", "batches")  # the default with a training step
+STEP_ONLY = {"of step alone", "running", "step x alone"}  # columns that need a training step
 SAME_SPEED = 0.01  # loaders within this share of the step alone of the best are equals: the fewest cores wins
 SAME_RATIO = 0.05  # without a step, loaders within this of the best ratio are equals (one pass each: the noise)
 TEXT_COLUMNS = ("loader", "cache", "per-worker samples/s", "batches")  # aligned left; the figures align right
@@ -47,6 +47,8 @@ class PassResult:
     step_share: float | None = None  # with a training step: samples/s over the step alone's, the whole pass
     first_batch_s: float = 0.0  # from the pass's start (its workers' start included) to the first batch
     running_share: float | None = None  # the same once the first batch is in: what a long epoch runs at
+    step_median_ms: float | None = None  # the training step's own median time beside this loader (its wait excluded)
+    step_slowdown: float | None = None  # that over the step alone's: what the loader takes from the step itself
     loader_cores: float = 0.0  # CPU cores of the process and its workers, less the training step's own CPU
     gpu_decode_ms_per_sample: float = 0.0  # GPU time spent decoding a sample: what it takes from the step's GPU
 
@@ -151,6 +153,7 @@ class BenchResult:
                 "x baseline": "-" if p.ratio is None else f"{p.ratio:.2f}x",
                 "of step alone": "-" if p.step_share is None else f"{100 * p.step_share:.1f}%",
                 "running": "-" if p.running_share is None else f"{100 * p.running_share:.1f}%",
+                "step x alone": "-" if p.step_slowdown is None else f"{p.step_slowdown:.3f}x",
                 "first batch s": f"{p.first_batch_s:.2f}",
                 "data wait": f"{100 * p.data_wait:.1f}%",
                 "next() ms": f"{p.next_median_ms:.2f}",
