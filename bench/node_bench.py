@@ -4,8 +4,8 @@ A GPU node runs one training rank a GPU (8 of them, on 16-128 cores), and every 
 loader: the ranks share the disk, the page cache and the cores.  This launches `--ranks` rank
 processes on this box (spawned, no process group: the ranks do not talk to each other), each
 reading its shard (rank r of N) through one loader, all starting together, and emulates each
-rank's training step: the batch is copied to the GPU (`.to("cuda", non_blocking=True)`, then
-`torch.cuda.synchronize()`; skipped without CUDA), then the rank sleeps `--step-ms` (65 ms: a
+rank's training step: the batch is copied to the GPU (`.to("cuda", non_blocking=True)`, then the trainer's
+stream synchronized, as `loss.item()` does; skipped without CUDA), then the rank sleeps `--step-ms` (65 ms: a
 Kimi-shaped EAGLE-3 drafter step on one H200).  A box with one GPU thus stands for a node of N.
 
 Loaders (`--loaders`):
@@ -242,11 +242,12 @@ def tree_cpu_seconds() -> float:
 
 
 def to_gpu(batch: Mapping[str, Any]) -> None:
-    """The trainer's copy of the batch to the GPU, waited for."""
+    """The trainer's copy of the batch to the GPU, waited for on the trainer's stream only (as its `loss.item()`
+    waits): a device-wide synchronize would also wait for a GPU loader's decodes queued ahead on its own stream."""
     for value in batch.values():
         if isinstance(value, torch.Tensor):
             value.to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
 
 
 def run_rank(job: RankJob, start: Any, cuda: bool) -> RankResult:

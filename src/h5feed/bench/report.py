@@ -47,7 +47,8 @@ class PassResult:
     step_share: float | None = None  # with a training step: samples/s over the step alone's, the whole pass
     first_batch_s: float = 0.0  # from the pass's start (its workers' start included) to the first batch
     running_share: float | None = None  # the same once the first batch is in: what a long epoch runs at
-    step_median_ms: float | None = None  # the training step's own median time beside this loader (its wait excluded)
+    step_mean_ms: float | None = None  # the training step's own mean time beside this loader (its waits excluded): a
+    # GPU loader's decode slows the steps it runs beside, not the median one
     step_slowdown: float | None = None  # that over the step alone's: what the loader takes from the step itself
     loader_cores: float = 0.0  # CPU cores of the process and its workers, less the training step's own CPU
     gpu_decode_ms_per_sample: float = 0.0  # GPU time spent decoding a sample: what it takes from the step's GPU

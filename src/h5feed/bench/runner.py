@@ -219,7 +219,7 @@ def _timed_pass(built: BuiltLoader, name: str, cache: str, sampler: MemorySample
         other_cpu_share=sampler.other_cpu_share, data_wait=sum(waits) / seconds,
         next_median_ms=statistics.median(waits[:-1] or waits) * 1e3, first_batch_s=waits[0],
         gpu_decode_ms_per_sample=built.pass_gpu_decode_ms() / max(samples, 1),
-        step_median_ms=statistics.median(steps) * 1e3 if steps else None,
+        step_mean_ms=statistics.fmean(steps) * 1e3 if steps else None,
     )
 
 
@@ -471,8 +471,8 @@ def _judge(result: BenchResult, num_samples: int) -> None:
         if result.step is not None and p.loader != ITEMS:
             p.step_share = p.samples_per_s / result.step.samples_per_s
             p.running_share = p.samples * result.step.seconds / max(p.seconds - p.first_batch_s, 1e-9)
-            if p.step_median_ms is not None:
-                p.step_slowdown = p.step_median_ms / (1e3 * result.step.seconds)
+            if p.step_mean_ms is not None:
+                p.step_slowdown = p.step_mean_ms / (1e3 * result.step.seconds)
         step_cpu = result.step.cpu_seconds if p.step_share is not None else 0.0
         p.loader_cores = max(0.0, p.cpu_seconds - step_cpu * p.samples) / p.seconds
         if p.samples != num_samples:

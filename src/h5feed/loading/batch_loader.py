@@ -68,9 +68,11 @@ class BatchLoader(LoaderControls):
             max(prefetch, threads), the delivery thread's ready batch among them; with workers,
             prefetch + 1, the ready batch besides).
         multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
-        decode_group: with decode="cuda", consecutive staged batches decoded in one GPU call (default 4).
+        decode_group: with decode="cuda", consecutive staged batches decoded in one GPU call (default: prefetch,
+            at most 8): the GPU decodes faster per byte in large calls, and what it spends decoding it takes from
+            the step.
         decode_ahead: with decode="cuda", batches decoded ahead of the trainer on the GPU, each holding its
-            batch's GPU memory (default 8).
+            batch's GPU memory (default: two groups).
         **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, on_corrupt, ...).
 
     With on_corrupt="skip", a batch is its scheduled samples less the damaged ones.

@@ -71,6 +71,7 @@ class ReadAhead(Generic[Work, Result]):
         self._can_draw, self._owed = can_draw, 0  # pieces to draw once `can_draw` says they can be
         self._held, self._holding = held, False
         self._in_flight: deque[Future[Result]] = deque()
+        self.exhausted = False  # no work is left to draw: what is in flight is all that remains
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=name)
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-announce") if announce else None
         for _ in range(max(depth, 1)):
@@ -97,6 +98,7 @@ class ReadAhead(Generic[Work, Result]):
                 self._announcer.submit(piece.announce, self._announce)  # type: ignore[arg-type]
             self._in_flight.append(self._pool.submit(self._read_piece, piece))
             return
+        self.exhausted = True
 
     def _read_piece(self, piece: _Piece[Work]) -> Result:
         return self._read(piece.start_read())
@@ -116,6 +118,19 @@ class ReadAhead(Generic[Work, Result]):
         if self._in_flight and self._in_flight[0].done():
             return self._in_flight[0].result()
         return None
+
+    def ready_count(self, limit: int) -> int:
+        """How many results, from the next one on, are ready now without a gap (at most `limit`)."""
+        count = 0
+        for future in self._in_flight:
+            if count >= limit or not future.done():
+                break
+            count += 1
+        return count
+
+    def in_flight(self) -> int:
+        """The results in flight: being read, or read and not taken yet."""
+        return len(self._in_flight)
 
     def take(self) -> Result:
         """The next result, waited for; the next piece of work starts."""
