@@ -92,6 +92,7 @@ def test_reads_slower_than_the_trainer_still_deliver_every_batch_in_order() -> N
 @pytest.mark.parametrize(("given", "group", "ahead"), [
     ({}, 8, 16),
     ({"prefetch": 4}, 4, 8),  # a smaller prefetch makes smaller groups
+    ({"decode_ahead": 4}, 4, 4),  # and so does holding fewer decoded batches
     ({"prefetch": 12, "decode_group": 6}, 6, 12),
     ({"decode_group": 2, "decode_ahead": 5}, 2, 5),
 ])

@@ -116,7 +116,7 @@ class CudaOptions:
     threads: reader threads (file reads, crc32c checks and one copy into pinned memory each).
     prefetch: batches staged ahead (read by the threads in parallel); at least decode_group, so that a whole
         group can be staged while the one before is decoded.
-    decode_group: consecutive staged batches decoded in one GPU call (None: prefetch, at most 8).  The GPU
+    decode_group: consecutive staged batches decoded in one GPU call (None: 8, or prefetch or decode_ahead if less).  The GPU
         decodes several times faster per byte in large calls (on an H200, Kimi-shaped samples: 2.9 ms of zstd a
         sample in calls of 4, 1.2 in calls of 16), and what it spends decoding it takes from the step beside it.
     decode_ahead: batches decoded ahead of the trainer on the GPU (each holds its batch's GPU memory); at least
@@ -134,7 +134,7 @@ class CudaOptions:
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, not {self.prefetch}")
         if self.decode_group is None:
-            object.__setattr__(self, "decode_group", max(1, min(8, self.prefetch)))
+            object.__setattr__(self, "decode_group", max(1, min(8, self.prefetch, self.decode_ahead or 8)))
         if self.decode_ahead is None:
             object.__setattr__(self, "decode_ahead", 2 * self.decode_group)
         if self.decode_group < 1:
