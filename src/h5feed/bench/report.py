@@ -90,11 +90,12 @@ class BenchResult:
 
     def ranking(self) -> tuple[str | None, list[str]]:
         """The trainer-path loader to use here, and the others as good within the noise, among the loaders whose
-        batches were checked equal to the reference's.  With a training step: the one that leaves it fastest once
+        batches were checked equal to the reference's (or are the reference: with no baseline, the first loader's).  With a training step: the one that leaves it fastest once
         running (the mean over the cache states measured of its share of the step alone after the first batch,
         which a long epoch runs at); of those within `SAME_SPEED` of the best, the one on the fewest cores.
         Without: the best ratio to the baseline, others within `SAME_RATIO` of it its equals."""
-        usable = [p for p in self.passes if p.loader in USABLE and self.checks.get(p.loader, "equal") == "equal"]
+        usable = [p for p in self.passes
+                  if p.loader in USABLE and self.checks.get(p.loader, "equal") in ("equal", "reference")]
         if self.step is not None:
             figure, cores = _means(usable, lambda p: p.running_share), _means(usable, lambda p: p.loader_cores)
             best = max(figure.values(), default=None)
