@@ -1,14 +1,13 @@
 """What `BatchLoader(decode="auto")` picks: the backend that leaves the trainer's step fastest here.
 
 A loader is judged by the trainer's samples/s against its step alone, not by its own speed.
-Measured on an H200 box with a Kimi-shaped EAGLE-3 drafter step (`h5feed bench`,
-`bench/node_bench.py`; bench/RESULTS.md): with 16 cores for one GPU, worker processes,
-reader threads and the GPU decoder all give the step 93-94% of its speed alone over a short
-warm pass, its start included; with eight ranks on those cores (two a GPU), once running,
-worker processes wait 0.1-1.1% on about 1.1 cores a GPU, threads 5.6-6.2% (they share the
-trainer's interpreter and its cores), the GPU decoder 0.2% on 0.8 cores a GPU, but its 6-7 ms
-of GPU a sample run beside the step's kernels, which an emulated step cannot show.  So the GPU
-decoder is taken only where cores are scarce: where a GPU has fewer than
+Measured with a Kimi-shaped EAGLE-3 drafter step on a 16-core GPU box (`h5feed bench`,
+`bench/node_bench.py`; bench/RESULTS.md): with all 16 cores for one GPU, worker processes give
+the step 98.1-98.7% of its speed alone once running, on 1.2-1.4 loader cores; reader threads
+96-98% (they share the trainer's interpreter); the GPU decoder 94-96% on 0.3-0.4 cores, its
+3-5 GPU ms a sample running beside the step's kernels (the step 1.04-1.05x).  With eight
+ranks on those cores (two a GPU) worker processes are CPU-bound (94-95% of the node's step
+rate).  So the GPU decoder is taken only where cores are scarce: where a GPU has fewer than
 `CPU_DECODE_CORES_PER_GPU` cores of its own; everywhere else, worker processes.
 """
 
@@ -24,7 +23,8 @@ import torch
 from h5feed.loading.backends import arguments_of, get_backend
 from h5feed.store import Store
 
-CPU_DECODE_CORES_PER_GPU = 2.0  # cores a GPU for worker processes to feed a Kimi-shaped step (1.0-1.4 measured)
+CPU_DECODE_CORES_PER_GPU = 2.0  # cores a GPU for worker processes to feed a Kimi-shaped step (1.2-1.6 measured,
+# and the trainer's own)
 MAX_AUTO_WORKERS = 4  # more workers than this read no faster per GPU and cost the node's cores
 
 
