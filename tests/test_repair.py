@@ -364,6 +364,10 @@ ROOT_DAMAGE = {
 def test_damaged_store_attributes_are_written_again_from_the_plan(tmp_path, cli, damage, assert_same_tree):
     src, dst, ref = converted(tmp_path)
     ROOT_DAMAGE[damage](dst)
+    if damage in ("flipped byte", "truncated", "deleted"):
+        r = cli("verify", dst)
+        assert r.status == 1 and f"{dst}: its zarr.json (the store's attributes) is " in r.output
+        assert f"run `h5feed repair {dst}` to write it again from the conversion's plan" in r.output
     try:
         still_opens = len(Store(dst)) == 6 and Store(dst).info == Store(ref).info
     except StoreError:
@@ -400,8 +404,9 @@ def test_attributes_that_the_plan_has_no_copy_of_are_refused_saying_so(tmp_path,
     (dst / "zarr.json").unlink()
     r = cli("repair", dst)
     assert r.status == 1
-    assert f"zarr.json: does not exist" not in r.output
-    assert "was written by an h5feed that kept no copy of them, so repair cannot write them again" in r.output
+    assert f"{dst}: zarr.json (the store's attributes) is missing, and its plan (h5feed-plan.json) was written by " \
+           "an h5feed that kept no copy of them, so repair cannot write them again: convert the store again" in r.output
+    assert not (dst / "zarr.json").exists()
 
 
 def test_an_unfinished_append_is_left_to_convert(tmp_path, cli):
@@ -418,5 +423,5 @@ def test_an_unfinished_append_is_left_to_convert(tmp_path, cli):
     shutil.rmtree(dst / "index")
     r = cli("repair", dst)
     assert r.status == 1
-    assert "its journal lacks 1 of the plan's samples (an append that did not finish): run the same `h5feed " \
-           "convert SRC DST` again, which finishes it and rebuilds the index" in r.output
+    assert "its journal lacks 1 of the plan's samples (an append that did not finish, or a damaged journal): run " \
+           "the same `h5feed convert SRC DST` again, which finishes an append and rebuilds the index" in r.output

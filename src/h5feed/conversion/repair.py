@@ -179,26 +179,26 @@ def _sound_attributes(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], un
     conversion planned (what its publication sets is left to `_republish_if_damaged`)."""
     try:
         info: StoreInfo | None = read_info(dst)
-        problem = None
-    except StoreError as exc:
-        info, problem = None, exc.problem
+    except StoreError:
+        info = None
+        problem = "is missing" if not (dst / "zarr.json").is_file() else "does not hold readable h5feed attributes"
     if info is not None:
         _refuse_unfinished(dst, info)
         planned = {k: v for k, v in (plan.store or {}).items() if k not in PUBLISHED}
         differ = sorted(k for k, v in planned.items() if info.to_json().get(k) != v)
         if not differ:
             return info
-        problem = f"its attributes differ from those its conversion planned ({', '.join(differ)})"
+        problem = f"holds attributes that differ from those its conversion planned ({', '.join(differ)})"
     expected = _expected_info(plan, done)
     if expected is None:
-        raise StoreError(dst, f"zarr.json: {problem}; its plan ({PLAN_FILE}) was written by an h5feed that kept no "
-                         "copy of them, so repair cannot write them again: convert the store again "
-                         "(`h5feed convert SRC DST --overwrite`)")
+        raise StoreError(dst, f"zarr.json (the store's attributes) {problem}, and its plan ({PLAN_FILE}) was written "
+                         "by an h5feed that kept no copy of them, so repair cannot write them again: convert the "
+                         "store again (`h5feed convert SRC DST --overwrite`)")
     if unfinished:
-        raise StoreError(dst, f"zarr.json: {problem}; and its journal lacks {unfinished} of the plan's samples (a "
-                         "conversion or append that did not finish): convert the store again "
+        raise StoreError(dst, f"zarr.json (the store's attributes) {problem}, and its journal lacks {unfinished} of "
+                         "the plan's samples (a conversion or append that did not finish): convert the store again "
                          "(`h5feed convert SRC DST --overwrite`)")
-    log.warning("%s: zarr.json: %s: writing it again from the plan", dst, problem)
+    log.warning("%s: zarr.json %s: writing it again from the plan", dst, problem)
     scratch = dst / STAGING_DIR / "attributes"
     create_arrays(scratch, expected, plan.total_rows)  # the group's document as conversion creates it
     write_atomically(dst / "zarr.json", (scratch / "zarr.json").read_bytes(), durable=durable)
@@ -239,8 +239,8 @@ def _republish_if_damaged(dst: Path, info: StoreInfo, plan: Plan, done: dict[int
         return
     if unfinished:
         raise StoreError(dst, f"{problem}; its journal lacks {unfinished} of the plan's samples (an append that did "
-                         "not finish): run the same `h5feed convert SRC DST` again, which finishes it and rebuilds "
-                         "the index")
+                         "not finish, or a damaged journal): run the same `h5feed convert SRC DST` again, which "
+                         "finishes an append and rebuilds the index")
     log.warning("%s: %s: publishing the index again from the journal", dst, problem)
     publish_journal(dst, plan, done, durable)
     Store(dst)  # the published index must open
@@ -340,7 +340,8 @@ def _drop(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: in
         return
     if unfinished:
         raise StoreError(dst, f"cannot drop samples: its journal lacks {unfinished} of the plan's samples (an append "
-                         "that did not finish): run the same `h5feed convert SRC DST` again first")
+                         "that did not finish, or a damaged journal): run the same `h5feed convert SRC DST` again "
+                         "first")
     for i, problems in why.items():
         reason = f"{DROPPED}: its stored rows fail their checks, and repair could not convert it again " \
                  f"({'; '.join(problems)})"
