@@ -407,6 +407,9 @@ def test_attributes_that_the_plan_has_no_copy_of_are_refused_saying_so(tmp_path,
     assert f"{dst}: zarr.json (the store's attributes) is missing, and its plan (h5feed-plan.json) was written by " \
            "an h5feed that kept no copy of them, so repair cannot write them again: convert the store again" in r.output
     assert not (dst / "zarr.json").exists()
+    (dst / PLAN_FILE).write_text("{")  # the plan damaged too: nothing to rebuild from
+    r = cli("repair", dst)
+    assert r.status == 1 and f"{dst}: has no readable plan (h5feed-plan.json: JSONDecodeError)" in r.output
 
 
 def test_an_unfinished_append_is_left_to_convert(tmp_path, cli):

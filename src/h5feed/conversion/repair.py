@@ -146,12 +146,18 @@ def _plan_of(dst: Path) -> Plan:
         return Plan.read(dst)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         plan_problem = exc
-    info = read_info(dst)  # no store here at all: says so
-    if info.source_root == WRITER_SOURCE:
+    try:
+        info: StoreInfo | None = read_info(dst)
+    except StoreError:
+        if not (dst / PLAN_FILE).exists():
+            raise  # no store here at all: says so
+        info = None  # the plan is there but damaged, and so are the attributes: said below
+    if info is not None and info.source_root == WRITER_SOURCE:
         raise StoreError(dst, f"was written by {WRITER_API}, from no source files: it cannot be repaired from them; "
                          f"`h5feed verify {dst}` lists the damaged samples, which only the program that wrote them "
                          "can write again")
-    _refuse_unfinished(dst, info)
+    if info is not None:
+        _refuse_unfinished(dst, info)
     raise StoreError(dst, f"has no readable plan ({PLAN_FILE}: {type(plan_problem).__name__}), which says where each "
                      "sample's rows and source file are: it cannot be repaired; convert it again "
                      "(`h5feed convert SRC DST --overwrite`)") from plan_problem
