@@ -491,7 +491,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
         _convert_pending(job, pool(), samples, pending, by_relpath, report)
         report.seconds_converting = time.perf_counter() - t0
         done = read_journal(dst_path)
-    skipped = _skipped(plan, done)
+    skipped = published_skips(plan, done)
     if not any("checksum" in r for r in done.values()):
         raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
@@ -892,7 +892,7 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[Pl
     published = plan.published
     journal_sound = all(i in done for i in range(published))
     kept = sum("checksum" in r for r in done.values())
-    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
+    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, published_skips(plan, done))
     out_of_store = _failed_while_converting(plan, done)  # skipped while converting, or dropped by `h5feed repair`
     failed = out_of_store if job.settings.retry_skipped else {}
     gone: list[dict[str, str]] = []  # the records of the files skipped before that are no longer there
@@ -1144,9 +1144,9 @@ def convert_one(
 # --- journal and finalize ----------------------------------------------------------------
 
 
-def _skipped(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def published_skips(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
-    to convert, in plan order."""
+    to convert (or that `h5feed repair` dropped), in plan order."""
     return list(plan.skipped) + list(plan.unfinished) + [
         {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items())
         if "skipped" in r and i not in plan.retried
@@ -1160,15 +1160,10 @@ def journaled_rows(samples: Sequence[PlannedSample], done: dict[int, dict[str, A
             for i in range(len(samples)) if "checksum" in done.get(i, {})]
 
 
-def published_skips(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
-    """The store's `skipped` as the plan and journal give it (shared with `h5feed repair`)."""
-    return _skipped(plan, done)
-
-
 def publish_journal(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], durable: bool) -> None:
     """Publish the samples the journal `done` holds, the index written anew: `h5feed repair`'s rebuild of a
     damaged index, and its publication of the samples it drops (recorded in `done` as skipped)."""
-    _finalize(dst, plan.samples, done, _skipped(plan, done), durable, rebuild=True)
+    _finalize(dst, plan.samples, done, published_skips(plan, done), durable, rebuild=True)
 
 
 def _finalize(
