@@ -141,8 +141,8 @@ READER = Path(__file__).parent / "trace_reader"
 def devtools_trace_engine() -> Path:
     """Chrome DevTools' trace engine (the reader its Performance panel opens trace files with, published on npm as
     @paulirish/trace_engine), installed at the version tests/trace_reader/package-lock.json pins.  Perfetto's
-    trace processor needs a binary its Python package downloads from outside the package registries, and
-    Chromium's chrome://tracing viewer is no longer built: this is the trace reader a CI machine can have."""
+    trace processor needs a binary that its Python package (`perfetto`) downloads from outside the package
+    registries, and Debian's Chromium serves no chrome://tracing viewer: this is the real reader CI can have."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.skip("needs Node.js and npm (apt install nodejs npm; .ci/run installs them)")
