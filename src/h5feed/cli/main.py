@@ -101,20 +101,28 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_repair(args: argparse.Namespace) -> int:
     from h5feed.conversion.repair import repair
 
-    report = repair(args.store, args.source, progress=not args.quiet, durable=not args.no_fsync)
+    report = repair(args.store, args.source, progress=not args.quiet, durable=not args.no_fsync,
+                    drop_unrecoverable=args.drop_unrecoverable)
     for path in report.rebuilt:
         log.info("rebuilt %s", path)
     for problem in report.unrecoverable:
         log.error("UNRECOVERABLE %s", problem)
+    for dropped in report.dropped:
+        log.warning("DROPPED %s", dropped)
     done = f"repaired {len(report.repaired)} sample(s) ({report.shards_replaced} shard file(s) replaced)"
+    if report.dropped:
+        done += (f", dropped {len(report.dropped)} from the index (recorded as skipped: `h5feed inspect "
+                 f"{report.store}` lists them)")
     if not report.ok:
+        drop = "" if args.drop_unrecoverable else ", or pass --drop-unrecoverable to drop them from the index"
         log.error("%s: %s; %d could not be repaired and are left as they were: restore their source files as they "
-                  "were converted and run the same command again, or convert the store again", report.store, done,
-                  len(report.unrecoverable))
+                  "were converted and run the same command again%s, or convert the store again", report.store, done,
+                  len(report.unrecoverable), drop)
         return 1
-    if report.repaired or report.rebuilt:
+    if report.repaired or report.rebuilt or report.dropped:
         rebuilt = f", {len(report.rebuilt)} file(s) rebuilt" if report.rebuilt else ""
-        log.info("%s: %s%s; all %d samples check out now", report.store, done, rebuilt, report.samples_checked)
+        log.info("%s: %s%s; all %d samples check out now", report.store, done, rebuilt,
+                 report.samples_checked - len(report.dropped))
     else:
         log.info("%s: nothing to repair: %d samples OK", report.store, report.samples_checked)
     return 0
@@ -193,7 +201,8 @@ EXAMPLES = {
   h5feed verify /data/hs.zarr --against /data/hidden_states  # every tensor against its source file""",
     "repair": """examples:
   h5feed repair /data/hs.zarr                                # re-encode damaged samples from the recorded SRC
-  h5feed repair /data/hs.zarr --from /mnt/old/hidden_states  # the source folder, moved since conversion""",
+  h5feed repair /data/hs.zarr --from /mnt/old/hidden_states  # the source folder, moved since conversion
+  h5feed repair /data/hs.zarr --drop-unrecoverable           # drop samples whose source file is gone""",
     "inspect": """examples:
   h5feed inspect /data/hs.zarr
   h5feed inspect s3://stores/hs.zarr --cache-dir /nvme/h5feed-cache --json""",
@@ -281,11 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _subcommand(sub, "repair", "mend a damaged store in place from its source files, without converting it again",
                     "Find the damage `h5feed verify` finds in STORE (a local store made by `h5feed convert`) and mend "
                     "it in place: each damaged sample is converted again from its source file into the same bytes, "
-                    "damaged array metadata is rebuilt.  A source file that changed since conversion, or is gone, "
-                    "leaves its sample as it was (reported, exit status 1).  Safe to kill: run it again to finish.")
+                    "damaged array metadata, attributes and index are rebuilt from the conversion's plan and journal. "
+                    " A source file that changed since conversion, or is gone, leaves its sample as it was (reported, "
+                    "exit status 1), or with --drop-unrecoverable drops it from the index, recorded as skipped.  Safe "
+                    "to kill: run it again to finish.")
     p.add_argument("store", help="the local store to repair")
     p.add_argument("--from", dest="source", metavar="SRC",
                    help="the folder the store was converted from (default: the one it recorded)")
+    p.add_argument("--drop-unrecoverable", action="store_true",
+                   help="drop each sample whose source file is gone or changed from the index (recorded in the store "
+                   "as skipped, with why: `h5feed inspect` lists it); the samples after it move up by one")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip the fsyncs that make each repaired file survive a power loss")
     p.set_defaults(func=_cmd_repair)

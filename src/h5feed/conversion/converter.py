@@ -190,6 +190,9 @@ class Plan:
     append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
     unfinished: tuple[dict[str, str], ...] = ()  # skipped while their writer wrote them: the next run tries them again
     retried: tuple[int, ...] = ()  # positions skipped while converting whose files --retry-skipped planned again
+    # The store's attributes as planned (before any sample was published): what `h5feed repair` writes a damaged
+    # zarr.json again from.  None in plans written before it was kept.
+    store: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, dst: Path) -> Plan:
@@ -197,11 +200,13 @@ class Plan:
         plan = json.loads((dst / PLAN_FILE).read_text())
         return cls(_Options(**plan["options"]), tuple(PlannedSample(**s) for s in plan["samples"]),
                    tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"), tuple(plan.get("unfinished", ())),
-                   tuple(plan.get("retried", ())))
+                   tuple(plan.get("retried", ())), plan.get("store"))
 
     def write(self, dst: Path, durable: bool) -> None:
         plan = {"options": self.options.to_json(), "samples": [s.to_json() for s in self.samples],
                 "skipped": list(self.skipped), "total_rows": self.total_rows}
+        if self.store is not None:
+            plan["store"] = self.store
         if self.append_from is not None:
             plan["append_from"] = self.append_from
         if self.unfinished:
@@ -486,7 +491,7 @@ def _convert(job: _Job, pool: _PoolMaker, listing: _Listing) -> ConvertReport:
         _convert_pending(job, pool(), samples, pending, by_relpath, report)
         report.seconds_converting = time.perf_counter() - t0
         done = read_journal(dst_path)
-    skipped = _skipped(plan, done)
+    skipped = published_skips(plan, done)
     if not any("checksum" in r for r in done.values()):
         raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
@@ -716,7 +721,8 @@ def _make_plan(job: _Job, pool: TaskPool, listing: _Listing) -> Plan:
     create_arrays(dst, info, total_rows=row)
     if durable:
         fsync_tree(dst)
-    plan = Plan(options, tuple(planned), tuple(listing.unreadable + skipped), row, unfinished=tuple(listing.unfinished))
+    plan = Plan(options, tuple(planned), tuple(listing.unreadable + skipped), row, unfinished=tuple(listing.unfinished),
+                store=info.to_json())
     plan.write(dst, durable)
     return plan
 
@@ -886,8 +892,9 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[Pl
     published = plan.published
     journal_sound = all(i in done for i in range(published))
     kept = sum("checksum" in r for r in done.values())
-    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, _skipped(plan, done))
-    failed = _failed_while_converting(plan, done) if job.settings.retry_skipped else {}
+    finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, published_skips(plan, done))
+    out_of_store = _failed_while_converting(plan, done)  # skipped while converting, or dropped by `h5feed repair`
+    failed = out_of_store if job.settings.retry_skipped else {}
     gone: list[dict[str, str]] = []  # the records of the files skipped before that are no longer there
     if job.settings.retry_skipped and (plan.skipped or failed):
         retried = [s for s in plan.skipped if s["path"] not in {p.relpath for p in samples}]
@@ -901,8 +908,8 @@ def _plan_of_complete(job: _Job, info: StoreInfo, listing: _Listing) -> tuple[Pl
     known = plan.known() - set(failed)
     new_skips = [s for s in listing.unreadable if s["path"] not in known] + gone
     for changed, problem in _changed_since_planned(src, plan):
-        if changed in failed:
-            continue  # none of its samples is in the store: it is planned again below
+        if changed in out_of_store:
+            continue  # none of its samples is in the store: nothing to keep; --retry-skipped plans it again below
         if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
@@ -1137,13 +1144,26 @@ def convert_one(
 # --- journal and finalize ----------------------------------------------------------------
 
 
-def _skipped(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def published_skips(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
-    to convert, in plan order."""
+    to convert (or that `h5feed repair` dropped), in plan order."""
     return list(plan.skipped) + list(plan.unfinished) + [
         {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items())
         if "skipped" in r and i not in plan.retried
     ]
+
+
+def journaled_rows(samples: Sequence[PlannedSample], done: dict[int, dict[str, Any]]) -> list[IndexRow]:
+    """The index rows of the samples the journal holds converted, in plan order: what the index publishes."""
+    return [IndexRow(samples[i].start, samples[i].num_tokens, samples[i].sample_index, samples[i].relpath,
+                     done[i]["checksum"], done[i]["has_loss_mask"])
+            for i in range(len(samples)) if "checksum" in done.get(i, {})]
+
+
+def publish_journal(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], durable: bool) -> None:
+    """Publish the samples the journal `done` holds, the index written anew: `h5feed repair`'s rebuild of a
+    damaged index, and its publication of the samples it drops (recorded in `done` as skipped)."""
+    _finalize(dst, plan.samples, done, published_skips(plan, done), durable, rebuild=True)
 
 
 def _finalize(
@@ -1153,10 +1173,7 @@ def _finalize(
     """Rewrite the journal in plan order, then publish the samples it holds (index, then status)."""
     journal = "".join(json.dumps({"i": i, **done[i]}) + "\n" for i in sorted(done))
     write_atomically(dst / JOURNAL_FILE, journal.encode(), durable=durable)  # the same bytes however the run went
-    rows = [IndexRow(samples[i].start, samples[i].num_tokens, samples[i].sample_index, samples[i].relpath,
-                     done[i]["checksum"], done[i]["has_loss_mask"])
-            for i in range(len(samples)) if "checksum" in done.get(i, {})]
-    publish_samples(dst, rows, skipped, durable, rebuild)
+    publish_samples(dst, journaled_rows(samples, done), skipped, durable, rebuild)
 
 
 def _remove_partial_writes(dst: Path) -> None:

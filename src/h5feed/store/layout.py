@@ -512,12 +512,13 @@ def read_info(location: Path | ObjectStore) -> StoreInfo:
     try:
         text = location.get("zarr.json") if isinstance(location, ObjectStore) else (location / "zarr.json").read_bytes()
     except (ObjectNotFound, FileNotFoundError, NotADirectoryError):
-        raise StoreError(where, _not_a_store(location)) from None
+        raise StoreError(where, _converted_here(location, "is missing") or _not_a_store(location)) from None
     try:
         meta = json.loads(text)
         attrs = meta["attributes"][ATTRS_KEY]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-        raise StoreError(where, f"a Zarr group but not an h5feed store ({exc!r})") from exc
+        damaged = _converted_here(location, f"is damaged ({type(exc).__name__})")
+        raise StoreError(where, damaged or f"a Zarr group but not an h5feed store ({exc!r})") from exc
     if attrs.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise StoreError(
             where, f"store format version {attrs.get('format_version')} is not one this h5feed reads "
@@ -531,6 +532,17 @@ def read_info(location: Path | ObjectStore) -> StoreInfo:
     if problem is not None:
         raise StoreError(where, f"store attributes are damaged: {problem}; {edited_hint(where)}")
     return info
+
+
+def _converted_here(location: Path | ObjectStore, what: str) -> str | None:
+    """What to say of a local folder whose zarr.json is missing or damaged while the conversion's plan is there
+    (None elsewhere): `h5feed repair` writes it again from the plan."""
+    from h5feed.store.writer_state import PLAN_FILE
+
+    if not (isinstance(location, Path) and (location / PLAN_FILE).is_file()):
+        return None
+    return (f"its zarr.json (the store's attributes) {what}: run `h5feed repair {location}` to write it again from "
+            f"the conversion's plan ({PLAN_FILE})")
 
 
 def _not_a_store(location: Path | ObjectStore) -> str:
