@@ -148,7 +148,9 @@ def test_a_stalled_read_fails_in_the_stated_time(s3: S3, bucket: str, reader: st
         started = time.monotonic()
         with pytest.raises(ObjectUnavailable) as err:
             read()
-        assert time.monotonic() - started < STALLED.timeout + 1.5
+        # one deadline for the read, not one per attempt (4 attempts: >= 4 s) nor the stall (20 s); the slack is a
+        # loaded 2-core box's scheduling
+        assert time.monotonic() - started < STALLED.timeout + 2.5
         assert str(err.value) == (f"s3://{bucket}/shard: no answer in 1 s; check the endpoint and the network, or "
                                   "raise H5FEED_REQUEST_TIMEOUT (seconds) for a slow link")
 
@@ -160,7 +162,7 @@ def test_a_stalled_upload_fails_in_the_stated_time(s3: S3, bucket: str) -> None:
         started = time.monotonic()
         with pytest.raises(ObjectUnavailable, match=f"^s3://{bucket}/new: no answer in 1 s; check the endpoint"):
             write()
-        assert time.monotonic() - started < STALLED.timeout + 1.5
+        assert time.monotonic() - started < STALLED.timeout + 2.5  # one deadline, not one per attempt (>= 4 s)
 
 
 def test_the_request_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
