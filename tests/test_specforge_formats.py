@@ -22,14 +22,15 @@ from h5feed.errors import SourceError
 from h5feed.formats import FORMATS, detect_format
 
 H, K = 16, 5  # five captured layers, as SpecForge's shipped DFlash configs capture
+EAGLE3_LAYERS = 3  # EAGLE-3's draft reads three (its fc is 3*H wide)
 LENGTHS = (7, 12, 9, 15, 6, 11, 8, 13, 10, 14, 5, 16)  # twelve files: data_10 sorts before data_2 as paths
 
 
 def eagle3_dict(t: int, seed: int) -> dict:
-    """What SpecForge's EAGLE-3 capture saves: K aux layers [1, T, K*H] and the post-norm last state."""
+    """What SpecForge's EAGLE-3 capture saves: three aux layers [1, T, 3*H] and the post-norm last state."""
     g = torch.Generator().manual_seed(seed)
     return {"input_ids": torch.randint(0, 1000, (t,), generator=g), "loss_mask": supervised_mask(t, g),
-            "aux_hidden_state": torch.randn(1, t, K * H, generator=g).to(torch.bfloat16),
+            "aux_hidden_state": torch.randn(1, t, EAGLE3_LAYERS * H, generator=g).to(torch.bfloat16),
             "hidden_state": torch.randn(1, t, H, generator=g).to(torch.bfloat16)}
 
 
@@ -234,5 +235,5 @@ def test_eagle3_and_dspark_files_convert_as_specforge_reads_them(tmp_path: Path,
     write_capture(tmp_path / "src", algorithm, compress=True)
     store = convert(tmp_path / "src", tmp_path / "dst")
     assert (store.info.source_format, store.info.last_state_norm, store.info.num_aux_layers) == (
-        "specforge-ckpt", "post", K)
+        "specforge-ckpt", "post", EAGLE3_LAYERS if algorithm == "eagle3" else K)
     assert_store_holds_what_specforge_reads(store, tmp_path / "src", aux_key, last_key)

@@ -268,6 +268,25 @@ def test_the_vocabulary_counts_and_mapping_are_specforges_from_the_files(run, mo
     assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
 
 
+def test_a_damaged_sample_in_the_vocabulary_counts_is_an_error_or_a_counted_skip(run, tmp_path: Path, flip_byte,
+                                                                                  caplog) -> None:
+    import shutil
+
+    shutil.copytree(run / "eagle3" / "hs.zarr", tmp_path / "hs.zarr")
+    flip_byte(tmp_path / "hs.zarr", 3, "input_ids", at=4)
+    store = h5feed.Store(tmp_path / "hs.zarr")
+    with pytest.raises(CorruptSampleError) as info:
+        count_loss_tokens(store, MAX_LEN, VOCAB)
+    assert (info.value.sample, info.value.source_path) == (3, store.source_paths[3])
+    skipped = count_loss_tokens(store, MAX_LEN, VOCAB, on_corrupt="skip")
+    sound = h5feed.Store(run / "eagle3" / "hs.zarr")
+    t = min(int(sound.sample_lengths[3]), MAX_LEN)
+    raw = sound.read_sample(3, t)
+    missing = raw.input_ids[raw.loss_mask.bool()]
+    assert sum(count_loss_tokens(sound, MAX_LEN, VOCAB).values()) - sum(skipped.values()) == len(missing)
+    assert "skipping a damaged sample in the vocabulary counts (on_corrupt='skip')" in caplog.text
+
+
 # --------------------------------------------------------------------------- the command
 
 

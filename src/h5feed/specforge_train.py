@@ -127,15 +127,15 @@ def _vocab_mapping(cfg: Any, access: Any) -> str | None:
     """The store's EAGLE-3 vocabulary mapping file, made once, where SpecForge would derive one from its files."""
     from specforge.algorithms.contracts import FeatureMode
     from specforge.application import resolve_run
-    from specforge.data.preprocessing import process_token_dict_to_mappings
+
+    registration = resolve_run(cfg).algorithm
+    if FeatureMode.OFFLINE not in registration.providers.vocab_mapping_modes or cfg.model.vocab_mapping_path:
+        return None
     from specforge.modeling.target.target_utils import load_target_config, target_vocab_size
     from specforge.training.model_loading import resolve_draft_config
 
     from h5feed.integrations.specforge import OpenStores, count_loss_tokens, store_identity, vocab_mapping_path
 
-    registration = resolve_run(cfg).algorithm
-    if FeatureMode.OFFLINE not in registration.providers.vocab_mapping_modes or cfg.model.vocab_mapping_path:
-        return None
     draft_config = resolve_draft_config(cfg, provider=registration.providers.model.draft_config)
     draft_vocab = int(getattr(draft_config, "draft_vocab_size", draft_config.vocab_size))
     target_vocab = target_vocab_size(load_target_config(cfg.model.target_model_path, cache_dir=cfg.model.cache_dir,
@@ -145,6 +145,8 @@ def _vocab_mapping(cfg: Any, access: Any) -> str | None:
     store = OpenStores(access).get(cfg.data.hidden_states_path)
     path = vocab_mapping_path(cfg.data.cache_dir, store_identity(store, cfg.data.max_length), draft_vocab, target_vocab)
     if not path.is_file():
+        from specforge.data.preprocessing import process_token_dict_to_mappings
+
         counts = count_loss_tokens(store, cfg.data.max_length, target_vocab, access.on_corrupt)
         d2t, t2d = process_token_dict_to_mappings(counts, draft_vocab, target_vocab)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, get_args
@@ -61,6 +62,8 @@ DFLASH_FORMAT = "specforge-dflash-ckpt"
 AUX_KEYS = ("aux_hidden_state", "hidden_states")  # EAGLE-3's name, DSpark's / DFlash's name
 LAST_KEYS = ("hidden_state", "target_last_hidden_states")
 TOKEN_KEYS = ("input_ids", "loss_mask")
+COUNT_THREADS = 8  # reads in flight while the vocabulary counts are made
+COUNT_WINDOW = 256  # samples whose ids are read ahead of the counting
 
 
 @dataclass(frozen=True)
@@ -272,26 +275,39 @@ def count_loss_tokens(store: Store, max_length: int, target_vocab_size: int, on_
     sample's first max_length tokens, counted in SpecForge's file order and, within a sample, in ascending id order,
     as it counts (a Counter's ties are broken by that order when SpecForge picks the draft vocabulary).  Only the
     ids and masks are read."""
-    counts: Counter = Counter()
-    for i in sample_order(store):
+    def supervised_ids(i: int) -> torch.Tensor | CorruptSampleError:
         t = min(int(store.sample_lengths[i]), max_length)
         ids, mask = torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64)
         try:
             store.read_rows_into(i, "input_ids", 0, t, ids)
             store.read_rows_into(i, "loss_mask", 0, t, mask)
         except CorruptSampleError as error:
-            if on_corrupt == "raise":
-                raise
-            log.error("skipping a damaged sample in the vocabulary counts (on_corrupt='skip'): %s", error)
-            continue
-        selected = ids[mask.to(dtype=torch.bool)]
-        if selected.numel() and int(selected.max()) >= target_vocab_size:
-            raise StoreError(store.path, f"sample {i} (converted from {store.source_paths[i]}) holds token id "
-                             f"{int(selected.max())}, outside the target vocab size {target_vocab_size}")
-        token_ids, frequencies = selected.unique(return_counts=True)
-        for token_id, frequency in zip(token_ids.tolist(), frequencies.tolist()):
-            counts[int(token_id)] += int(frequency)
+            return error
+        return ids[mask.to(dtype=torch.bool)]
+
+    counts: Counter = Counter()
+    order = sample_order(store)
+    with ThreadPoolExecutor(COUNT_THREADS) as pool:  # reads overlap (a cold disk, a bucket); counts stay in order
+        for start in range(0, len(order), COUNT_WINDOW):  # a window at a time: memory bounded whatever the store
+            window = order[start : start + COUNT_WINDOW]
+            for i, selected in zip(window, pool.map(supervised_ids, window)):
+                if isinstance(selected, CorruptSampleError):
+                    if on_corrupt == "raise":
+                        raise selected
+                    log.error("skipping a damaged sample in the vocabulary counts (on_corrupt='skip'): %s", selected)
+                    continue
+                _count(store, i, selected, target_vocab_size, counts)
     return counts
+
+
+def _count(store: Store, i: int, selected: torch.Tensor, target_vocab_size: int, counts: Counter) -> None:
+    """Add one sample's supervised ids to `counts`, as SpecForge adds a file's."""
+    if selected.numel() and int(selected.max()) >= target_vocab_size:
+        raise StoreError(store.path, f"sample {i} (converted from {store.source_paths[i]}) holds token id "
+                         f"{int(selected.max())}, outside the target vocab size {target_vocab_size}")
+    token_ids, frequencies = selected.unique(return_counts=True)
+    for token_id, frequency in zip(token_ids.tolist(), frequencies.tolist()):
+        counts[int(token_id)] += int(frequency)
 
 
 def store_identity(store: Store, max_length: int) -> str:
