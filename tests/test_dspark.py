@@ -82,7 +82,8 @@ def test_a_file_of_neither_key_set_is_refused_naming_both(tmp_path: Path) -> Non
     assert info.value.problem == (
         "keys ('input_ids', 'hidden_states') are neither SpecForge EAGLE-3's ('aux_hidden_state' + 'hidden_state') "
         "nor SpecForge DSpark's ('hidden_states' + 'target_last_hidden_states'): if another pipeline wrote it, "
-        "name that pipeline's format with --format")
+        "name that pipeline's format with --format (SpecForge DFlash's and Domino's files, 'hidden_states' alone, "
+        "are specforge-dflash-ckpt and convert into a store of their own)")
     with pytest.raises(SourceError, match="data_1.ckpt"):
         h5feed.convert(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)
 

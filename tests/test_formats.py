@@ -219,6 +219,7 @@ def test_norm_and_names() -> None:
         "speculators-legacy-pt": "pre",
         "speculators-v0-pt": "post",
         "specforge-ckpt": "post",
+        "specforge-dflash-ckpt": None,  # it stores no last state (tests/test_specforge_formats.py)
         "speculators-safetensors": "pre",
         "modelopt-pt": None,  # the files say it, or the user does (tests/test_trainers.py)
         "angelslim-ckpt": None,
@@ -1145,6 +1146,9 @@ def test_formats_are_told_apart_by_their_keys(tmp_path: Path) -> None:
         "modelopt-pt": ("conv_7.pt", modelopt_dict()),
         "angelslim-ckpt": ("rank_0/rows_0-5000/data_0.ckpt", angelslim_dict()),
         "specforge-ckpt": ("rows_0-2000/data_0.ckpt", specforge_dict()),
+        "specforge-dflash-ckpt": ("rows_0-2000/data_0.ckpt", {"input_ids": torch.arange(3),
+                                                               "loss_mask": torch.ones(3, dtype=torch.int64),
+                                                               "hidden_states": torch.zeros(1, 3, H)}),
         "speculators-legacy-pt": ("data_0.pt", legacy_dict()),
     }
     for fmt, (name, d) in cases.items():
@@ -1155,11 +1159,11 @@ def test_formats_are_told_apart_by_their_keys(tmp_path: Path) -> None:
     assert detect_format(tmp_path / "named-like-legacy") is FORMATS["modelopt-pt"]
     write_synthetic(tmp_path / "nemo", "nemo-eagle3-cache", 3, H, K, lengths=(4, 6), seed=1)
     assert detect_format(tmp_path / "nemo") is FORMATS["nemo-eagle3-cache"]
-    save_sample(tmp_path / "neither" / "data_0.ckpt", {"input_ids": torch.arange(3), "hidden_states": torch.zeros(3, H)})
+    save_sample(tmp_path / "neither" / "data_0.ckpt", {"input_ids": torch.arange(3), "hidden": torch.zeros(3, H)})
     expect_error(lambda: detect_format(tmp_path / "neither"), tmp_path / "neither" / "data_0.ckpt",
-                 "keys ('input_ids', 'hidden_states') match neither SpecForge EAGLE-3 ('aux_hidden_state' + "
-                 "'hidden_state'), SpecForge DSpark ('hidden_states' + 'target_last_hidden_states') nor AngelSlim "
-                 "('hidden_states' + 'target_hiddens')")
+                 "keys ('input_ids', 'hidden') match neither SpecForge EAGLE-3 ('aux_hidden_state' + "
+                 "'hidden_state'), SpecForge DSpark ('hidden_states' + 'target_last_hidden_states'), SpecForge "
+                 "DFlash/Domino ('hidden_states' alone) nor AngelSlim ('hidden_states' + 'target_hiddens')")
 
 
 def test_modelopt_files_that_would_lose_something_are_refused(tmp_path: Path) -> None:

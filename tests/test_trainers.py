@@ -362,7 +362,7 @@ def test_modelopt_vllm_dumps_are_flagged_pre_norm_as_stated(made: Any) -> None:
         "flavor 'modelopt-0.45' needs the verifier's last hidden state after the final norm (post-norm), but this "
         "store holds it before the final norm (pre-norm) (converted from modelopt-pt); the two cannot be converted "
         "into each other without the verifier's final-norm weight. Flavors that fit this store: speculators-legacy, "
-        "speculators, modelopt, modelopt-answer-only")
+        "speculators, specforge-dflash, modelopt, modelopt-answer-only")
 
 
 @pytest.mark.parametrize("name", ["angelslim-hf", "angelslim-vllm"])
@@ -427,8 +427,9 @@ def test_nemo_items_and_batches(made: Any, name: str) -> None:
 
 
 def test_each_trainers_module_registers_its_flavors_once() -> None:
-    assert list(FLAVORS) == ["speculators-legacy", "speculators", "specforge", "specforge-shifted", "modelopt",
-                             "modelopt-answer-only", "modelopt-0.45", "angelslim", "nemo-eagle3"]
+    assert list(FLAVORS) == ["speculators-legacy", "speculators", "specforge", "specforge-shifted", "specforge-dflash",
+                             "specforge-dspark", "modelopt", "modelopt-answer-only", "modelopt-0.45", "angelslim",
+                             "nemo-eagle3"]
     with pytest.raises(ValueError, match="a flavor named 'speculators' is registered already"):
         register_flavors(FLAVORS["speculators"])
     with pytest.raises(ValueError, match="unknown flavor 'speculator'"):

@@ -67,14 +67,16 @@ def test_without_a_flavor_a_post_norm_store_names_the_flavors_that_fit(post_norm
     message = str(refused.value)
     assert message.startswith(f"{post_norm_store.path}: no flavor given, and the default (speculators-legacy")
     fits = message.split("the trainer whose batches to make: ")[1].split(", ")
-    assert fits == ["specforge", "specforge-shifted", "modelopt", "modelopt-answer-only", "modelopt-0.45", "angelslim"]
+    assert fits == ["specforge", "specforge-shifted", "specforge-dflash", "specforge-dspark", "modelopt",
+                    "modelopt-answer-only", "modelopt-0.45", "angelslim"]
     for name in fits:  # each one named does open the store
         HiddenStatesStream(post_norm_store.path, name, None if name == "angelslim" else 64)
 
 
 def test_the_wrong_norm_refusal_names_the_flavors_that_fit(post_norm_store):
     with pytest.raises(StoreError, match=r"final-norm weight\. Flavors that fit this store: specforge, "
-                                         r"specforge-shifted, modelopt, modelopt-answer-only, modelopt-0.45, angelslim$"):
+                                         r"specforge-shifted, specforge-dflash, specforge-dspark, modelopt, "
+                                         r"modelopt-answer-only, modelopt-0.45, angelslim$"):
         HiddenStatesStream(post_norm_store.path, "speculators", 64)
 
 

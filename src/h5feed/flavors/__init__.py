@@ -3,7 +3,7 @@
 `get_flavor(name)` gives a flavor, `trainer_collate(name, max_len)` its trainer's collate. The
 interface is in `h5feed.flavors.base`; each trainer is one module that registers its flavors:
 speculators (``speculators-legacy``, ``speculators``), SpecForge (``specforge``,
-``specforge-shifted``), Model-Optimizer (``modelopt``, ``modelopt-answer-only``,
+``specforge-shifted``, ``specforge-dflash``, ``specforge-dspark``), Model-Optimizer (``modelopt``, ``modelopt-answer-only``,
 ``modelopt-0.45``), AngelSlim (``angelslim``), NeMo Automodel (``nemo-eagle3``).
 """
 

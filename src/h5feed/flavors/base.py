@@ -31,8 +31,8 @@ from h5feed.errors import StoreError, unknown_name
 from h5feed.placement import place_items
 from h5feed.store import HIDDEN_ARRAYS, Allocator, LastStateNorm, RawSample, StoreInfo, shared_allocator
 
-FlavorName = Literal["speculators-legacy", "speculators", "specforge", "specforge-shifted", "modelopt",
-                     "modelopt-answer-only", "modelopt-0.45", "angelslim", "nemo-eagle3"]
+FlavorName = Literal["speculators-legacy", "speculators", "specforge", "specforge-shifted", "specforge-dflash",
+                     "specforge-dspark", "modelopt", "modelopt-answer-only", "modelopt-0.45", "angelslim", "nemo-eagle3"]
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 Item = dict[str, Any]
 Build = Callable[[RawSample, StoreInfo, "torch.dtype | None", "Transform | None", Allocator], Item]
@@ -51,7 +51,8 @@ class Flavor:
     extra_tokens: int  # tokens read beyond max_len: the shift needs one more
     build: Build
     collate: CollateFactory  # its trainer's collate: `trainer_collate` builds it
-    needs_target_probs: bool = False  # serves a NeMo cache (and only that); the others need a last state
+    needs_target_probs: bool = False  # serves a NeMo cache (and only that)
+    needs_last_state: bool = True  # False: its items hold the aux states only (SpecForge's DFlash family)
     reads_loss_mask: bool = True  # False: the trainer never looks at the stored loss mask
     truncates: bool = True  # False: the trainer's dataset yields whole samples; max_len does not apply
     extras: Callable[[StoreInfo], tuple[str, ...]] = lambda info: ()  # the optional arrays its items use
@@ -78,11 +79,15 @@ class Flavor:
                 raise ValueError(f"flavor {self.name!r} yields the cache's fixed seq_length ({seq_length}) tokens: "
                                  f"max_len must be None or {seq_length}, not {max_len}")
             return
-        if not info.has_last_state or info.ids_shifted:
+        if info.ids_shifted:
             raise StoreError(path, f"flavor {self.name!r} needs the verifier's last hidden state and every token from "
                              f"token 0, but this store ({whence}) holds no last hidden state and its input_ids and "
                              "loss_mask are shifted left by one (token 0 is gone), as a NeMo Automodel EAGLE-3 cache "
                              "stores them: serve it with flavor 'nemo-eagle3'")
+        if self.needs_last_state and not info.has_last_state:
+            raise StoreError(path, f"flavor {self.name!r} needs the verifier's last hidden state, which this store "
+                             f"({whence}) does not hold: its samples have the captured layers only, as SpecForge's "
+                             "DFlash and Domino files do: serve it with flavor 'specforge-dflash'")
         held, wanted = info.last_state_norm, self.last_state_norm
         if wanted is not None and held != wanted:
             raise StoreError(
@@ -335,7 +340,8 @@ def trainer_collate(
     Args:
         flavor: ``speculators-legacy`` (0.4 `create_collate_fn(max_len)`), ``speculators``
             (0.7+ `CollateFn(max_len, ..., preprocess=shift_batch)`), ``specforge`` or
-            ``specforge-shifted`` (`DataCollatorWithPadding`), ``modelopt``, ``modelopt-answer-only``,
+            ``specforge-shifted`` (`DataCollatorWithPadding`), ``specforge-dflash``, ``specforge-dspark``
+            (SpecForge 0.2's `pad_and_concatenate_features`), ``modelopt``, ``modelopt-answer-only``,
             ``modelopt-0.45`` (`EagleOfflineDataCollator(training_seq_len)`), ``angelslim``
             (`DataCollatorWithPadding`), ``nemo-eagle3`` (`_collate_cached`).
         max_len: the trainer's max_len / total_seq_len / training_seq_len (speculators packs into it,

@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_LOCK_TIMEOUT_S", "Companion", "ExtraArray", "FormatName", "S
 DEFAULT_LOCK_TIMEOUT_S = 60.0  # how long a conversion waits for files their writer still holds locked (vLLM's)
 
 FormatName = Literal[
-    "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
+    "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "specforge-dflash-ckpt", "speculators-safetensors",
     "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors",
 ]
 

@@ -191,7 +191,7 @@ class CheckedSample:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor | None
     aux: list[torch.Tensor] | torch.Tensor  # list: concatenate along -1
-    last: torch.Tensor
+    last: torch.Tensor | None  # None: the format stores no last state (the shape's hidden_size says H)
     shape: SampleShape
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [T, width] or [T], as the shape lists them
 
@@ -200,8 +200,9 @@ class CheckedSample:
             input_ids=ids_to_int64(path, self.input_ids, "input_ids"),
             loss_mask=mask_to_int64(self.loss_mask),
             aux_parts=list(self.aux) if isinstance(self.aux, list) else [self.aux],
-            last_hidden_state=self.last.contiguous(),
+            last_hidden_state=self.last.contiguous() if self.last is not None else None,
             extras={name: tensor.contiguous() for name, tensor in self.extras.items()},
+            hidden_size=self.shape.hidden_size,
             layout=self.shape.layout,
             last_state_norm=self.shape.last_state_norm,
         )

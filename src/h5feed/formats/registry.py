@@ -17,7 +17,7 @@ from h5feed.formats.modelopt import ModelOptPt
 from h5feed.formats.nemo import NemoEagle3Cache
 from h5feed.formats.safe_load import gz_head_dict, load_torch_dict
 from h5feed.formats.safetensors_file import open_safetensors
-from h5feed.formats.specforge import DSPARK_KEYS, EAGLE3_KEYS, SpecForgeCkpt
+from h5feed.formats.specforge import DSPARK_KEYS, EAGLE3_KEYS, SpecForgeCkpt, SpecForgeDFlashCkpt
 from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors, SpeculatorsV0Pt
 from h5feed.formats.vllm import VllmSafetensors
 from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
@@ -27,15 +27,16 @@ __all__ = ["FORMATS", "detect_format", "last_state_norm_of"]
 
 FORMATS: dict[FormatName, SourceFormat] = {
     f.name: f
-    for f in (cls.shared() for cls in (SpeculatorsLegacyPt, SpeculatorsV0Pt, SpecForgeCkpt, SpeculatorsSafetensors,
-                                       ModelOptPt, AngelSlimCkpt, NemoEagle3Cache, VllmSafetensors))
+    for f in (cls.shared() for cls in (SpeculatorsLegacyPt, SpeculatorsV0Pt, SpecForgeCkpt, SpecForgeDFlashCkpt,
+                                       SpeculatorsSafetensors, ModelOptPt, AngelSlimCkpt, NemoEagle3Cache,
+                                       VllmSafetensors))
 }
 
 
 def _format_of_keys(d: dict, extension: str) -> FormatName | None:
     """The format a sample file's keys say (None: no known one).  ``hidden_states`` is a list in speculators
-    legacy, the last state in Model-Optimizer and the aux concat in AngelSlim and SpecForge DSpark: the companions
-    decide."""
+    legacy, the last state in Model-Optimizer and the aux concat in AngelSlim and SpecForge DSpark and DFlash: the
+    companions decide (a DFlash-family file has none)."""
     if extension == ".pt":
         if isinstance(d.get("hidden_states"), (list, tuple)):
             return "speculators-legacy-pt"
@@ -48,6 +49,8 @@ def _format_of_keys(d: dict, extension: str) -> FormatName | None:
         return "specforge-ckpt"
     if "target_hiddens" in d:
         return "angelslim-ckpt"
+    if "hidden_states" in d:
+        return "specforge-dflash-ckpt"
     return None
 
 
@@ -55,7 +58,8 @@ _KEYS_EXPECTED = {
     ".pt": "speculators legacy ('hidden_states' list), speculators v0 ('hidden_state' + 'target') nor "
            "Model-Optimizer ('hidden_states' + 'aux_hidden_states' or 'hidden_state_features')",
     ".ckpt": "SpecForge EAGLE-3 ('aux_hidden_state' + 'hidden_state'), SpecForge DSpark ('hidden_states' + "
-             "'target_last_hidden_states') nor AngelSlim ('hidden_states' + 'target_hiddens')",
+             "'target_last_hidden_states'), SpecForge DFlash/Domino ('hidden_states' alone) nor AngelSlim "
+             "('hidden_states' + 'target_hiddens')",
 }
 
 
