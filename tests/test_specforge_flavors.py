@@ -119,6 +119,12 @@ def test_a_dflash_store_serves_only_the_dflash_flavor(captured) -> None:
             "and Domino files do: serve it with flavor 'specforge-dflash'")
 
 
+def test_a_loader_given_no_flavor_on_a_dflash_store_names_the_flavors_that_serve_it(captured) -> None:
+    _, store = captured("dflash")
+    with pytest.raises(ValueError, match=r"\): pass flavor=, the trainer whose batches to make: specforge-dflash$"):
+        h5feed.BatchLoader(store.path, max_len=16)
+
+
 def test_an_eagle3_or_dspark_store_serves_the_dflash_flavor_its_captured_layers(captured, assert_same_batch) -> None:
     """An EAGLE-3 store's aux layers are the `hidden_states` a DFlash draft reads (its last state left unread)."""
     for algorithm, aux_key in (("eagle3", "aux_hidden_state"), ("dspark", "hidden_states")):

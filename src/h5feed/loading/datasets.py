@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert, get_worker_info
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
-from h5feed.flavors import Flavor, FlavorName, Item, Transform, flavors_for_norm, get_flavor
+from h5feed.flavors import FLAVORS, Flavor, FlavorName, Item, Transform, get_flavor
 from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, open_followed
 from h5feed.loading.options import ItemOptions, OnCorrupt, SampleSelector, ScheduleOptions, StoreOptions
 from h5feed.loading.readahead import ReadAhead
@@ -215,9 +215,10 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
     Args:
         store: an h5feed store: a local path, an fsspec URL (s3://, gs://, az://, https://, ...), or an open `Store`.
         flavor: whose items to yield: ``speculators-legacy`` (0.4, shifted), ``speculators`` (0.5+),
-            ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22), ``modelopt``,
-            ``modelopt-answer-only``, ``modelopt-0.45`` (Model-Optimizer), ``angelslim``, ``nemo-eagle3``
-            (NeMo Automodel's cache); docs/pipelines.md.
+            ``specforge``, ``specforge-shifted`` (SpecForge before 2026-01-22), ``specforge-dflash`` (SpecForge
+            0.2's DFlash and Domino), ``specforge-dspark``, ``modelopt``, ``modelopt-answer-only``,
+            ``modelopt-0.45`` (Model-Optimizer), ``angelslim``, ``nemo-eagle3`` (NeMo Automodel's cache);
+            docs/pipelines.md.
         max_len: the trainer's max_len: only the tokens its collate can use are read.
         transform: called with the item dict where the trainer calls it (speculators noise transforms).
             With a random transform and max_len, the noise is drawn on the rows read only.
@@ -617,10 +618,9 @@ def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor:
 def _default_flavor(store: Store) -> str:
     """speculators-legacy, the loaders' default, where it fits the store; otherwise a ValueError that names the
     flavors that do (the trainers' batches differ: a guess would hand one batches it does not expect)."""
-    norm = store.info.last_state_norm
-    if store.info.has_last_state and norm == get_flavor("speculators-legacy").last_state_norm:
-        return "speculators-legacy"
-    fits = [name for name in flavors_for_norm(norm) if _fits(name, store)] if store.info.has_last_state else ["nemo-eagle3"]
+    if store.info.has_last_state and store.info.last_state_norm == get_flavor("speculators-legacy").last_state_norm:
+        return "speculators-legacy"  # where it refuses the store for another reason, its own error says why
+    fits = [name for name in FLAVORS if _fits(name, store)]
     raise ValueError(f"{store.path}: no flavor given, and the default (speculators-legacy, which needs a pre-norm last "
                      f"hidden state) does not fit this store (converted from {store.info.source_format}): pass "
                      f"flavor=, the trainer whose batches to make: {', '.join(fits)}")
