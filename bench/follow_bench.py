@@ -56,8 +56,8 @@ def follow(store: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The trainer: every sample the writers publish, one batch of one per simulated step."""
     while not (store / "zarr.json").exists():  # the first writer creates the store with its first sample
         time.sleep(0.01)
-    stream = h5feed.HiddenStatesStream(store, shuffle=False, max_len=args.max_len, hidden_states_dtype=torch.bfloat16,
-                                       follow=h5feed.Follow(poll_s=0.02))
+    stream = h5feed.HiddenStatesStream(store, max_len=args.max_len, hidden_states_dtype=torch.bfloat16,
+                                       schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow(poll_s=0.02)))
     loader = h5feed.StreamLoader(stream, batch_size=1, num_workers=args.workers,
                                  collate_fn=create_collate_fn(args.max_len))
     waits: list[float] = []

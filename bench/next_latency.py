@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,8 @@ def store_for(cache: Path, shape: str) -> Path:
     return store
 
 
-def next_latencies(store: Path, steps: int, step_seconds: float, **loader_kwargs: int) -> tuple[list[float], list[float]]:
+def next_latencies(store: Path, steps: int, step_seconds: float,
+                   **loader_kwargs: Any) -> tuple[list[float], list[float]]:
     """Seconds of each `next()`, and of each drop of the batch before (what gives its slot back), after warm-up."""
     loader = BatchLoader(store, flavor="speculators-legacy", max_len=1024, hidden_states_dtype=torch.bfloat16,
                          batch_size=1, **loader_kwargs)
@@ -72,7 +74,8 @@ def main() -> None:
     print(f"h5feed from {Path(h5feed.__file__).parent}")
     for shape in SHAPES:
         store = store_for(args.cache, shape)
-        for name, kwargs in (("2 workers", {"num_workers": 2}), ("2 threads", {"threads": 2})):
+        for name, kwargs in (("2 workers", {"num_workers": 2}),
+                             ("2 threads", {"decode": h5feed.ThreadsOptions(threads=2)})):
             taken, dropped = next_latencies(store, args.steps, args.step_ms / 1e3, **kwargs)
             ms = sorted(s * 1e3 for s in taken)
             p90 = ms[int(0.9 * (len(ms) - 1))]

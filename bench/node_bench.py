@@ -207,19 +207,18 @@ def die_with_parent() -> None:
 def build_loader(job: RankJob, cuda: bool) -> Any:
     """This rank's loader over its shard: rank r of N of the unshuffled store."""
     store = Store(job.store)
-    stream_args: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": job.max_len,
-                                   "hidden_states_dtype": torch.bfloat16, "batch_size": 1, "shuffle": False,
-                                   "rank": job.rank, "world_size": job.ranks}
-    if job.repeat > 1:
-        stream_args["samples"] = list(range(len(store))) * job.repeat
-    on_gpu = {"device": "cuda"} if cuda else {}  # as a GPU trainer's BatchLoader delivers: copied a batch ahead
+    schedule = h5feed.ScheduleOptions(samples=list(range(len(store))) * job.repeat if job.repeat > 1 else None,
+                                      shuffle=False, rank=job.rank, world_size=job.ranks)
+    items: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": job.max_len,
+                             "hidden_states_dtype": torch.bfloat16, "schedule": schedule}
+    device = "cuda" if cuda else None  # as a GPU trainer's BatchLoader delivers: copied a batch ahead
     if job.loader == "workers":
-        return h5feed.BatchLoader(store, **stream_args, num_workers=job.workers, **on_gpu)
+        return h5feed.BatchLoader(store, **items, num_workers=job.workers, device=device)
     if job.loader == "threads":
-        return h5feed.BatchLoader(store, **stream_args, threads=job.workers, **on_gpu)
+        return h5feed.BatchLoader(store, **items, decode=h5feed.ThreadsOptions(threads=job.workers, device=device))
     if job.loader == "cuda":
-        return h5feed.BatchLoader(store, **stream_args, decode="cuda", threads=job.workers)
-    sequence = HiddenStatesStream(store, **stream_args).rank_sequence()  # the same samples as h5feed's
+        return h5feed.BatchLoader(store, **items, decode=h5feed.CudaOptions(threads=job.workers))
+    sequence = HiddenStatesStream(store, **items).rank_sequence()  # the same samples as h5feed's
     root = Path(store.info.source_root)
     dataset = Eagle3SampleFileDataset(max_len=job.max_len, file_list=[root / p for p in store.source_paths],
                                       hidden_states_dtype=torch.bfloat16)

@@ -481,10 +481,12 @@ def evaluate(drafter: Drafter, head: VerifierHead, batches: list[dict[str, torch
     return DrafterEval(step, loss / weight, agree / weight, correct / max(next_weight, 1.0))
 
 
-def loader(store: Path, samples: list[int], args: argparse.Namespace, **stream: Any) -> Any:
-    workers = {"num_workers": args.loader_workers} if args.loader_workers else {"threads": 1}
+def loader(store: Path, samples: list[int], args: argparse.Namespace, shuffle: bool = True) -> Any:
+    decode = (h5feed.WorkersOptions(num_workers=args.loader_workers) if args.loader_workers
+              else h5feed.ThreadsOptions(threads=1))
     return h5feed.BatchLoader(store, flavor=FLAVOR, max_len=args.token_range[1], batch_size=1,
-                              hidden_states_dtype=torch.bfloat16, samples=samples, seed=args.seed, **workers, **stream)
+                              hidden_states_dtype=torch.bfloat16, decode=decode,
+                              schedule=h5feed.ScheduleOptions(samples=samples, seed=args.seed, shuffle=shuffle))
 
 
 def eval_batches(store: Path, samples: list[int], args: argparse.Namespace,

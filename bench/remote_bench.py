@@ -61,7 +61,16 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this checkout's h5fee
 
 from s3_server import CREDENTIALS, REGION, boto3_client
 
-from h5feed import BatchLoader, HiddenStatesStream, Store, StreamLoader
+from h5feed import (
+    BatchLoader,
+    HiddenStatesStream,
+    ReadOptions,
+    ScheduleOptions,
+    Store,
+    StoreOptions,
+    StreamLoader,
+    WorkersOptions,
+)
 from h5feed.baseline import create_collate_fn
 from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_table
 from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
@@ -325,8 +334,11 @@ class FetchPass:
 
 
 def stream(location: str | Path, samples: list[int], args: argparse.Namespace, **options: Any) -> HiddenStatesStream:
-    return HiddenStatesStream(location, "speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16,
-                              samples=samples, shuffle=False, prefetch=args.prefetch, **options)
+    """The drop-in stream over `location`, opened with `options` (`StoreOptions`' storage_options, cache_dir)."""
+    return HiddenStatesStream(StoreOptions(location, **options), "speculators-legacy", max_len=2048,
+                              hidden_states_dtype=torch.bfloat16,
+                              schedule=ScheduleOptions(samples=samples, shuffle=False),
+                              reading=ReadOptions(prefetch=args.prefetch))
 
 
 def trainer_loader(dataset: HiddenStatesStream, workers: int) -> StreamLoader:
@@ -380,9 +392,10 @@ def bench_loaders(delay: float, store_path: Path, args: argparse.Namespace) -> l
             loader = trainer_loader(dataset, args.workers)
             trials.setdefault("stream", []).append(meter.measure(
                 delay, f"StreamLoader + 0.4 collate, {args.workers} workers", n, iterate(loader), dataset.counters))
-            batches = BatchLoader(url, flavor="speculators-legacy", max_len=2048, hidden_states_dtype=torch.bfloat16,
-                                  batch_size=1, num_workers=args.workers,
-                                  samples=samples, shuffle=False, prefetch=args.prefetch, **options)
+            batches = BatchLoader(StoreOptions(url, **options), flavor="speculators-legacy", max_len=2048,
+                                  hidden_states_dtype=torch.bfloat16, batch_size=1,
+                                  decode=WorkersOptions(num_workers=args.workers, prefetch=args.prefetch),
+                                  schedule=ScheduleOptions(samples=samples, shuffle=False))
             trials.setdefault("batches", []).append(meter.measure(
                 delay, f"BatchLoader, {args.workers} workers", n, iterate(batches), batches.dataset.counters))
             run = meter.measure(delay, "h5feed fetch path alone (no decoding), 1 process", n, fetch_pass)

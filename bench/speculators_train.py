@@ -105,7 +105,8 @@ def child(arm: str, record: Path, train_argv: list[str]) -> None:
             batch_size = max(1, round(len(dataset) / len(train_loader)))
             train_loader = h5feed.BatchLoader(store, flavor="speculators", max_len=kwargs["total_seq_len"],
                                               hidden_states_dtype=torch.bfloat16, batch_size=batch_size,
-                                              num_workers=kwargs["num_workers"], samples=samples, seed=kwargs["seed"])
+                                              num_workers=kwargs["num_workers"],
+                                              schedule=h5feed.ScheduleOptions(samples=samples, seed=kwargs["seed"]))
         return TimedLoader(train_loader, record), val_loader
 
     train_cli.create_train_val_loaders = timed_loaders  # the bench's process only: speculators' files are unchanged

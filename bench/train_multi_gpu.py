@@ -83,7 +83,8 @@ def build_loader(name: str, store: Store, args: argparse.Namespace, pin: bool) -
     `h5feed-stream`: the drop-in stream in a DataLoader with speculators 0.4's collate; `baseline`:
     speculators 0.4's `.pt` dataset in the same DataLoader, with the same collate and pin_memory."""
     stream_args: dict[str, Any] = {"flavor": "speculators-legacy", "max_len": args.max_len,
-                                   "hidden_states_dtype": torch.bfloat16, "seed": args.seed}
+                                   "hidden_states_dtype": torch.bfloat16,
+                                   "schedule": h5feed.ScheduleOptions(seed=args.seed)}
     stream = HiddenStatesStream(store, **stream_args)
     sequence = stream.rank_sequence()  # the same samples in the same order for every loader
     if name == "h5feed-batch":

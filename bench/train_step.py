@@ -226,7 +226,8 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
     modelopt = args.flavor == "modelopt"
     collate = modelopt_collate(args.max_len) if modelopt else create_collate_fn(args.max_len)  # the trainers' own
     stream_args: dict[str, Any] = {"flavor": args.flavor, "max_len": args.max_len,
-                                   "hidden_states_dtype": torch.bfloat16, "seed": args.seed}
+                                   "hidden_states_dtype": torch.bfloat16,
+                                   "schedule": h5feed.ScheduleOptions(seed=args.seed)}
     order = HiddenStatesStream(store, **stream_args).epoch_order()
     common: dict[str, Any] = {"batch_size": 1, "num_workers": workers, "collate_fn": collate, "pin_memory": pin}
 
@@ -244,7 +245,8 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
         "baseline": baseline,
         "h5feed-stream": lambda: StreamLoader(HiddenStatesStream(store, **stream_args), **common),
         "h5feed-batch": lambda: h5feed.BatchLoader(store, **stream_args, num_workers=workers),
-        "h5feed-batch-threads": lambda: h5feed.BatchLoader(store, **stream_args, threads=workers),
+        "h5feed-batch-threads": lambda: h5feed.BatchLoader(store, **stream_args,
+                                                           decode=h5feed.ThreadsOptions(threads=workers)),
         "h5feed-gpu": lambda: _cuda_batch_loader(store, stream_args, workers),
     }
 
@@ -252,7 +254,7 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
 def _cuda_batch_loader(store: Store, stream_args: dict[str, Any], threads: int) -> Any:
     from h5feed import CudaBatchLoader
 
-    return CudaBatchLoader(store, **stream_args, threads=threads)
+    return CudaBatchLoader(store, h5feed.CudaOptions(threads=threads), **stream_args)
 
 
 # --- the run --------------------------------------------------------------------------------------

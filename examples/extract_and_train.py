@@ -85,8 +85,8 @@ def tiny_drafter_class() -> Any:
 
 def train_following(store: Path, max_len: int, poll_s: float = 0.05) -> list[float]:
     """The tiny drafter, one sample per step, on each sample as soon as the writer publishes it."""
-    stream = h5feed.HiddenStatesStream(store, max_len=max_len, shuffle=False, hidden_states_dtype=torch.bfloat16,
-                                       follow=h5feed.Follow(poll_s=poll_s))
+    following = h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow(poll_s=poll_s))
+    stream = h5feed.HiddenStatesStream(store, max_len=max_len, hidden_states_dtype=torch.bfloat16, schedule=following)
     info = stream.store.info
     drafter = tiny_drafter_class()(info.hidden_size, info.num_aux_layers)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)

@@ -9,7 +9,7 @@ The swap, where `train_eagle3.py` builds its offline dataloader:
     # after: the same padded batches, decoded straight into page-locked, recycled batch buffers
     # (flavor="specforge-shifted" for SpecForge builds before 2026-01-22, whose dataset shifted)
     loader = h5feed.BatchLoader("/data/hs.zarr", flavor="specforge", max_len=M, batch_size=B, num_workers=4,
-                                rank=dp_rank, world_size=dp_size)
+                                schedule=h5feed.ScheduleOptions(rank=dp_rank, world_size=dp_size))
 
     python examples/specforge.py /data/hs.zarr --max-len 2048 --workers 4 --steps 100
 """
@@ -44,8 +44,9 @@ class TinyDrafter(nn.Module):
 def make_loader(store: str, loader: str, flavor: str, max_len: int, batch_size: int, workers: int, seed: int) -> Any:
     if loader == "batch":
         return h5feed.BatchLoader(store, flavor=flavor, max_len=max_len, batch_size=batch_size, num_workers=workers,
-                                  seed=seed)
-    stream = h5feed.HiddenStatesStream(store, flavor=flavor, max_len=max_len, seed=seed)
+                                  schedule=h5feed.ScheduleOptions(seed=seed))
+    stream = h5feed.HiddenStatesStream(store, flavor=flavor, max_len=max_len,
+                                       schedule=h5feed.ScheduleOptions(seed=seed))
     return h5feed.StreamLoader(stream, batch_size=batch_size, num_workers=workers, pin_memory=torch.cuda.is_available(),
                                collate_fn=h5feed.trainer_collate(flavor, max_len))
 

@@ -61,9 +61,10 @@ def add_uniform_noise(batch: dict[str, Any], std: float) -> None:
 def make_loader(store: str, loader: str, max_len: int, batch_size: int, workers: int, seed: int) -> Any:
     if loader == "batch":
         return h5feed.BatchLoader(store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=torch.bfloat16,
-                                  batch_size=batch_size, num_workers=workers, seed=seed)
+                                  batch_size=batch_size, num_workers=workers,
+                                  schedule=h5feed.ScheduleOptions(seed=seed))
     stream = h5feed.HiddenStatesStream(store, flavor=FLAVOR, max_len=max_len, hidden_states_dtype=torch.bfloat16,
-                                       seed=seed)
+                                       schedule=h5feed.ScheduleOptions(seed=seed))
     return h5feed.StreamLoader(stream, batch_size=batch_size, num_workers=workers, pin_memory=torch.cuda.is_available(),
                                collate_fn=h5feed.trainer_collate(FLAVOR, max_len))
 

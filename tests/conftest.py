@@ -324,3 +324,45 @@ class SlowDataset(torch.utils.data.Dataset):
             counters.add_decode(self.delay)
         counters.end_sample(i, 100)
         return torch.zeros(1000)
+
+
+def _options_of(kwargs: dict[str, Any], *kinds: type) -> list[dict[str, Any]]:
+    """`kwargs` split by the option objects whose fields they are (popped from `kwargs`), one dict per kind."""
+    from dataclasses import fields
+
+    return [{name: kwargs.pop(name) for name in [f.name for f in fields(kind)] if name in kwargs} for kind in kinds]
+
+
+def make_stream(store: Any, flavor: str = "speculators", max_len: int | None = None, **kwargs: Any) -> Any:
+    """The tests' shorthand for a `HiddenStatesStream`: loose keyword arguments (seed=, rank=, threads=,
+    storage_options=, ...) each put into its option object by the field it names; the rest passed as they are."""
+    from h5feed import HiddenStatesStream, ReadOptions, ScheduleOptions, StoreOptions
+
+    schedule, reading, where = _options_of(kwargs, ScheduleOptions, ReadOptions, StoreOptions)
+    where.pop("location", None)
+    return HiddenStatesStream(StoreOptions(store, **where) if where else store, flavor, max_len,
+                              schedule=ScheduleOptions(**schedule), reading=ReadOptions(**reading), **kwargs)
+
+
+def make_batch_loader(data: Any, **kwargs: Any) -> Any:
+    """The tests' shorthand for a `BatchLoader`: schedule and store arguments into their option objects, and the
+    backend's own (threads=, prefetch=, decode_group=, ...) into the options of the backend they name (decode="cuda":
+    the GPU decoder's; num_workers > 0: the worker processes'; else the reader threads')."""
+    from h5feed import BatchLoader, CudaOptions, ScheduleOptions, StoreOptions, ThreadsOptions, WorkersOptions
+
+    schedule, where = _options_of(kwargs, ScheduleOptions, StoreOptions)
+    where.pop("location", None)
+    decode = kwargs.pop("decode", "cpu")
+    backend = CudaOptions if decode == "cuda" else WorkersOptions if kwargs.get("num_workers") else ThreadsOptions
+    if isinstance(decode, str) and decode != "auto":
+        own = _options_of(kwargs, backend)[0]
+        others = _options_of(kwargs, WorkersOptions, ThreadsOptions, CudaOptions)  # another backend's: not used
+        kwargs.update({name: value for kind in others for name, value in kind.items() if name in ("num_workers",
+                                                                                                  "device")})
+        if own.keys() - {"num_workers", "device"}:
+            if not kwargs.pop("num_workers", 0) or backend is WorkersOptions:  # 0: threads, as BatchLoader reads it
+                decode = backend(**own)
+        else:
+            kwargs.update(own)
+    return BatchLoader(StoreOptions(data, **where) if where else data, decode=decode,
+                       schedule=ScheduleOptions(**schedule) if schedule else None, **kwargs)

@@ -72,9 +72,9 @@ def restated_collate(flavor: str, max_len: int | None) -> Any:
 
 
 def reference(path: Path, flavor: str, max_len: int | None, batch_size: int, epoch: int = 0,
-              **stream_kwargs: Any) -> list[Any]:
+              **schedule: Any) -> list[Any]:
     """What the trainer gets from a DataLoader over the flavor's items with its own collate."""
-    stream = HiddenStatesStream(path, flavor, max_len, **stream_kwargs)
+    stream = HiddenStatesStream(path, flavor, max_len, schedule=h5feed.ScheduleOptions(**schedule))
     stream.set_epoch(epoch)
     return list(StreamLoader(stream, batch_size=batch_size, collate_fn=restated_collate(flavor, max_len)))
 
@@ -108,8 +108,9 @@ def test_a_short_batch_after_a_long_one_in_the_same_slot(store: Any, name: str, 
     path = store(name)
     for batch_size, order in ((1, [2, 4, 0, 6, 1, 7, 3, 5]),  # slot 0: 11 tokens, then 3; slot 1: 9, then 30
                               (2, [1, 7, 3, 5, 2, 4, 0, 6])):  # slot 0: 30 and 28 tokens, then 11 and 9
-        loader = BatchLoader(path, flavor=flavor, max_len=max_len, batch_size=batch_size, threads=1, prefetch=1,
-                             samples=order, shuffle=False)
+        loader = BatchLoader(path, flavor=flavor, max_len=max_len, batch_size=batch_size,
+                             schedule=h5feed.ScheduleOptions(samples=order, shuffle=False),
+                             decode=h5feed.ThreadsOptions(threads=1, prefetch=1))
         assert loader.backend.slots_per_worker == 3
         assert_same(one_pass(loader), reference(path, flavor, max_len, batch_size, samples=order, shuffle=False))
 

@@ -17,6 +17,7 @@ from h5feed import BatchLoader, StoreError, trainer_collate
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.loading.slots import FREE
 from h5feed.store import Store
+import h5feed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -41,9 +42,10 @@ def store_for(flavor, legacy_store, specforge_store):
     return (specforge_store if flavor.startswith("specforge") else legacy_store).path
 
 
-def reference(path, flavor, max_len, batch_size, **stream_kwargs):
+def reference(path, flavor, max_len, batch_size, hidden_states_dtype=None, **schedule):
     """What the trainer gets today: DataLoader(HiddenStatesStream) with the trainer's collate."""
-    stream = HiddenStatesStream(path, flavor, max_len, **stream_kwargs)
+    stream = HiddenStatesStream(path, flavor, max_len, hidden_states_dtype=hidden_states_dtype,
+                                schedule=h5feed.ScheduleOptions(**schedule))
     collate = trainer_collate(flavor, max_len, hidden_states_dtype=stream.hidden_states_dtype)
     return list(StreamLoader(stream, batch_size=batch_size, collate_fn=collate))
 
@@ -69,7 +71,7 @@ def test_threads_equal_collated_items(legacy_store, specforge_store, assert_same
     path = store_for(flavor, legacy_store, specforge_store)
     dtype = torch.bfloat16 if flavor == "speculators-legacy" else None
     loader = BatchLoader(path, flavor=flavor, max_len=max_len, hidden_states_dtype=dtype, batch_size=batch_size,
-                         threads=2, seed=3)
+                         schedule=h5feed.ScheduleOptions(seed=3), decode=h5feed.ThreadsOptions(threads=2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no batch may leave the slot ring
         got = copies(loader)
@@ -88,8 +90,8 @@ def test_cast_to_float32_in_the_batch(legacy_store, assert_same_batch):
                                                  ("speculators-legacy", "spawn"), ("specforge", "forkserver")])
 def test_workers_equal_collated_items(legacy_store, specforge_store, assert_same_batch, flavor, context):
     path = store_for(flavor, legacy_store, specforge_store)
-    loader = BatchLoader(path, flavor=flavor, max_len=40, batch_size=2, num_workers=2,
-                         multiprocessing_context=context, seed=5)
+    loader = BatchLoader(path, flavor=flavor, max_len=40, batch_size=2, schedule=h5feed.ScheduleOptions(seed=5),
+                         decode=h5feed.WorkersOptions(num_workers=2, multiprocessing_context=context))
     assert_same_batches(copies(loader), reference(path, flavor, 40, 2, seed=5), assert_same_batch)
     counted = loader.dataset.counters.snapshot()
     assert [w.samples for w in counted.workers] == [8, 6]  # 7 batches of 2: 4 to worker 0, 3 to worker 1
@@ -99,19 +101,20 @@ def test_drop_last_leaves_out_the_short_batch(specforge_store, assert_same_batch
     want = reference(specforge_store.path, "specforge", 40, 4, seed=1)  # 14 samples: 3 batches of 4, one of 2
     for num_workers in (0, 2):
         loader = BatchLoader(specforge_store.path, flavor="specforge", max_len=40, batch_size=4, drop_last=True,
-                             num_workers=num_workers, seed=1)
+                             num_workers=num_workers, schedule=h5feed.ScheduleOptions(seed=1))
         assert len(loader) == 3
         assert_same_batches(copies(loader), want[:3], assert_same_batch)
 
 
 def test_speculators_trainer_drives_it_as_its_dataloader(legacy_store, assert_same_batch):
     """What speculators 0.9's `Trainer.train_epoch` does with its train_loader, on CPU (it would `.to(local_rank)`)."""
-    train_loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=64, batch_size=3, threads=2, seed=6)
+    train_loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=64, batch_size=3,
+                               schedule=h5feed.ScheduleOptions(seed=6), decode=h5feed.ThreadsOptions(threads=2))
     for epoch in range(2):
         if hasattr(train_loader.batch_sampler, "set_epoch"):
             train_loader.batch_sampler.set_epoch(epoch)
         num_steps = len(train_loader)
-        stream = HiddenStatesStream(legacy_store.path, "speculators", 64, seed=6)
+        stream = HiddenStatesStream(legacy_store.path, "speculators", 64, schedule=h5feed.ScheduleOptions(seed=6))
         stream.set_epoch(epoch)
         want = list(StreamLoader(stream, batch_size=3, collate_fn=trainer_collate("speculators", 64)))
         steps = 0
@@ -128,7 +131,8 @@ def test_speculators_trainer_drives_it_as_its_dataloader(legacy_store, assert_sa
 
 def test_a_kept_batch_is_never_overwritten(legacy_store, assert_same_batch):
     """The trainer keeps every batch: the slots run out, later batches come in fresh memory, none is overwritten."""
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1, threads=1, prefetch=1)
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1,
+                         decode=h5feed.ThreadsOptions(threads=1, prefetch=1))
     with pytest.warns(UserWarning, match="holds more batches than the 3 slots"):
         kept = list(loader)
     assert_same_batches(kept, reference(legacy_store.path, "speculators", 40, 1), assert_same_batch)
@@ -136,7 +140,8 @@ def test_a_kept_batch_is_never_overwritten(legacy_store, assert_same_batch):
 
 def test_workers_never_overwrite_a_kept_batch(legacy_store, assert_same_batch):
     loader = BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=24, hidden_states_dtype=torch.bfloat16,
-                         batch_size=1, num_workers=2, multiprocessing_context="fork", seed=2)
+                         batch_size=1, schedule=h5feed.ScheduleOptions(seed=2),
+                         decode=h5feed.WorkersOptions(num_workers=2, multiprocessing_context="fork"))
     with pytest.warns(UserWarning, match="holds more batches"):
         kept = list(loader)
     want = reference(legacy_store.path, "speculators-legacy", 24, 1, hidden_states_dtype=torch.bfloat16, seed=2)
@@ -145,8 +150,8 @@ def test_workers_never_overwrite_a_kept_batch(legacy_store, assert_same_batch):
 
 def test_slots_are_recycled_only_after_release(legacy_store, assert_same_batch):
     """One slot more than a plain loop needs (prefetch 1 + 2), for the view the trainer keeps a while."""
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1, threads=1, prefetch=1,
-                         slots_per_worker=4)
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1,
+                         decode=h5feed.ThreadsOptions(threads=1, prefetch=1, slots_per_worker=4))
     want = reference(legacy_store.path, "speculators", 40, 1)
     held = None
     addresses = []
@@ -174,8 +179,9 @@ def test_slots_are_recycled_only_after_release(legacy_store, assert_same_batch):
 
 def test_pad_rows_of_a_reused_slot_are_zero(specforge_store, assert_same_batch):
     """SpecForge batches change their padded length: a short batch in a slot that held a long one is exact."""
-    loader = BatchLoader(specforge_store.path, flavor="specforge", max_len=100, batch_size=2, threads=1, prefetch=1,
-                         shuffle=False)
+    loader = BatchLoader(specforge_store.path, flavor="specforge", max_len=100, batch_size=2,
+                         schedule=h5feed.ScheduleOptions(shuffle=False),
+                         decode=h5feed.ThreadsOptions(threads=1, prefetch=1))
     want = reference(specforge_store.path, "specforge", 100, 2, shuffle=False)
     for batch, expected in zip(loader, want, strict=True):
         assert_same_batch(batch, expected)
@@ -184,7 +190,8 @@ def test_pad_rows_of_a_reused_slot_are_zero(specforge_store, assert_same_batch):
 def test_a_pass_dropped_midway_stops_its_readers(legacy_store):
     import threading
 
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1, threads=2)
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1,
+                         decode=h5feed.ThreadsOptions(threads=2))
     iterator = iter(loader)
     next(iterator)
     assert any(t.name.startswith("h5feed-batch") for t in threading.enumerate())
@@ -230,7 +237,8 @@ def test_a_damaged_store_fails_the_batch(legacy_store, tmp_path, flip_byte):
     copy = tmp_path / "store"
     shutil.copytree(legacy_store.path, copy)
     shard = flip_byte(copy, 6, "aux_hidden_states", chunk=2, at=100)
-    loader = BatchLoader(copy, flavor="speculators", max_len=200, samples=[6], threads=1)
+    loader = BatchLoader(copy, flavor="speculators", max_len=200, schedule=h5feed.ScheduleOptions(samples=[6]),
+                         decode=h5feed.ThreadsOptions(threads=1))
     with pytest.raises(StoreError, match=f"{shard}: sample 6 .*inner chunk 2 fails its checksum"):
         list(loader)
 
@@ -238,7 +246,8 @@ def test_a_damaged_store_fails_the_batch(legacy_store, tmp_path, flip_byte):
 def test_monitor_reads_the_loaders_counters(legacy_store):
     import h5feed
 
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=3, threads=2)
+    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=3,
+                         decode=h5feed.ThreadsOptions(threads=2))
     assert sum(1 for _ in h5feed.monitor(loader, every=60)) == len(loader) == 5
     counted = loader.dataset.counters.snapshot()
     assert counted.total("samples") == N and counted.total("bytes_read") > 0
@@ -249,10 +258,10 @@ def test_monitor_reads_the_loaders_counters(legacy_store):
 
 def test_arguments_are_checked(legacy_store):
     with pytest.raises(ValueError, match="cannot run a per-item transform"):
-        BatchLoader(legacy_store.path, flavor="speculators", max_len=20, transform=lambda item: item)
+        BatchLoader(HiddenStatesStream(legacy_store.path, "speculators", 20, transform=lambda item: item))
     stream = HiddenStatesStream(legacy_store.path, "speculators", 20)
-    with pytest.raises(ValueError, match="max_len, seed belong to the HiddenStatesStream"):
-        BatchLoader(stream, max_len=20, seed=1)
+    with pytest.raises(ValueError, match="max_len, schedule belong to the HiddenStatesStream"):
+        BatchLoader(stream, max_len=20, schedule=h5feed.ScheduleOptions(seed=1))
     loader = BatchLoader(stream, batch_size=4)
     assert len(loader) == 4 and loader.dataset.store is stream.store
 

@@ -20,6 +20,7 @@ from h5feed.cli import main
 from h5feed.errors import H5feedError
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
+import h5feed
 
 H, K = 64, 3
 LENGTHS = (30, 60)
@@ -73,8 +74,8 @@ def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_
     assert len(user_step.SEEN) == 3 + STEP_ALONE_STEPS + n * len(LOADERS)
     alone, passes = user_step.SEEN[:3 + STEP_ALONE_STEPS], user_step.SEEN[3 + STEP_ALONE_STEPS:]
     collate = trainer_collate("speculators-legacy", MAX_LEN, hidden_states_dtype=torch.bfloat16)
-    stream = HiddenStatesStream(tiny.path, "speculators-legacy", MAX_LEN, shuffle=False,
-                                hidden_states_dtype=torch.bfloat16)
+    stream = HiddenStatesStream(tiny.path, "speculators-legacy", MAX_LEN, hidden_states_dtype=torch.bfloat16,
+                                schedule=h5feed.ScheduleOptions(shuffle=False))
     want = [digest(b) for b in StreamLoader(stream, batch_size=1, collate_fn=collate)]
     assert alone == [want[0]] * len(alone)
     assert [passes[i * n:(i + 1) * n] for i in range(len(LOADERS))] == [want] * len(LOADERS)
@@ -135,7 +136,8 @@ def test_the_cli_leaves_the_step_out_with_none(tiny, capsys) -> None:
 def test_the_representative_step_trains_on_each_flavors_batches(synthetic_store, flavor: str, source: str) -> None:
     made = synthetic_store(f"bench-step-{source}", source, 2, H, LENGTHS, chunk_tokens=16)
     store = Store(made.path)
-    stream = HiddenStatesStream(store, flavor, MAX_LEN, shuffle=False, hidden_states_dtype=torch.float32)
+    stream = HiddenStatesStream(store, flavor, MAX_LEN, hidden_states_dtype=torch.float32,
+                                schedule=h5feed.ScheduleOptions(shuffle=False))
     batch = next(iter(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate(flavor, MAX_LEN,
                                                                                      hidden_states_dtype=torch.float32))))
     torch.manual_seed(0)

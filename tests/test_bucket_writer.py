@@ -268,8 +268,8 @@ def test_a_follower_of_a_bucket_store_reads_every_sample_once_as_published_and_s
         while len(bucket_writers(open_url_of(url, s3))) < len(counts):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        stream = HiddenStatesStream(url, max_len=256, shuffle=False, follow=Follow(poll_s=0.02),
-                                    storage_options=s3.storage_options)
+        stream = HiddenStatesStream(h5feed.StoreOptions(url, storage_options=s3.storage_options), max_len=256,
+                                    schedule=h5feed.ScheduleOptions(shuffle=False, follow=Follow(poll_s=0.02)))
         loader = StreamLoader(stream, batch_size=1, num_workers=2)
         got = [tuple(batch["input_ids"][0].tolist()) for batch in loader]
     finally:
@@ -293,8 +293,7 @@ def test_a_bucket_follower_of_a_killed_writer_raises_naming_it_unless_its_id_com
     options = {"storage_options": s3.storage_options, "staging_dir": str(tmp_path / "staging")}
     writer = writer_process(url, tmp_path, samples, upto=4, unpublished=1, options=options)
     follow = Follow(samples=n, idle_timeout=SAFETY_S if restarted else 1.0, poll_s=0.02)
-    it = iter(HiddenStatesStream(url, flavor="speculators", shuffle=False, follow=follow,
-                                 storage_options=s3.storage_options))
+    it = iter(HiddenStatesStream(h5feed.StoreOptions(url, storage_options=s3.storage_options), flavor="speculators", schedule=h5feed.ScheduleOptions(shuffle=False, follow=follow)))
     got = [next(it) for _ in range(3)]
     kill_9(writer)
     if not restarted:
@@ -306,7 +305,7 @@ def test_a_bucket_follower_of_a_killed_writer_raises_naming_it_unless_its_id_com
     thread = restarted_once_seen_gone(caplog, url, tmp_path, samples, options)
     got += list(it)
     thread.join()
-    want = HiddenStatesDataset(url, flavor="speculators", storage_options=s3.storage_options)
+    want = HiddenStatesDataset(h5feed.StoreOptions(url, storage_options=s3.storage_options), flavor="speculators")
     assert [tuple(item["input_ids"].tolist()) for item in got] == [tuple(s["input_ids"].tolist()) for s in samples]
     for i, item in enumerate(got):  # each once, in order, bit for bit
         assert list(item) == list(want[i]) and all(torch.equal(item[k], want[i][k]) for k in item)
@@ -314,8 +313,8 @@ def test_a_bucket_follower_of_a_killed_writer_raises_naming_it_unless_its_id_com
 
 def test_a_follower_of_a_bucket_prefix_no_writer_holds_is_told_there_is_no_store(s3, bucket):
     with pytest.raises(StoreError, match=r"s3://.*/nothing.zarr: not an h5feed store \(no zarr.json\)"):
-        HiddenStatesStream(f"s3://{bucket}/nothing.zarr", shuffle=False, follow=Follow(poll_s=0.01),
-                           storage_options=s3.storage_options)
+        HiddenStatesStream(h5feed.StoreOptions(f"s3://{bucket}/nothing.zarr", storage_options=s3.storage_options),
+                           schedule=h5feed.ScheduleOptions(shuffle=False, follow=Follow(poll_s=0.01)))
 
 
 def test_a_damaged_converter_lock_in_the_bucket_still_refuses_a_writer(s3, bucket, tmp_path):

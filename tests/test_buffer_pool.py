@@ -3,6 +3,7 @@
 import torch
 
 from h5feed.store import BufferPool
+import h5feed
 
 MB = 1 << 20
 
@@ -59,7 +60,9 @@ def test_items_through_dataloader_workers_stay_intact_with_big_buffers(tmp_path)
     dataset = HiddenStatesDataset(store, hidden_states_dtype=torch.bfloat16)
     items = list(DataLoader(dataset, batch_size=None, num_workers=2))
     assert all(torch.equal(item["hidden_states"], want) for item, want in zip(items, expected))
-    stream = HiddenStatesStream(store, hidden_states_dtype=torch.bfloat16, shuffle=False, threads=2, prefetch=3)
+    stream = HiddenStatesStream(store, hidden_states_dtype=torch.bfloat16,
+                                schedule=h5feed.ScheduleOptions(shuffle=False),
+                                reading=h5feed.ReadOptions(threads=2, prefetch=3))
     items = list(stream)  # in-process: the pool does reuse here, once items are released
     assert all(torch.equal(item["hidden_states"], want) for item, want in zip(items, expected))
 

@@ -22,11 +22,12 @@ from h5feed.gpu import why_unavailable
 TRAINER = """
 import sys, torch, h5feed
 store, backend, ending = sys.argv[1:4]
-options = {"workers": {"num_workers": 2}, "threads": {"threads": 2}}[backend]
-device = {"device": "cuda"} if torch.cuda.is_available() and sys.argv[4] == "cuda" else {}
+device = "cuda" if torch.cuda.is_available() and sys.argv[4] == "cuda" else None
+options = {"workers": {"decode": h5feed.WorkersOptions(num_workers=2, device=device)},
+           "threads": {"decode": h5feed.ThreadsOptions(threads=2, device=device)}}[backend]
 if sys.argv[4] == "decode-cuda":
-    options, device = {"decode": "cuda", "threads": 2}, {}
-loader = h5feed.BatchLoader(store, flavor="speculators-legacy", max_len=128, **options, **device)
+    options = {"decode": h5feed.CudaOptions(threads=2)}
+loader = h5feed.BatchLoader(store, flavor="speculators-legacy", max_len=128, **options)
 for i, batch in enumerate(loader):
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -21,11 +21,12 @@ from test_batching import H as BATCHING_H
 from test_loader_trust import assert_a_killed_worker_is_named, stores  # noqa: F401 (stores: fixture)
 from test_trainers import assert_same
 
-from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
+from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, ThreadsOptions, trainer_collate
 from h5feed.gpu import why_unavailable
 from h5feed.loading.backends import BACKENDS, DecodeBackend
 from h5feed.loading.backends.cuda import CudaOptions, store_refusal
 from h5feed.store import Store
+import h5feed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -34,15 +35,20 @@ on_the_gpu = [pytest.mark.gpu, pytest.mark.skipif(why_unavailable() is not None,
 EVERY_BACKEND = [pytest.param(name, marks=on_the_gpu if name == "cuda" else ()) for name in BACKENDS]
 WITH_WORKER_PROCESSES = ["workers"]
 # each backend's own arguments here: two reader threads, two worker processes, or decode on the GPU
-OWN = {"workers": {"num_workers": 2}, "threads": {"threads": 2}, "cuda": {"decode": "cuda", "threads": 2}}
+OWN = {"workers": {"num_workers": 2}, "threads": {"decode": ThreadsOptions(threads=2)},
+       "cuda": {"decode": CudaOptions(threads=2)}}
 
 
 def test_every_registered_backend_is_in_the_suite() -> None:
     assert list(BACKENDS) == list(OWN) == ["workers", "threads", "cuda"]  # a new one is added here
 
 
-def loader_on(backend: str, data: Any, **kwargs: Any) -> BatchLoader:
-    loader = BatchLoader(data, **OWN[backend], **kwargs)
+def loader_on(backend: str, data: Any, multiprocessing_context: str | None = None, **kwargs: Any) -> BatchLoader:
+    """The backend's loader; the schedule's arguments (seed=, rank=, ...) go into its `ScheduleOptions`."""
+    schedule = {name: kwargs.pop(name) for name in list(kwargs) if name in ("seed", "shuffle", "rank", "world_size")}
+    own = OWN[backend] if multiprocessing_context is None else {  # the workers backend's own option
+        "decode": h5feed.WorkersOptions(num_workers=2, multiprocessing_context=multiprocessing_context)}
+    loader = BatchLoader(data, **own, **kwargs, schedule=h5feed.ScheduleOptions(**schedule) if schedule else None)
     assert loader.backend.name == backend
     return loader
 
@@ -136,7 +142,8 @@ def test_two_ranks_and_epochs(legacy_store: Any, assert_same_batch: Any, backend
         for epoch in range(2):
             loader.set_epoch(epoch)
             got = copies(loader, backend)
-            stream = HiddenStatesStream(legacy_store.path, "speculators", 30, rank=rank, world_size=2, seed=9)
+            stream = HiddenStatesStream(legacy_store.path, "speculators", 30,
+                                        schedule=h5feed.ScheduleOptions(seed=9, rank=rank, world_size=2))
             stream.set_epoch(epoch)
             want = list(StreamLoader(stream, batch_size=2, collate_fn=trainer_collate("speculators", 30)))
             assert_same_batches(got, want, assert_same_batch)
@@ -161,7 +168,7 @@ def test_skip_leaves_out_exactly_the_damaged_samples(store: Any, tmp_path: Path,
         data = bytearray(path.read_bytes())
         data[offset + length // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    stream = HiddenStatesStream(damaged, flavor, max_len, on_corrupt="skip", seed=1)
+    stream = HiddenStatesStream(damaged, flavor, max_len, on_corrupt="skip", schedule=h5feed.ScheduleOptions(seed=1))
     loader = loader_on(backend, stream, batch_size=3)
     sequence, items = loader.dataset.rank_sequence(), HiddenStatesDataset(sound, flavor, max_len)
     want = [restated_collate(flavor, max_len)([items[i] for i in sequence[j : j + 3] if i not in (1, 6)])
@@ -213,6 +220,10 @@ class _GpuStandIn(DecodeBackend):
         self.device, self.options = torch.device(options.device), options
 
     @classmethod
+    def default_options(cls, num_workers: int, device: Any) -> CudaOptions:
+        return CudaOptions()
+
+    @classmethod
     def unavailable(cls) -> str | None:
         return None
 
@@ -236,11 +247,8 @@ class _GpuStandIn(DecodeBackend):
     (3.0, {}, "workers", 3),
     (2.0, {}, "workers", 2),
     (1.5, {}, "cuda", 0),  # cores scarce: the GPU decodes
-    (16.0, {"threads": 3}, "threads", 0),  # both take threads: reader threads where the CPU decodes
-    (1.5, {"threads": 3}, "cuda", 0),
-    (1.5, {"num_workers": 2}, "workers", 2),  # an argument of CPU decode keeps it on the CPU
-    (1.5, {"slots_per_worker": 4}, "workers", 1),
-    (16.0, {"decode_ahead": 4}, "cuda", 0),  # an argument of the GPU decoder asks for it
+    (1.5, {"num_workers": 2}, "workers", 2),  # num_workers asks for worker processes
+    (1.5, {"device": "cuda"}, "cuda", 0),  # where batches arrive does not choose the backend
     (None, {}, "threads", 0),  # no GPU: the step runs on the CPU
     (None, {"num_workers": 2}, "workers", 2),
 ])
@@ -274,9 +282,6 @@ def test_auto_stays_on_the_cpu_where_the_gpu_cannot_run(legacy_store: Any, monke
     with BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30) as loader:
         assert (loader.backend.name, loader.num_workers) == ("workers", 1)
         assert "the GPU cannot decode here (no CUDA device" in loader.auto.reason
-    with pytest.raises(ValueError, match=r"decode_ahead belong to decode='cuda'; decode='auto' decodes on the CPU "
-                                         r"here \(1.0 cores a GPU, but the GPU cannot decode"):
-        BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30, decode_ahead=2)
 
 
 def test_auto_stays_on_the_cpu_for_a_store_the_gpu_cannot_decode(tmp_path: Path, monkeypatch: Any) -> None:

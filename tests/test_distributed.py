@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import LAUNCH_TIMEOUT_S, torchrun
+from conftest import LAUNCH_TIMEOUT_S, make_stream, torchrun
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -73,7 +73,7 @@ def rank_main(argv: list[str]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def stream(**kwargs: Any) -> HiddenStatesStream:
-        return HiddenStatesStream(store, flavor="speculators", seed=SEED, **kwargs)
+        return make_stream(store, seed=SEED, **kwargs)
 
     def train(loader: StreamLoader, stop_after: int | None = None, log_dir: Path | None = None) -> list[list[int]]:
         """One pass (or `stop_after` steps); the store indices of each step's batch."""

@@ -64,8 +64,8 @@ def test_schedule_counts_skipped_samples_as_passed_and_resumes_there():
 
 
 def test_stream_and_batch_loader_share_one_position(legacy_store):
-    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, seed=5)
-    loader = BatchLoader(stream, batch_size=2, threads=2)
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, schedule=h5feed.ScheduleOptions(seed=5))
+    loader = BatchLoader(stream, batch_size=2, decode=h5feed.ThreadsOptions(threads=2))
     assert loader.dataset.schedule.progress is stream.schedule.progress
     batches = iter(loader)
     next(batches)
@@ -79,7 +79,7 @@ def test_loaders_leave_the_stream_they_are_given_as_it_was(legacy_store, assert_
     over it afterwards yields what it did before.  Each loader deals its own batches, and resumes exactly."""
 
     def fresh() -> HiddenStatesStream:
-        return HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, seed=5)
+        return HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, schedule=h5feed.ScheduleOptions(seed=5))
 
     def ids(items) -> list[list[int]]:
         return [item["input_ids"].tolist() for item in items]
@@ -87,7 +87,7 @@ def test_loaders_leave_the_stream_they_are_given_as_it_was(legacy_store, assert_
     stream = fresh()
     items = [{k: v.clone() for k, v in item.items()} for item in DataLoader(stream, batch_size=None)]
     assert len(items) == len(LENGTHS)
-    batch_loader = BatchLoader(stream, batch_size=3, threads=2)
+    batch_loader = BatchLoader(stream, batch_size=3, decode=h5feed.ThreadsOptions(threads=2))
     stream_loader = StreamLoader(stream, batch_size=2, num_workers=2, collate_fn=list)
     for loader, batch_size in ((batch_loader, 3), (stream_loader, 2)):
         view = loader.dataset
@@ -115,7 +115,7 @@ def test_loaders_leave_the_stream_they_are_given_as_it_was(legacy_store, assert_
     next(it), next(it)
     state = batch_loader.state_dict()
     assert state == stream.state_dict() == {"epoch": 0, "seed": 5, "position": 6}
-    resumed = BatchLoader(fresh(), batch_size=3, threads=2)
+    resumed = BatchLoader(fresh(), batch_size=3, decode=h5feed.ThreadsOptions(threads=2))
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert len(rest) == len(want) - 2
@@ -243,9 +243,10 @@ def functions_called_in(call):
 def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_store, assert_same_batch, kind):
     """Taking the filled slot from the workers, wrapping it and the slot ring's bookkeeping all run on the
     delivery thread: the trainer's next() calls none of them."""
-    workers = {"num_workers": 1, "multiprocessing_context": "fork"} if kind == "workers" else {"threads": 1}
-    with BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, batch_size=1, shuffle=False,
-                     **workers) as loader:
+    backend = (h5feed.WorkersOptions(num_workers=1, multiprocessing_context="fork") if kind == "workers"
+               else h5feed.ThreadsOptions(threads=1))
+    with BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=64, batch_size=1, decode=backend,
+                     schedule=h5feed.ScheduleOptions(shuffle=False)) as loader:
         batches = iter(loader)
         next(batches)  # the first batch, dropped at once
         got = []
@@ -255,7 +256,8 @@ def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_stor
             got.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
             assert not called & {"_next_data", "_get_data", "batch_memory", "views", "write", "take", "_deliver"}
         del batch
-    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, shuffle=False)
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64,
+                                schedule=h5feed.ScheduleOptions(shuffle=False))
     want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
     for g, w in zip(got, want[1:4]):
         assert_same_batch(g, w)
@@ -263,11 +265,12 @@ def test_next_only_hands_over_a_batch_the_delivery_thread_made_ready(legacy_stor
 
 def test_decode_auto_without_the_gpu_is_the_cpu_loader_and_its_batches(legacy_store, assert_same_batch, monkeypatch):
     monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: None)  # as on a box without a GPU
-    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators-legacy", max_len=64, threads=2,
-                     shuffle=False) as loader:
+    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators-legacy", max_len=64,
+                     schedule=h5feed.ScheduleOptions(shuffle=False)) as loader:
         assert loader.backend.name == "threads"
         got = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
-    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64, shuffle=False)
+    stream = HiddenStatesStream(legacy_store.path, "speculators-legacy", 64,
+                                schedule=h5feed.ScheduleOptions(shuffle=False))
     want = list(StreamLoader(stream, batch_size=1, collate_fn=trainer_collate("speculators-legacy", 64)))
     assert len(got) == len(want) == len(LENGTHS)
     for g, w in zip(got, want):
@@ -275,9 +278,9 @@ def test_decode_auto_without_the_gpu_is_the_cpu_loader_and_its_batches(legacy_st
 
 
 def test_decode_cuda_says_what_it_needs(legacy_store):
-    with pytest.raises(ValueError, match="decode must be 'cpu', 'cuda' or 'auto', not 'gpu'"):
+    with pytest.raises(ValueError, match="decode must be 'cpu', 'cuda', 'auto' or a backend's options, not 'gpu'"):
         BatchLoader(legacy_store.path, decode="gpu", max_len=64)
-    with pytest.raises(ValueError, match=r"num_workers belong to decode='cpu'; decode='cuda' reads with threads"):
+    with pytest.raises(ValueError, match=r"num_workers belongs to decode='cpu'; decode='cuda' reads with threads"):
         BatchLoader(legacy_store.path, decode="cuda", max_len=64, num_workers=2)
     if gpu.available():
         assert BatchLoader(legacy_store.path, decode="cuda", max_len=64).backend.name == "cuda"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun
+from conftest import make_stream, torchrun
 
 import h5feed
 from h5feed import Follow, HiddenStatesDataset, HiddenStatesStream, StoreError, StreamLoader, open_writer
@@ -62,7 +62,7 @@ def written(dst: Path, samples: list[dict], count: int = N) -> Path:
 
 def follower(dst: Path, **kw) -> HiddenStatesStream:
     kw.setdefault("follow", Follow(idle_timeout=SAFETY_S, poll_s=0.01))
-    return HiddenStatesStream(dst, flavor="speculators", shuffle=False, **kw)
+    return make_stream(dst, shuffle=False, **kw)
 
 
 def ids_of(items, samples: list[dict]) -> list[int]:
@@ -344,7 +344,8 @@ def test_a_batch_loader_refuses_a_following_stream_saying_to_use_stream_loader(s
                        "StreamLoader; BatchLoader and CudaBatchLoader deal the batches"):
         h5feed.BatchLoader(follower(dst), batch_size=1)
     with pytest.raises(ValueError, match="is read with StreamLoader"):
-        h5feed.BatchLoader(dst, flavor="speculators", shuffle=False, follow=Follow(), batch_size=1)
+        h5feed.BatchLoader(dst, flavor="speculators", batch_size=1,
+                           schedule=h5feed.ScheduleOptions(shuffle=False, follow=Follow()))
 
 
 # =========================================================================== 5. a writer that crashes, a store replaced
@@ -501,7 +502,8 @@ def rank_main(argv: list[str]) -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    stream = HiddenStatesStream(args.store, flavor="speculators", shuffle=False, follow=Follow(poll_s=0.02))
+    stream = HiddenStatesStream(args.store, flavor="speculators",
+                                schedule=h5feed.ScheduleOptions(shuffle=False, follow=Follow(poll_s=0.02)))
     loader = StreamLoader(stream, batch_size=2, num_workers=1, collate_fn=list)
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(3 * H, 1))

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError
+from conftest import make_batch_loader
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
 from h5feed.gpu import why_unavailable
@@ -274,7 +275,8 @@ def test_every_flavors_items_equal_fp8transfers(pairs, assert_same_batch, flavor
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
     for got, expected in zip(loader, want, strict=True):
         assert_same_batch(got, expected)
-    for got, expected in zip(HiddenStatesStream(pair.fp8, flavor, shuffle=False, threads=2), want, strict=True):
+    for got, expected in zip(HiddenStatesStream(pair.fp8, flavor, schedule=h5feed.ScheduleOptions(shuffle=False), reading=h5feed.ReadOptions(threads=2)),
+                             want, strict=True):
         assert_same_batch(got, expected)
 
 
@@ -297,8 +299,8 @@ def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, decod
     bit for bit."""
     pair = pairs(FLAVOR_SOURCES[flavor])
     workers = {"num_workers": num_workers} if decode == "cpu" else {}
-    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, decode=decode, threads=2,
-                         shuffle=False, **workers)
+    loader = make_batch_loader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, decode=decode, threads=2,
+                               shuffle=False, **workers)
     assert loader.backend.name == ("cuda" if decode == "cuda" else "workers" if num_workers else "threads")
     got = [{key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in flat(batch).items()}
            for batch in loader]
@@ -323,8 +325,8 @@ def test_cpu_backends_send_fp8_to_the_gpu_and_dequantize_there(pairs, assert_sam
     """With device="cuda", threads and worker processes leave an FP8 store's hidden states as stored (codes and
     scales) and the GPU dequantizes them: the same batches, bit for bit, through the ring's reused slots."""
     pair = pairs(FLAVOR_SOURCES[flavor])
-    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, threads=2,
-                         num_workers=num_workers, shuffle=False, device="cuda")
+    loader = make_batch_loader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=2, threads=2,
+                               num_workers=num_workers, shuffle=False, device="cuda")
     assert loader.backend.writer.crossing.keys
     collate = h5feed.trainer_collate(flavor, max_len,
                                      hidden_states_dtype=get_flavor(flavor).default_hidden_states_dtype)
@@ -346,7 +348,8 @@ def test_fp8_codes_and_scales_in_a_batch_dequantize_to_the_batch(pairs, assert_s
     dequantized by `DeviceDequantization` into the batch the CPU's own dequantization makes; run here on the CPU,
     which computes the same bits (the GPU run is the test above)."""
     pair = pairs(FLAVOR_SOURCES[flavor])
-    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=3, threads=1, shuffle=False)
+    loader = BatchLoader(pair.fp8, flavor=flavor, max_len=max_len, batch_size=3,
+                         schedule=h5feed.ScheduleOptions(shuffle=False), decode=h5feed.ThreadsOptions(threads=1))
     writer = loader.backend.writer
     crossing = DeviceDequantization.of(writer.collate)
     assert [sk.key for sk in crossing.keys] == [rk.key for rk in writer.collate.row_keys
@@ -395,8 +398,9 @@ def test_a_damaged_scale_is_never_delivered(pairs, tmp_path, flip_byte, assert_s
         HiddenStatesDataset(path, "speculators")[4]
     assert damaged.value.sample == 4 and "hidden_states_scales" in damaged.value.path
     for num_workers in (0, 2):
-        loader = BatchLoader(path, flavor="speculators", max_len=64, batch_size=2, num_workers=num_workers,
-                             shuffle=False, on_corrupt="skip")
+        loader = BatchLoader(HiddenStatesStream(path, "speculators", 64, on_corrupt="skip",
+                                                schedule=h5feed.ScheduleOptions(shuffle=False)),
+                             batch_size=2, num_workers=num_workers)
         got = [flat(b) for b in loader]
         collate = h5feed.trainer_collate("speculators", 64)
         items = [fp8transfer_item(pair, i, "speculators", 64) for i in range(N)]
@@ -483,10 +487,11 @@ def test_an_fp8_store_in_a_bucket_reads_as_the_local_one(pairs, s3, bucket, tmp_
     url = f"s3://{bucket}/fp8.zarr"
     h5feed.convert(pair.src, url, workers=0, chunk_tokens=16, progress=False, precision="fp8",
                    storage_options=s3.storage_options, staging_dir=tmp_path / "staging")
-    want = [flat(b) for b in BatchLoader(pair.fp8, flavor="speculators", max_len=64, batch_size=2, shuffle=False)]
+    want = [flat(b) for b in BatchLoader(pair.fp8, flavor="speculators", max_len=64, batch_size=2, schedule=h5feed.ScheduleOptions(shuffle=False))]
     for cache in (None, tmp_path / "cache"):
-        loader = BatchLoader(url, flavor="speculators", max_len=64, batch_size=2, num_workers=2, shuffle=False,
-                             storage_options=s3.storage_options, cache_dir=cache)
+        loader = BatchLoader(h5feed.StoreOptions(url, storage_options=s3.storage_options, cache_dir=cache),
+                             flavor="speculators", max_len=64, batch_size=2, num_workers=2,
+                             schedule=h5feed.ScheduleOptions(shuffle=False))
         got = [flat(b) for b in loader]
         assert len(got) == len(want)
         for g, w in zip(got, want):

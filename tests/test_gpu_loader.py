@@ -8,6 +8,7 @@ import torch
 from h5feed import HiddenStatesStream, StreamLoader
 from h5feed.flavors import trainer_collate
 from h5feed.gpu import why_unavailable
+import h5feed
 
 gpu = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}")
 
@@ -34,9 +35,10 @@ def test_gpu_batches_equal_the_trainers_collate(synthetic_store, assert_same_bat
     from h5feed import CudaBatchLoader
 
     s = synthetic_store(f"gpu_loader_{fmt}", fmt, 11, 64, (1, 120), chunk_tokens=16)
-    want = list(StreamLoader(HiddenStatesStream(s.path, flavor, max_len, seed=3), batch_size=batch_size,
+    want = list(StreamLoader(HiddenStatesStream(s.path, flavor, max_len, schedule=h5feed.ScheduleOptions(seed=3)), batch_size=batch_size,
                              collate_fn=trainer_collate(flavor, max_len)))
-    loader = CudaBatchLoader(s.path, flavor=flavor, max_len=max_len, batch_size=batch_size, seed=3, threads=2)
+    loader = CudaBatchLoader(s.path, h5feed.CudaOptions(threads=2), flavor=flavor, max_len=max_len,
+                             batch_size=batch_size, schedule=h5feed.ScheduleOptions(seed=3))
     got = list(loader)
     assert len(got) == len(want) == len(loader)
     for g, w in zip(got, want):

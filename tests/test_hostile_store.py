@@ -30,6 +30,7 @@ from h5feed.io import open_url
 from h5feed.store import Store
 from h5feed.store.layout import CRC_BYTES, INDEX_COLUMNS, IndexDigest, crc32c, shard_index_nbytes
 from h5feed.synthetic import write_synthetic
+import h5feed
 
 H = 32  # three aux layers: aux rows are 96 wide
 CHUNK = 16
@@ -390,7 +391,7 @@ def test_a_rewritten_length_in_a_bucket_is_refused_on_read(dst, s3, bucket):
     with bounded(), pytest.raises(CorruptSampleError, match=re.escape(
             f"{url}/index: sample 1 (converted from data_1.pt): its input_ids of the 34 tokens the index gives it "
             "fail the checksum recorded at conversion")):
-        HiddenStatesDataset(url, storage_options=s3.storage_options)[1]
+        HiddenStatesDataset(h5feed.StoreOptions(url, storage_options=s3.storage_options))[1]
 
 
 @pytest.mark.parametrize("cache", [False, True])
@@ -405,7 +406,7 @@ def test_an_oversized_shard_in_a_bucket_is_refused_before_it_is_fetched(dst, s3,
     s3.proxy.reset()
     options = {"cache_dir": tmp_path / "cache"} if cache else {}
     with bounded(), pytest.raises(CorruptSampleError) as err:
-        HiddenStatesDataset(url, storage_options=s3.storage_options, **options)[2]
+        HiddenStatesDataset(h5feed.StoreOptions(url, storage_options=s3.storage_options, **options))[2]
     if cache:  # the cache downloads to its disk (bounded by cache_limit) and checks the download: it is not sound
         assert str(err.value).startswith(f"{url}/{key}: sample 2 (converted from data_2.pt): shard index fails its")
     else:

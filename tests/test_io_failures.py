@@ -13,6 +13,7 @@ import pytest
 from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 from h5feed.io import AccessDenied, IOStats, ObjectNotFound, ObjectUnavailable, RetryPolicy, S3Store, TransferMismatch
+import h5feed
 
 FAST = RetryPolicy(attempts=4, base=0.001, cap=0.01)
 STALLED = RetryPolicy(attempts=4, base=0.001, cap=0.01, timeout=1.0)
@@ -252,7 +253,8 @@ def test_a_sample_whose_chunk_came_short_is_read_again_not_skipped(s3: S3, bucke
         if path.is_file():
             s3.client.put_object(Bucket=bucket, Key=f"hs.zarr/{path.relative_to(local.path).as_posix()}",
                                  Body=path.read_bytes())
-    dataset = HiddenStatesDataset(f"s3://{bucket}/hs.zarr", storage_options=s3.storage_options, on_corrupt="skip")
+    dataset = HiddenStatesDataset(h5feed.StoreOptions(f"s3://{bucket}/hs.zarr", storage_options=s3.storage_options),
+                                  on_corrupt="skip")
     s3.proxy.reset()
     s3.proxy.add(Fault(short_body=100, path="/aux_hidden_states/c/", times=2))
     want = HiddenStatesDataset(local.path)

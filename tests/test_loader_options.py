@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 
 from h5feed import BatchLoader, Follow, Store
-from h5feed.gpu import why_unavailable
 from h5feed.loading.backends.cuda import CudaOptions
 from h5feed.loading.backends.threads import ThreadsOptions
 from h5feed.loading.backends.workers import WorkersOptions
 from h5feed.loading.options import Batching, ItemOptions, ScheduleOptions, StoreOptions
+import h5feed
 
 LENGTHS = [30, 12, 50, 7, 41]
 
@@ -51,26 +51,34 @@ def test_option_objects_are_frozen():
 
 
 def test_the_loader_builds_its_backends_options_from_its_arguments(store_path):
-    with BatchLoader(store_path, max_len=64, threads=3, prefetch=5, slots_per_worker=9) as loader:
+    with BatchLoader(store_path, max_len=64,
+                     decode=h5feed.ThreadsOptions(threads=3, prefetch=5, slots_per_worker=9)) as loader:
         assert loader.backend.options == ThreadsOptions(threads=3, prefetch=5, slots_per_worker=9)
-    with BatchLoader(store_path, max_len=64, num_workers=2, timeout=30) as loader:
+    with BatchLoader(store_path, max_len=64, decode=h5feed.WorkersOptions(num_workers=2, timeout=30)) as loader:
         assert loader.backend.options == WorkersOptions(num_workers=2, timeout=30)  # the defaults for the rest
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"batch_size": 0}, "batch_size must be >= 1, not 0"),
-    ({"prefetch": 0}, "prefetch must be >= 1, not 0"),
-    ({"num_workers": 2, "prefetch": 0}, "prefetch must be >= 1, not 0"),
-    ({"on_corrupt": "ignore"}, "on_corrupt must be 'raise' or 'skip', not 'ignore'"),
-    ({"decode_group": 2}, "decode_group belong to decode='cuda'"),
-], ids=["batch_size", "threads_prefetch", "workers_prefetch", "on_corrupt", "gpu_option_on_the_cpu"])
-def test_the_loader_checks_its_arguments_through_the_option_objects(store_path, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    ({"num_workers": -1}, r"num_workers must be >= 0 \(0: reader threads in this process\), not -1"),
+    ({"decode": "gpu"}, "decode must be 'cpu', 'cuda', 'auto' or a backend's options, not 'gpu'"),
+    ({"decode": {"threads": 2}}, r"decode= takes 'cpu', 'cuda', 'auto' or a backend's options \(WorkersOptions, "
+                                 r"ThreadsOptions, CudaOptions\), not dict"),
+    ({"decode": "cuda", "num_workers": 2}, "num_workers belongs to decode='cpu'; decode='cuda' reads with threads"),
+    ({"decode": ThreadsOptions(threads=2), "device": "cuda"},
+     r"device given beside decode=ThreadsOptions\(...\): set it there"),
+    ({"decode": WorkersOptions(num_workers=2), "num_workers": 2, "device": "cpu"},
+     r"num_workers and device given beside decode=WorkersOptions\(...\): set them there"),
+], ids=["batch_size", "num_workers", "decode_word", "decode_type", "cuda_workers", "device_twice", "both_twice"])
+def test_the_loader_checks_its_arguments(store_path, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
         BatchLoader(store_path, max_len=64, **kwargs)
 
 
-def test_an_argument_of_gpu_decode_is_refused_where_auto_decodes_on_the_cpu(store_path):
-    if why_unavailable() is None:
-        pytest.skip("CUDA and nvCOMP are here: auto decodes on the GPU")
-    with pytest.raises(ValueError, match="decode_group belong to decode='cuda'; decode='auto' decodes on the CPU here"):
-        BatchLoader(store_path, decode="auto", max_len=64, decode_group=2)
+def test_a_backends_options_name_it_and_hold_its_settings(store_path):
+    with BatchLoader(store_path, max_len=64, decode=WorkersOptions(num_workers=1, prefetch=3)) as loader:
+        assert loader.backend.name == "workers" and loader.num_workers == 1 and loader.backend.options.prefetch == 3
+    with BatchLoader(store_path, max_len=64, decode=ThreadsOptions(threads=3)) as loader:
+        assert loader.backend.name == "threads" and loader.backend.threads == 3
+    with BatchLoader(store_path, max_len=64, num_workers=2) as loader:  # the words: the backend's defaults
+        assert loader.backend.options == WorkersOptions(num_workers=2)

@@ -21,6 +21,8 @@ from h5feed.errors import WorkerDiedError
 from h5feed.gpu import why_unavailable
 from h5feed.store import Store
 from h5feed.synthetic import write_synthetic
+import h5feed
+from conftest import make_batch_loader
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -109,7 +111,8 @@ def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_worke
     _damaged, sound = stores
 
     def use_one() -> None:
-        loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=num_workers, threads=2)
+        loader = make_batch_loader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=num_workers,
+                                   threads=2)
         batches = iter(loader)
         batch = next(batches)  # a pass left midway, its batch held, then everything dropped
         assert batch["input_ids"].shape[0] == 1
@@ -130,8 +133,8 @@ def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_worke
 
 def test_close_and_with_give_the_ring_back_once_the_trainer_drops_its_batches(stores):
     _, sound = stores
-    loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=1,
-                         multiprocessing_context="spawn")
+    loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2,
+                         decode=h5feed.WorkersOptions(num_workers=1, multiprocessing_context="spawn"))
     batches = iter(loader)
     held = next(batches)
     want = copied(held)
@@ -145,7 +148,8 @@ def test_close_and_with_give_the_ring_back_once_the_trainer_drops_its_batches(st
                                          "new one"):
         iter(loader)
 
-    with BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, threads=2) as loader:
+    with BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2,
+                     decode=h5feed.ThreadsOptions(threads=2)) as loader:
         assert sum(1 for _ in loader) == N // 2
         assert ring_memory()[1] > 0
     assert within(10, lambda: ring_memory() == (0, 0, 0))
@@ -164,13 +168,14 @@ def expected(sound: Path, sequence: list[int], batch_size: int) -> list[dict]:
 
 
 def skipping_loader(kind: str, path: Path, seed: int, batch_size: int, workers: int):
-    stream = HiddenStatesStream(path, FLAVOR, MAX_LEN, on_corrupt="skip", seed=seed, threads=2)
+    stream = HiddenStatesStream(path, FLAVOR, MAX_LEN, on_corrupt="skip", schedule=h5feed.ScheduleOptions(seed=seed),
+                                reading=h5feed.ReadOptions(threads=2))
     if kind == "batch":
-        return BatchLoader(stream, batch_size=batch_size, num_workers=workers, threads=2)
+        return make_batch_loader(stream, batch_size=batch_size, num_workers=workers, threads=2)
     if kind == "cuda":
         from h5feed import CudaBatchLoader
 
-        return CudaBatchLoader(stream, batch_size=batch_size, threads=2, prefetch=3, decode_group=2)
+        return CudaBatchLoader(stream, h5feed.CudaOptions(threads=2, prefetch=3, decode_group=2), batch_size=batch_size)
     collate = trainer_collate(FLAVOR, MAX_LEN, hidden_states_dtype=stream.hidden_states_dtype)
     return StreamLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=collate)
 
@@ -220,7 +225,9 @@ def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(s
 def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
     damaged, _sound = stores
     caplog.set_level(logging.ERROR, logger="h5feed")
-    loader = BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, threads=2, on_corrupt="skip", shuffle=False)
+    loader = BatchLoader(HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip",
+                                            schedule=h5feed.ScheduleOptions(shuffle=False)),
+                         decode=h5feed.ThreadsOptions(threads=2))
     assert sum(1 for _ in loader) == N - len(DAMAGED)
     skips = sorted(r.getMessage() for r in caplog.records if "skipping a damaged sample" in r.getMessage())
     assert len(skips) == len(DAMAGED)  # the threads fill batches side by side: in any order
@@ -233,7 +240,8 @@ def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
 
 def test_a_stream_read_directly_leaves_the_damaged_samples_out(stores):
     damaged, _sound = stores
-    stream = HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip", seed=4, threads=2)
+    stream = HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip", schedule=h5feed.ScheduleOptions(seed=4),
+                                reading=h5feed.ReadOptions(threads=2))
     order = stream.rank_sequence()
     assert [len(item["input_ids"]) for item in stream] == [min(LENGTHS[i], MAX_LEN) for i in order
                                                            if i not in DAMAGED]
@@ -243,7 +251,7 @@ def test_without_skip_the_first_damaged_sample_ends_every_loader(stores):
     damaged, _ = stores
     for workers in (0, 2):
         with pytest.raises(Exception, match="sample 2 \\(converted from data_2.pt\\): inner chunk 0 fails its checksum"):
-            list(BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, num_workers=workers, shuffle=False))
+            list(BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, num_workers=workers, schedule=h5feed.ScheduleOptions(shuffle=False)))
 
 
 def test_the_dataset_serves_the_next_sound_sample_in_a_damaged_ones_place(stores, assert_same_batch):
@@ -295,7 +303,8 @@ def assert_a_killed_worker_is_named(monkeypatch, sound: Path, read: str,
     its pid and the sample, within 20 s, for the loader `make_loader(stream)` makes."""
     victim = 5
     monkeypatch.setattr(Store, read, hold_sample(LENGTHS[victim], getattr(Store, read)))
-    stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, shuffle=False, prefetch=0)
+    stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, schedule=h5feed.ScheduleOptions(shuffle=False),
+                                reading=h5feed.ReadOptions(prefetch=0))
     loader = make_loader(stream)
     killed: list[tuple[int, int]] = []
     killer = kill_when_reading(stream.counters, victim, killed)

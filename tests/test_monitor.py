@@ -113,7 +113,7 @@ def test_watchdog_names_the_stalled_worker_and_its_sample(tmp_path, caplog, caps
 
 
 def test_jsonl_log_and_watch_show_the_same_figures(tmp_path, caplog, capsys, small_store):
-    stream = h5feed.HiddenStatesStream(small_store.path, max_len=32, shuffle=False)
+    stream = h5feed.HiddenStatesStream(small_store.path, max_len=32, schedule=h5feed.ScheduleOptions(shuffle=False))
     loader = h5feed.StreamLoader(stream, num_workers=2)
     caplog.set_level(logging.INFO, logger="h5feed.monitor")
     for _ in h5feed.monitor(loader, every=0.1, log_dir=tmp_path, name="watched"):

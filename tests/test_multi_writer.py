@@ -202,7 +202,8 @@ def test_a_follower_reads_every_sample_of_all_writers_once_and_stops_when_the_la
             except (StoreError, FileNotFoundError):
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-        stream = HiddenStatesStream(dst, max_len=256, shuffle=False, follow=Follow(poll_s=0.02))
+        stream = HiddenStatesStream(dst, max_len=256,
+                                    schedule=h5feed.ScheduleOptions(shuffle=False, follow=Follow(poll_s=0.02)))
         got = [tuple(item["input_ids"].tolist()) for item in stream]
     finally:
         join_all(processes)

@@ -12,9 +12,11 @@ import torch
 from s3_server import REGION, S3, bucket_fixture, running_s3, s3_fixture  # noqa: F401
 from torch.utils.data import DataLoader
 
-from h5feed import BatchLoader, HiddenStatesDataset, Store
+from h5feed import HiddenStatesDataset, Store
 from h5feed.io import S3Store, open_url
 from h5feed.io.s3 import S3Settings
+import h5feed
+from conftest import make_batch_loader
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -71,15 +73,15 @@ def test_every_reader_uses_the_endpoint_in_storage_options(two_copies, s3: S3, o
 
     want = [HiddenStatesDataset(local)[i] for i in range(N)]
     for cache_dir, method in ((None, "spawn"), (tmp_path / "cache", "spawn"), (None, "fork")):
-        dataset = HiddenStatesDataset(url, storage_options=options, cache_dir=cache_dir)
+        dataset = HiddenStatesDataset(h5feed.StoreOptions(url, storage_options=options, cache_dir=cache_dir))
         got = list(DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=method))
         assert len(got) == N and all(same(g, w) for g, w in zip(got, want))
 
     kwargs = {"flavor": "speculators", "max_len": 64, "batch_size": 2, "seed": 3}
-    want_batches = list(BatchLoader(local, **kwargs, threads=2))
+    want_batches = list(make_batch_loader(local, **kwargs, threads=2))
     for loader_kwargs in ({"num_workers": 2, "multiprocessing_context": "spawn"}, {"threads": 2}):
-        got_batches = list(BatchLoader(url, storage_options=options, cache_dir=tmp_path / "cache2", **kwargs,
-                                       **loader_kwargs))
+        got_batches = list(make_batch_loader(url, storage_options=options, cache_dir=tmp_path / "cache2", **kwargs,
+                                             **loader_kwargs))
         assert len(got_batches) == len(want_batches)
         assert all(same(g, w) for g, w in zip(got_batches, want_batches))
 

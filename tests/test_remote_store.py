@@ -89,7 +89,7 @@ def test_dataset_and_stream_in_workers_equal_the_local_store(local, remote, s3, 
     options = s3.storage_options
     reference = HiddenStatesDataset(local.path, max_len=20)
     want = items(reference[i] for i in range(N))
-    dataset = HiddenStatesDataset(remote, max_len=20, storage_options=options)
+    dataset = HiddenStatesDataset(h5feed.StoreOptions(remote, storage_options=options), max_len=20)
     got = items(DataLoader(dataset, batch_size=None, num_workers=WORKERS, multiprocessing_context=method))
     assert_same_items(got, want, assert_same_batch)
     assert_counted(dataset, s3, WORKERS)
@@ -98,8 +98,9 @@ def test_dataset_and_stream_in_workers_equal_the_local_store(local, remote, s3, 
     assert len(data_requests(s3)) == N * REQUESTS_PER_SAMPLE
 
     s3.proxy.reset()
-    want = items(HiddenStatesStream(local.path, seed=1))
-    stream = HiddenStatesStream(remote, seed=1, prefetch=3, storage_options=options)
+    want = items(HiddenStatesStream(local.path, schedule=h5feed.ScheduleOptions(seed=1)))
+    stream = HiddenStatesStream(h5feed.StoreOptions(remote, storage_options=options),
+                                schedule=h5feed.ScheduleOptions(seed=1), reading=h5feed.ReadOptions(prefetch=3))
     got = items(StreamLoader(stream, batch_size=None, num_workers=WORKERS, multiprocessing_context=method))
     assert_same_items(got, want, assert_same_batch)
     assert_counted(stream, s3, WORKERS)
@@ -107,10 +108,11 @@ def test_dataset_and_stream_in_workers_equal_the_local_store(local, remote, s3, 
 
 
 def test_batch_loader_batches_equal_the_local_store(local, remote, s3, assert_same_batch):
-    for kwargs in ({"threads": 2}, {"num_workers": 2}):
-        got = items(BatchLoader(remote, flavor="speculators", max_len=30, batch_size=2, seed=4,
-                                storage_options=s3.storage_options, **kwargs))
-        want = items(BatchLoader(local.path, flavor="speculators", max_len=30, batch_size=2, seed=4, **kwargs))
+    for kwargs in ({"decode": h5feed.ThreadsOptions(threads=2)}, {"num_workers": 2}):
+        got = items(BatchLoader(h5feed.StoreOptions(remote, storage_options=s3.storage_options), flavor="speculators",
+                                max_len=30, batch_size=2, schedule=h5feed.ScheduleOptions(seed=4), **kwargs))
+        want = items(BatchLoader(local.path, flavor="speculators", max_len=30, batch_size=2,
+                                 schedule=h5feed.ScheduleOptions(seed=4), **kwargs))
         assert_same_items(got, want, assert_same_batch)
 
 
@@ -160,7 +162,7 @@ def test_the_store_pickles_as_its_location_and_options(remote, s3):
 
 
 def test_split_samples_takes_a_url(local, remote, s3):
-    assert h5feed.split_samples(remote, 0.5, seed=3, storage_options=s3.storage_options) == \
+    assert h5feed.split_samples(h5feed.StoreOptions(remote, storage_options=s3.storage_options), 0.5, seed=3) == \
         h5feed.split_samples(local.path, 0.5, seed=3)
 
 
@@ -169,8 +171,9 @@ def test_split_samples_takes_a_url(local, remote, s3):
 
 def test_the_second_epoch_reads_the_cache_and_makes_no_request(local, remote, s3, tmp_path, assert_same_batch):
     cache = tmp_path / "cache"
-    want = items(HiddenStatesStream(local.path, seed=2))
-    stream = HiddenStatesStream(remote, seed=2, storage_options=s3.storage_options, cache_dir=cache)
+    want = items(HiddenStatesStream(local.path, schedule=h5feed.ScheduleOptions(seed=2)))
+    stream = HiddenStatesStream(h5feed.StoreOptions(remote, storage_options=s3.storage_options, cache_dir=cache),
+                                schedule=h5feed.ScheduleOptions(seed=2))
     loader = StreamLoader(stream, batch_size=None, num_workers=WORKERS)
     assert_same_items(items(loader), want, assert_same_batch)
     first = stream.counters.snapshot()
@@ -218,11 +221,13 @@ def test_transient_failures_are_retried_and_counted_for_the_monitor(local, remot
     cut in its response head once itself, uncounted (tests/test_io_failures.py)."""
     s3.proxy.add(Fault(status=503, code="SlowDown", path="/last_hidden_states/c/", times=3))
     s3.proxy.add(Fault(drop_after=100, path="/aux_hidden_states/c/", times=2))
-    stream = HiddenStatesStream(remote, seed=0, storage_options=s3.storage_options)
+    stream = HiddenStatesStream(h5feed.StoreOptions(remote, storage_options=s3.storage_options),
+                                schedule=h5feed.ScheduleOptions(seed=0))
     loader = StreamLoader(stream, batch_size=None, num_workers=WORKERS, multiprocessing_context="spawn")
     caplog.set_level(logging.INFO, logger="h5feed.monitor")
     got = [{k: v.clone() for k, v in item.items()} for item in h5feed.monitor(loader, every=60)]
-    assert_same_items(got, items(HiddenStatesStream(local.path, seed=0)), assert_same_batch)
+    assert_same_items(got, items(HiddenStatesStream(local.path, schedule=h5feed.ScheduleOptions(seed=0))),
+                      assert_same_batch)
     assert stream.counters.snapshot().total("retries") == 5
     assert sorted(r.fault for r in s3.proxy.requests() if r.fault) == ["drop", "drop", "status", "status", "status"]
     end = next(m for m in caplog.messages if "finished" in m)
@@ -241,7 +246,8 @@ def test_a_deleted_object_stops_with_an_error_naming_it(remote, s3, bucket):
 
 
 def test_access_denied_stops_with_an_error_naming_the_object(remote, s3, bucket):
-    stream = HiddenStatesStream(remote, shuffle=False, storage_options=s3.storage_options)
+    stream = HiddenStatesStream(h5feed.StoreOptions(remote, storage_options=s3.storage_options),
+                                schedule=h5feed.ScheduleOptions(shuffle=False))
     s3.proxy.add(Fault(status=403, code="AccessDenied", path="/loss_mask/", times=None))
     with pytest.raises(AccessDenied, match=f"^s3://{bucket}/hs.zarr/loss_mask/c/0: access denied"):
         next(iter(stream))

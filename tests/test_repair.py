@@ -221,7 +221,9 @@ def test_drop_unrecoverable_drops_the_sample_records_why_and_convert_leaves_it(t
     inspected = cli("inspect", dst)
     assert f"  skipped {relpath}: dropped by `h5feed repair --drop-unrecoverable`" in inspected.stdout
     assert "samples            5" in inspected.stdout
-    with h5feed.BatchLoader(dst, flavor="speculators-legacy", max_len=64, threads=1, shuffle=False) as loader:
+    with h5feed.BatchLoader(dst, flavor="speculators-legacy", max_len=64,
+                            schedule=h5feed.ScheduleOptions(shuffle=False),
+                            decode=h5feed.ThreadsOptions(threads=1)) as loader:
         assert sum(len(batch["lengths"]) for batch in loader) == 5
     assert len(h5feed.HiddenStatesDataset(dst)) == 5
 

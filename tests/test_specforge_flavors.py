@@ -69,8 +69,8 @@ def test_items_and_batches_equal_specforges(captured, assert_same_batch, algorit
     groups = [range(j, min(j + BATCH, len(want))) for j in range(0, len(want), BATCH)]
     for group in groups:
         assert_same_batch(ours([dataset[i] for i in group]), collate([want[i] for i in group]))
-    loader = BatchLoader(store, flavor=FLAVOR[algorithm], max_len=max_len, batch_size=BATCH, shuffle=False,
-                         drop_last=False, threads=2)
+    loader = BatchLoader(store, flavor=FLAVOR[algorithm], max_len=max_len, batch_size=BATCH, drop_last=False,
+                         schedule=h5feed.ScheduleOptions(shuffle=False), decode=h5feed.ThreadsOptions(threads=2))
     batches = [{k: v.clone() for k, v in batch.items()} for batch in loader]
     assert len(batches) == len(groups)
     for got, group in zip(batches, groups):
@@ -97,8 +97,8 @@ def test_a_sample_specforge_refuses_is_refused(tmp_path: Path) -> None:
     assert str(info.value) == (
         "a sample of 9 tokens: SpecForge's DFlash-family training refuses it: offline DFlash-family samples require "
         "two consecutive supervised tokens (its loss mask has no two 1s in a row within the tokens read)")
-    loader = BatchLoader(tmp_path / "store", flavor="specforge-dflash", max_len=64, batch_size=1, shuffle=False,
-                         threads=1)
+    loader = BatchLoader(tmp_path / "store", flavor="specforge-dflash", max_len=64, batch_size=1,
+                         schedule=h5feed.ScheduleOptions(shuffle=False), decode=h5feed.ThreadsOptions(threads=1))
     with pytest.raises(ValueError, match=r"^the sample in batch row 0: SpecForge's DFlash-family training refuses it"):
         list(loader)
     # cut to 2 tokens the sample has no pair left: SpecForge refuses it there, as the flavor does

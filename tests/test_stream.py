@@ -15,12 +15,13 @@ import time
 
 import pytest
 import torch
-from conftest import inner_chunk_span
+from conftest import inner_chunk_span, make_stream
 from torch.utils.data import DataLoader
 
 from h5feed import Store
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store.layout import shard_index_nbytes
+import h5feed
 
 # the brief's 3 workers per rank exceed the 2 cores of CI on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -40,8 +41,7 @@ def small(synthetic_store):
 
 
 def stream(s, **kw) -> HiddenStatesStream:
-    kw.setdefault("flavor", "speculators")
-    return HiddenStatesStream(s.path, **kw)
+    return make_stream(s.path, **kw)
 
 
 def sample_ids(items, by_key) -> list[int]:
@@ -279,9 +279,10 @@ EPOCHS_SCRIPT = """
 import gc, json, sys, warnings
 import psutil, torch
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
+from h5feed.loading.options import ScheduleOptions
 
 store, num_workers = sys.argv[1], int(sys.argv[2])
-ds = HiddenStatesStream(store, "speculators-legacy", seed=0)  # float32 items: ~11 MB an epoch
+ds = HiddenStatesStream(store, "speculators-legacy", schedule=ScheduleOptions(seed=0))  # float32 items: ~11 MB an epoch
 loader = StreamLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=list)
 process = psutil.Process()
 
@@ -343,7 +344,8 @@ def test_counters_add_up(synthetic_store, codec, max_len):
                         codec=codec)
     store = Store(s.path)
     tokens = [min(t, max_len + 1) if max_len else t for t in s.lengths]
-    ds = HiddenStatesStream(s.path, "speculators-legacy", max_len=max_len, equal_per_rank=False)
+    ds = HiddenStatesStream(s.path, "speculators-legacy", max_len=max_len,
+                            schedule=h5feed.ScheduleOptions(equal_per_rank=False))
     for _ in StreamLoader(ds, batch_size=2, num_workers=2, collate_fn=list):
         pass
     total = ds.counters.snapshot().as_dict()["total"]
@@ -383,7 +385,8 @@ def test_worker_hands_tensors_over_in_shared_memory(small, synthetic_store, flav
         s = synthetic_store("st_specforge", "specforge-ckpt", 5, H, (1, 40), chunk_tokens=16, seed=2)
     else:
         s = small[0]
-    ds = HiddenStatesStream(s.path, flavor, hidden_states_dtype=dtype, max_len=30, shared_memory=True)
+    ds = HiddenStatesStream(s.path, flavor, hidden_states_dtype=dtype, max_len=30,
+                            reading=h5feed.ReadOptions(shared_memory=True))
     flags = list(DataLoader(ds, batch_size=None, num_workers=1, collate_fn=record_sharing))
     assert len(flags) == len(ds)
     for f in flags:
@@ -408,8 +411,10 @@ def test_stream_loader_without_batching_shares_and_plain_memory_otherwise(small)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_threaded_reading_in_the_trainer_process_keeps_order(small, threads):
     s = small[0]
-    reference = [item["input_ids"] for item in HiddenStatesStream(s.path, "speculators-legacy", seed=5)]
-    stream = HiddenStatesStream(s.path, "speculators-legacy", seed=5, threads=threads, prefetch=4)
+    reference = [item["input_ids"] for item in HiddenStatesStream(s.path, "speculators-legacy",
+                                                                  schedule=h5feed.ScheduleOptions(seed=5))]
+    stream = HiddenStatesStream(s.path, "speculators-legacy", schedule=h5feed.ScheduleOptions(seed=5),
+                                reading=h5feed.ReadOptions(threads=threads, prefetch=4))
     got = [item["input_ids"] for item in stream]
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
     assert stream.counters.snapshot().total("samples") == len(reference)

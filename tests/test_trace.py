@@ -69,13 +69,16 @@ def traced_run(store, tmp_path_factory) -> TracedRun:
     saved = {name: os.environ.pop(name, None) for name in (tracing.TRACE_DIR_ENV, tracing.NVTX_ENV)}
     tracing.configure()
     try:
-        loader = h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48, num_workers=2, shuffle=False)
+        loader = h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48, num_workers=2,
+                                    schedule=h5feed.ScheduleOptions(shuffle=False))
         with loader:
             batches = sum(1 for _ in h5feed.monitor(loader, log_dir=log_dir, trace=True))
         assert batches == SAMPLES
         tracing_after = tracing.tracing()  # on for the traced pass only
         after = log_dir.parent / "after"
-        with h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48, threads=1, shuffle=False) as later:
+        with h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48,
+                                schedule=h5feed.ScheduleOptions(shuffle=False),
+                                decode=h5feed.ThreadsOptions(threads=1)) as later:
             assert sum(1 for _ in h5feed.monitor(later, log_dir=after)) == SAMPLES
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -213,7 +216,8 @@ def test_trace_needs_a_log_dir() -> None:
 
 def test_without_tracing_nothing_is_written_and_a_section_is_no_work(store, tmp_path, traced) -> None:
     assert not tracing.tracing() and tracing.section("x", "y") is tracing.section("z", "w")  # one shared no-op
-    loader = h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48, threads=2, shuffle=False)
+    loader = h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48,
+                                schedule=h5feed.ScheduleOptions(shuffle=False), decode=h5feed.ThreadsOptions(threads=2))
     with loader:
         assert sum(1 for _ in h5feed.monitor(loader, log_dir=tmp_path)) == SAMPLES
     assert not list(tmp_path.glob(f"{tracing.TRACE_PREFIX}*"))
@@ -228,7 +232,8 @@ def test_nvtx_ranges_wrap_the_waits_and_each_samples_decode(store, monkeypatch, 
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
     tracing.configure(nvtx=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the loader itself runs as on this machine
-    loader = h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48, threads=1, shuffle=False)
+    loader = h5feed.BatchLoader(store.path, flavor="speculators-legacy", max_len=48,
+                                schedule=h5feed.ScheduleOptions(shuffle=False), decode=h5feed.ThreadsOptions(threads=1))
     with loader:
         assert sum(1 for _ in h5feed.monitor(loader)) == SAMPLES
     pushes = [c for c in calls if c.startswith("push")]

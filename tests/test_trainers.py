@@ -446,7 +446,7 @@ def test_trainer_collate_is_the_collate_of_every_flavor() -> None:
 def test_a_stream_in_spawned_workers_serves_the_same_items(made: Any) -> None:
     """Flavors travel to spawned DataLoader workers by name (Model-Optimizer's builders are closures)."""
     src, dst = made("modelopt-trtllm", "modelopt-pt", "trtllm")
-    stream = HiddenStatesStream(dst, "modelopt", max_len=40, shuffle=False)
+    stream = HiddenStatesStream(dst, "modelopt", max_len=40, schedule=h5feed.ScheduleOptions(shuffle=False))
     loader = StreamLoader(stream, batch_size=3, num_workers=1, multiprocessing_context="spawn",
                           collate_fn=trainer_collate("modelopt", 40))
     batches = list(loader)

@@ -22,6 +22,7 @@ from h5feed import HiddenStatesDataset, Store
 from h5feed.errors import CorruptSampleError
 from h5feed.io import IOStats, ObjectUnavailable, cache_state, open_url
 from h5feed.store.layout import object_key, shard_index_nbytes
+import h5feed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -201,7 +202,8 @@ def test_a_dataloader_over_a_faulty_network_reads_exact_and_counts_the_refetches
     cache = tmp_path / "cache"
     reference = HiddenStatesDataset(local.path)
     want = [reference[i] for i in range(N)]
-    dataset = HiddenStatesDataset(remote, storage_options=s3.storage_options, cache_dir=cache, on_corrupt="skip")
+    dataset = HiddenStatesDataset(h5feed.StoreOptions(remote, storage_options=s3.storage_options, cache_dir=cache),
+                                  on_corrupt="skip")
     keys = {shard_key(dataset.store, i, name) for i in range(N) for name in ("aux_hidden_states", "last_hidden_states")}
     assert len(keys) >= 2
     for key in sorted(keys)[:2]:
@@ -257,7 +259,8 @@ def test_with_skip_a_flip_in_transit_is_delivered_and_damage_is_a_counted_skip(l
     s3.client.put_object(Bucket=bucket, Key=f"{PREFIX}/{path.relative_to(local.path).as_posix()}", Body=bytes(data))
     for cache in (None, tmp_path / "cache"):
         s3.proxy.reset()
-        dataset = HiddenStatesDataset(remote, storage_options=s3.storage_options, cache_dir=cache, on_corrupt="skip")
+        dataset = HiddenStatesDataset(h5feed.StoreOptions(remote, storage_options=s3.storage_options, cache_dir=cache),
+                                      on_corrupt="skip")
         s3.proxy.add(Fault(flip_at=3, path=shard_key(store, transit)))
         assert_same_batch(dataset[transit], reference[transit])  # the sound sample itself, not a stand-in
         assert dataset.counters.snapshot().total("corrupt") == 0

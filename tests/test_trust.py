@@ -23,6 +23,7 @@ from h5feed.errors import CorruptSampleError, SourceError, StoreError
 from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import verify_store
+import h5feed
 
 H = 32
 CHUNK = 16
@@ -70,9 +71,9 @@ def test_a_flipped_byte_raises_in_every_reader(damaged):
     with pytest.raises(Exception, match="sample 2 \\(converted from data_2.pt\\): inner chunk 1 fails its checksum"):
         list(torch.utils.data.DataLoader(HiddenStatesDataset(dst), num_workers=2, collate_fn=list))
     with pytest.raises(CorruptSampleError, match="inner chunk 1 fails its checksum"):
-        list(HiddenStatesStream(dst, shuffle=False, threads=2))
+        list(HiddenStatesStream(dst, schedule=h5feed.ScheduleOptions(shuffle=False), reading=h5feed.ReadOptions(threads=2)))
     with pytest.raises(Exception, match="sample 2 \\(converted from data_2.pt\\): inner chunk 1 fails its checksum"):
-        list(StreamLoader(HiddenStatesStream(dst, shuffle=False), num_workers=2, collate_fn=list))
+        list(StreamLoader(HiddenStatesStream(dst, schedule=h5feed.ScheduleOptions(shuffle=False)), num_workers=2, collate_fn=list))
     # a truncated read that stops before the damaged chunk is sound, and is served
     assert HiddenStatesDataset(dst, max_len=CHUNK - 1)[2]["input_ids"].shape == (CHUNK - 1,)
 
@@ -87,7 +88,8 @@ def test_on_corrupt_skip_skips_counts_and_never_serves_the_damage(damaged):
     assert dataset.counters.snapshot().total("corrupt") == 1
 
     for workers in (0, 2):
-        stream = HiddenStatesStream(dst, shuffle=False, equal_per_rank=False, on_corrupt="skip")
+        stream = HiddenStatesStream(dst, on_corrupt="skip",
+                                    schedule=h5feed.ScheduleOptions(shuffle=False, equal_per_rank=False))
         items = [b[0] for b in StreamLoader(stream, num_workers=workers, collate_fn=list)]
         wanted = [reference[i] for i in (0, 1, 3, 4, 5)]
         items.sort(key=lambda item: item["input_ids"].tolist())  # workers deliver in turn: a gap shifts the order
@@ -300,7 +302,7 @@ def test_clean_runs_leave_nothing_in_dev_shm(tmp_path):
     _, dst = make_store(tmp_path)
     convert(tmp_path / "src", tmp_path / "pooled", workers=2, chunk_tokens=CHUNK, progress=False)
     for context in ("fork", "spawn", "forkserver"):
-        stream = HiddenStatesStream(dst, shuffle=False)
+        stream = HiddenStatesStream(dst, schedule=h5feed.ScheduleOptions(shuffle=False))
         assert len(list(StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context=context))) == 6
     gc.collect()  # the pool's and loaders' queues are finalized: they unlink their semaphores
     others = set()  # what other processes on this machine map now is theirs, not ours
@@ -334,7 +336,7 @@ def test_the_monitor_reports_skipped_damage(damaged, tmp_path, caplog):
     import h5feed
 
     dst, _, _ = damaged
-    stream = HiddenStatesStream(dst, shuffle=False, on_corrupt="skip")
+    stream = HiddenStatesStream(dst, on_corrupt="skip", schedule=h5feed.ScheduleOptions(shuffle=False))
     loader = StreamLoader(stream, num_workers=2, collate_fn=list)
     caplog.set_level(logging.INFO, logger="h5feed")
     for _ in h5feed.monitor(loader, every=0.05, log_dir=tmp_path, name="damaged"):

@@ -52,7 +52,7 @@ def test_too_many_workers_are_refused_when_the_loader_is_made(pre_norm_store, ma
 
 
 def test_without_a_flavor_the_default_serves_a_pre_norm_store(pre_norm_store, assert_same_batch):
-    args = {"max_len": 64, "hidden_states_dtype": torch.bfloat16, "threads": 1}
+    args = {"max_len": 64, "hidden_states_dtype": torch.bfloat16, "decode": h5feed.ThreadsOptions(threads=1)}
     loader = BatchLoader(pre_norm_store.path, **args)
     assert loader.dataset.flavor.name == "speculators-legacy"
     got, want = list(loader), list(BatchLoader(pre_norm_store.path, flavor="speculators-legacy", **args))

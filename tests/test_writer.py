@@ -203,11 +203,12 @@ def test_a_follower_reads_every_sample_once_in_publication_order_while_the_write
     dst = tmp_path / "store"
     writer = start_writer(dst, source[0], pause=0.15)
     try:
-        stream = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False, follow=h5feed.Follow(poll_s=0.02))
+        stream = h5feed.HiddenStatesStream(dst, max_len=128,
+                                           schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow(poll_s=0.02)))
         got = stream_items(h5feed.StreamLoader(stream, batch_size=None, num_workers=workers))
     finally:
         assert writer.wait(120) == 0
-    want = stream_items(h5feed.HiddenStatesStream(converted, max_len=128, shuffle=False))
+    want = stream_items(h5feed.HiddenStatesStream(converted, max_len=128, schedule=h5feed.ScheduleOptions(shuffle=False)))
     assert len(got) == len(want) == N
     for g, w in zip(got, want):
         assert all(torch.equal(g[k], w[k]) for k in w)
@@ -219,17 +220,18 @@ def test_a_follower_stops_at_its_bounds(source, tmp_path):
     dst = tmp_path / "store"
     writer = start_writer(dst, source[0], pause=0.02, hold=30)
     try:
-        bounded = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False, follow=h5feed.Follow(samples=5))
+        bounded = h5feed.HiddenStatesStream(dst, max_len=128,
+                                            schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow(samples=5)))
         assert len(stream_items(bounded)) == 5
         waited = time.monotonic()
-        idle = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False,
-                                         follow=h5feed.Follow(idle_timeout=1.0, poll_s=0.05))
+        idle = h5feed.HiddenStatesStream(dst, max_len=128,
+                                         schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow(idle_timeout=1.0, poll_s=0.05)))
         assert len(stream_items(idle)) == N  # all published, then a second without a new one
         assert time.monotonic() - waited >= 1.0
         with pytest.raises(TypeError, match="follows its writer has no length"):
             len(idle)
         with pytest.raises(ValueError, match="pass shuffle=False"):
-            h5feed.HiddenStatesStream(dst, follow=h5feed.Follow())
+            h5feed.HiddenStatesStream(dst, schedule=h5feed.ScheduleOptions(follow=h5feed.Follow()))
     finally:
         writer.kill()
         writer.wait()
@@ -240,7 +242,8 @@ def test_the_monitor_says_the_trainer_waits_for_the_writer_not_for_the_disk(sour
     writer = start_writer(dst, source[0], pause=0.5)
     caplog.set_level("INFO", logger="h5feed")
     try:
-        stream = h5feed.HiddenStatesStream(dst, max_len=128, shuffle=False, follow=h5feed.Follow(poll_s=0.02))
+        stream = h5feed.HiddenStatesStream(dst, max_len=128,
+                                           schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow(poll_s=0.02)))
         loader = h5feed.StreamLoader(stream, batch_size=None, num_workers=1)
         monitored = h5feed.monitor(loader, every=0.5, stall_after=0.25, log_dir=tmp_path / "log", name="follow")
         assert len([item for item in monitored]) == N

@@ -3,9 +3,13 @@
 from h5feed.conversion import ConvertReport, RepairReport, StoreWriter, WriterReport, convert, open_writer, repair
 from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
 from h5feed.flavors import TrainerCollate, trainer_collate
+from h5feed.loading.backends.cuda import CudaOptions
+from h5feed.loading.backends.threads import ThreadsOptions
+from h5feed.loading.backends.workers import WorkersOptions
 from h5feed.loading.batch_loader import BatchLoader, CudaBatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.loading.follow import Follow
+from h5feed.loading.options import ReadOptions, ScheduleOptions, StoreOptions
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
 from h5feed.pipeline_collates import pipeline_collate
@@ -19,6 +23,7 @@ __all__ = [
     "ConvertReport",
     "CorruptSampleError",
     "CudaBatchLoader",
+    "CudaOptions",
     "Follow",
     "H5feedError",
     "HiddenStatesDataset",
@@ -27,14 +32,19 @@ __all__ = [
     "LoaderSnapshot",
     "Monitor",
     "RawSample",
+    "ReadOptions",
     "RepairReport",
+    "ScheduleOptions",
     "SourceError",
     "Store",
     "StoreError",
+    "StoreOptions",
     "StoreWriter",
     "StreamLoader",
+    "ThreadsOptions",
     "TrainerCollate",
     "WorkerDiedError",
+    "WorkersOptions",
     "WriterReport",
     "convert",
     "describe_store",

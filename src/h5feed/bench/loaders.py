@@ -9,9 +9,9 @@ in the order of the store:
   pin_memory=True)`, as its trainer runs it;
 - ``BatchLoader``: `h5feed.BatchLoader(num_workers=W)`: worker processes decode straight
   into recycled (page-locked) batch slots;
-- ``BatchLoader-threads``: `h5feed.BatchLoader(threads=W)`: the same with W reader threads
+- ``BatchLoader-threads``: `h5feed.BatchLoader(decode=ThreadsOptions(threads=W))`: the same with W reader threads
   in the trainer's process;
-- ``BatchLoader-cuda``: `h5feed.BatchLoader(decode="cuda", threads=W)`: W reader threads read and
+- ``BatchLoader-cuda``: `h5feed.BatchLoader(decode=CudaOptions(threads=W))`: W reader threads read and
   check the compressed chunks, the GPU decodes them, the batches arrive on the GPU (measured where
   CUDA and nvCOMP are here and the store's codec allows it);
 - ``StreamLoader``: the drop-in: `HiddenStatesStream` in a `StreamLoader` with the trainer's
@@ -38,8 +38,12 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.flavors import trainer_collate
+from h5feed.loading.backends.cuda import CudaOptions
+from h5feed.loading.backends.threads import ThreadsOptions
+from h5feed.loading.backends.workers import WorkersOptions
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
+from h5feed.loading.options import ScheduleOptions
 from h5feed.metrics import MAX_WORKERS, LoaderCounters
 from h5feed.store import Store, crc32c
 
@@ -75,9 +79,9 @@ USABLE = {
     "BatchLoader": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
                     'num_workers={workers}, hidden_states_dtype=torch.{dtype}{device})'),
     "BatchLoader-threads": ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
-                            'threads={workers}, hidden_states_dtype=torch.{dtype}{device})'),
-    GPU_DECODE: ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, decode="cuda", '
-                 'threads={workers}, hidden_states_dtype=torch.{dtype})'),
+                            'hidden_states_dtype=torch.{dtype}, decode=h5feed.ThreadsOptions(threads={workers}{device}))'),
+    GPU_DECODE: ('h5feed.BatchLoader(STORE, flavor="{flavor}", max_len={max_len}, batch_size=1, '
+                 'hidden_states_dtype=torch.{dtype}, decode=h5feed.CudaOptions(threads={workers}))'),
     "StreamLoader": ('h5feed.StreamLoader(h5feed.HiddenStatesStream(STORE, "{flavor}", {max_len}, '
                      'hidden_states_dtype=torch.{dtype}), batch_size=1, num_workers={workers}, '
                      'collate_fn=YOUR_COLLATE, pin_memory=True)'),
@@ -181,9 +185,10 @@ class Setup:
             return create_collate_fn(self.max_len)
         return trainer_collate(self.flavor, self.max_len, hidden_states_dtype=self.dtype)
 
-    def stream(self, **kwargs: Any) -> HiddenStatesStream:
+    def stream(self) -> HiddenStatesStream:
         return HiddenStatesStream(self.store, self.flavor, self.max_len, hidden_states_dtype=self.dtype,  # type: ignore[arg-type]
-                                  shuffle=False, missing_loss_mask=self.missing_loss_mask, **kwargs)
+                                  missing_loss_mask=self.missing_loss_mask,  # type: ignore[arg-type]
+                                  schedule=ScheduleOptions(shuffle=False))
 
 
 class BuiltLoader:
@@ -218,10 +223,15 @@ def make_loader(name: str, s: Setup) -> BuiltLoader:
                                                            hidden_states_dtype=s.dtype))
         return BuiltLoader(DataLoader(baseline, shuffle=False, **trainer), baseline.counts)
     if name in ("BatchLoader", "BatchLoader-threads", GPU_DECODE):
-        threads = {"num_workers": s.workers} if name == "BatchLoader" else {"threads": max(s.workers, 1)}
-        decode = "cuda" if name == GPU_DECODE else "cpu"
-        device = {"device": s.device} if s.device is not None and decode == "cpu" else {}
-        loader = BatchLoader(s.stream(), batch_size=1, decode=decode, **threads, **device)
+        decode: object
+        if name == "BatchLoader":
+            decode = WorkersOptions(num_workers=s.workers, device=s.device) if s.workers else ThreadsOptions(
+                device=s.device)
+        elif name == "BatchLoader-threads":
+            decode = ThreadsOptions(threads=max(s.workers, 1), device=s.device)
+        else:
+            decode = CudaOptions(threads=max(s.workers, 1))
+        loader = BatchLoader(s.stream(), batch_size=1, decode=decode)
         return BuiltLoader(loader, lambda: h5feed_counts(loader.dataset.counters), lambda: loader.gpu_decode_ms)
     if name == "StreamLoader":
         stream = s.stream()

@@ -14,13 +14,11 @@ rate).  So the GPU decoder is taken only where cores are scarce: where a GPU has
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from h5feed.loading.backends import arguments_of, get_backend
+from h5feed.loading.backends import get_backend
 from h5feed.store import Store
 
 CPU_DECODE_CORES_PER_GPU = 2.0  # cores a GPU for worker processes to feed a Kimi-shaped step (1.2-1.6 measured,
@@ -47,29 +45,21 @@ def cores_per_gpu() -> float | None:
     return len(os.sched_getaffinity(0)) / max(ranks_here, 1)
 
 
-def choose_backend(store: Store, given: Mapping[str, Any]) -> AutoChoice:
-    """The backend for `decode="auto"` on `store`, given the loader's backend arguments that were set (`given`, by
-    name): an argument only CPU decode takes keeps the CPU, one only the GPU decoder takes asks for it where it
-    can run, threads= (which both have) keeps reader threads where the CPU decodes."""
-    if given.get("num_workers"):
+def choose_backend(store: Store, num_workers: int = 0) -> AutoChoice:
+    """The backend for `decode="auto"` on `store`: worker processes where num_workers asks for them; else by the
+    cores each GPU has here (`cores_per_gpu`)."""
+    if num_workers:
         return AutoChoice("workers", None, "num_workers= asks for worker processes")
     per_gpu = cores_per_gpu()
     if per_gpu is None:
         return AutoChoice("threads", None, "no GPU here: the training step runs on the CPU, beside reader threads")
-    cpu_only = [name for name in given if name not in arguments_of("cuda")]
-    gpu_only = [name for name in given if name not in arguments_of("workers", "threads")]
     gpu = get_backend("cuda")
     why_not_gpu = gpu.unavailable() or gpu.refusal(store)
-    if gpu_only and not cpu_only and why_not_gpu is None:
-        return AutoChoice("cuda", None, f"{', '.join(gpu_only)} asks for the GPU decoder")
-    if per_gpu < CPU_DECODE_CORES_PER_GPU and not cpu_only and why_not_gpu is None:
+    if per_gpu < CPU_DECODE_CORES_PER_GPU and why_not_gpu is None:
         return AutoChoice("cuda", None, f"{per_gpu:.1f} cores a GPU (fewer than {CPU_DECODE_CORES_PER_GPU:.0f}): "
                           "CPU decode would starve the step; the GPU decodes")
-    if "threads" in given:
-        return AutoChoice("threads", None, "threads= asks for reader threads")
     workers = max(1, min(MAX_AUTO_WORKERS, int(per_gpu)))
     why = (f"{per_gpu:.1f} cores a GPU: worker processes leave the training step fastest"
            if per_gpu >= CPU_DECODE_CORES_PER_GPU else
-           f"{per_gpu:.1f} cores a GPU, but the GPU cannot decode here ({why_not_gpu or ', '.join(cpu_only)})")
+           f"{per_gpu:.1f} cores a GPU, but the GPU cannot decode here ({why_not_gpu})")
     return AutoChoice("workers", workers, why)
-

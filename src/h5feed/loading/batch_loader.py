@@ -12,7 +12,6 @@ page-locked slots, or `cuda`, which decodes on the GPU.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 import weakref
 from collections.abc import Generator, Iterator
@@ -22,14 +21,45 @@ import torch
 
 from h5feed.flavors import Batch, trainer_collate
 from h5feed.loading.auto import AutoChoice, choose_backend
-from h5feed.loading.backends import DecodeBackend, ReadyBatch, arguments_of, get_backend
+from h5feed.loading.backends import DecodeBackend, ReadyBatch, backend_of, get_backend
+from h5feed.loading.backends.cuda import CudaOptions
 from h5feed.loading.controls import LoaderControls
 from h5feed.loading.datasets import HiddenStatesStream, stream_of
 from h5feed.loading.delivery import Delivery, TrainerStream
-from h5feed.loading.options import Batching
+from h5feed.loading.options import Batching, ScheduleOptions, StoreLike
 from h5feed.store import Store
 
 Decode = Literal["cpu", "cuda", "auto"]
+
+
+def chosen_backend(decode: Decode | object, num_workers: int, device: torch.device | str | None,
+                   store: Store) -> tuple[type[DecodeBackend], object, AutoChoice | None]:
+    """The backend `BatchLoader(decode=..., num_workers=..., device=...)` asks for, its options, and what
+    decode="auto" chose (None for the others)."""
+    if not isinstance(decode, str):  # a backend's options: they name it and hold its settings
+        backend = backend_of(decode)
+        given = [name for name, value in (("num_workers", num_workers), ("device", device)) if value]
+        if given:
+            raise ValueError(f"{' and '.join(given)} given beside decode={type(decode).__name__}(...): set "
+                             f"{'them' if len(given) > 1 else 'it'} there")
+        return backend, decode, None
+    if decode not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"decode must be 'cpu', 'cuda', 'auto' or a backend's options, not {decode!r}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0 (0: reader threads in this process), not {num_workers}")
+    auto: AutoChoice | None = None
+    if decode == "auto":
+        auto = choose_backend(store, num_workers)
+        name, num_workers = auto.backend, auto.num_workers or num_workers
+    elif decode == "cuda":
+        if num_workers:
+            raise ValueError("num_workers belongs to decode='cpu'; decode='cuda' reads with threads in this process "
+                             "(decode=h5feed.CudaOptions(threads=..., prefetch=...))")
+        name = "cuda"
+    else:
+        name = "workers" if num_workers else "threads"
+    backend = get_backend(name)
+    return backend, backend.default_options(num_workers, device), auto
 
 
 class BatchLoader(LoaderControls):
@@ -40,107 +70,63 @@ class BatchLoader(LoaderControls):
     the same sharding and resume (`state_dict`, `set_epoch` as the stream's).
 
     Args:
-        data: an h5feed store (path or `Store`), or a `HiddenStatesStream` (then leave out
-            the stream's own arguments).
-        decode: where the chunks are decoded: "cpu" (default: worker processes or threads, into
-            the ring), "cuda" (threads read and check the compressed chunks, the GPU decodes them;
-            batches arrive on the GPU), or "auto": what leaves the training step fastest here
-            (`h5feed.loading.auto`): without a GPU, reader threads; with one, worker processes (up to 4)
-            where each GPU has 2 cores or more, the GPU decoder where it has fewer (and CUDA, nvCOMP and
-            a Blosc-zstd store allow it); `auto` says what it took and why.  An FP8 store's
-            batches hold its hidden states dequantized as hs-connectors' FP8Transfer returns them (bf16).
+        data: an h5feed store (a path or URL, its `StoreOptions`, or an open `Store`), or a `HiddenStatesStream`
+            (then leave out flavor, max_len, hidden_states_dtype and schedule: the stream has its own, and with
+            it a transform-free stream's on_corrupt and missing_loss_mask).
         flavor, max_len, hidden_states_dtype: as `HiddenStatesStream` / `trainer_collate`; without a flavor,
             speculators-legacy where the store fits it, else a ValueError naming the flavors that do.
         batch_size: items per batch (speculators packs them into one max_len row).
         drop_last: leave out the last batch when it is short (SpecForge's loader does).
-        num_workers: DataLoader worker processes; 0: `threads` reader threads in this process.
-        threads: reader threads with num_workers=0 (default: the cores this process may use, at most 4;
-            with decode="cuda", 2: file reads, crc32c checks and one copy into pinned memory each).
-        prefetch: batches in flight per worker (the DataLoader's prefetch_factor), or in all
-            with threads (default 2); with decode="cuda", batches staged ahead (default 8).
+        num_workers: DataLoader worker processes; 0: reader threads in this process.
         device: when given (e.g. "cuda"), batches arrive on it: the delivery thread queues the copy
             from the page-locked slot on a stream of its own, and the trainer's stream waits for it
             (an event; `next()` itself does not wait); otherwise they are CPU tensors in the slot,
-            page-locked when CUDA is available.  With decode="cuda", the GPU they are decoded on
-            (default "cuda").
-        slots_per_worker: slots each worker (or the threads) may fill; the default, the batches in
-            flight + 2, covers a trainer that holds the batch it is given (in flight: with threads,
-            max(prefetch, threads), the delivery thread's ready batch among them; with workers,
-            prefetch + 1, the ready batch besides).
-        multiprocessing_context, worker_init_fn, timeout: passed to the DataLoader.
-        decode_group: with decode="cuda", consecutive staged batches decoded in one GPU call (default: prefetch,
-            at most 8): the GPU decodes faster per byte in large calls, and what it spends decoding it takes from
-            the step.
-        decode_ahead: with decode="cuda", batches decoded ahead of the trainer on the GPU, each holding its
-            batch's GPU memory (default: two groups).
-        **stream_kwargs: `HiddenStatesStream`'s other arguments (samples, shuffle, seed, rank, on_corrupt, ...).
+            page-locked when CUDA is available.  With decode="cuda", the GPU they are decoded on.
+        decode: where the chunks are decoded: "cpu" (default: worker processes or threads, into the ring),
+            "cuda" (threads read and check the compressed chunks, the GPU decodes them; batches arrive on the
+            GPU), "auto" (what leaves the training step fastest here, `h5feed.loading.auto`: without a GPU,
+            reader threads; with one, worker processes (up to 4) where each GPU has 2 cores or more, the GPU
+            decoder where it has fewer; `auto` says what it took and why), or a backend's own options, which
+            name it and set what the words leave at their defaults: `WorkersOptions(num_workers=4, prefetch=3)`,
+            `ThreadsOptions(threads=2)`, `CudaOptions(decode_group=16, prefetch=16)` (then num_workers and
+            device are set there).  An FP8 store's batches hold its hidden states dequantized as hs-connectors'
+            FP8Transfer returns them (bf16).
+        schedule: which samples in what order on which rank (`ScheduleOptions`, as the stream's).
 
-    With on_corrupt="skip", a batch is its scheduled samples less the damaged ones.
+    With on_corrupt="skip" (a stream's), a batch is its scheduled samples less the damaged ones.
     A worker that dies raises a `WorkerDiedError` naming it, its pid and the sample it was reading.
     `close()` (or the end of a `with` block) gives the backend's memory back; so does dropping the loader.
     `backend` is the `DecodeBackend` in use; `gpu_decode_ms` the GPU time spent decoding (decode="cuda");
-    `auto` what decode="auto" chose and why (None for "cpu" and "cuda").
+    `auto` what decode="auto" chose and why (None otherwise).
     """
 
     def __init__(
         self,
-        data: HiddenStatesStream | Store | str | os.PathLike[str],
+        data: HiddenStatesStream | StoreLike,
         *,
-        decode: Decode = "cpu",
         flavor: str | None = None,
         max_len: int | None = None,
         hidden_states_dtype: torch.dtype | None = None,
         batch_size: int = 1,
         drop_last: bool = False,
         num_workers: int = 0,
-        threads: int | None = None,
-        prefetch: int | None = None,
         device: torch.device | str | None = None,
-        slots_per_worker: int | None = None,
-        multiprocessing_context: Any = None,
-        worker_init_fn: Any = None,
-        timeout: float = 0,
-        decode_group: int | None = None,
-        decode_ahead: int | None = None,
-        **stream_kwargs: Any,
+        decode: Decode | object = "cpu",
+        schedule: ScheduleOptions | None = None,
     ) -> None:
-        if decode not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"decode must be 'cpu', 'cuda' or 'auto', not {decode!r}")
         batching = Batching(batch_size, drop_last)
-        arguments = {"num_workers": num_workers, "threads": threads, "prefetch": prefetch, "device": device,
-                     "slots_per_worker": slots_per_worker, "multiprocessing_context": multiprocessing_context,
-                     "worker_init_fn": worker_init_fn, "timeout": timeout, "decode_group": decode_group,
-                     "decode_ahead": decode_ahead}  # the backends' own: each takes those its options have
-        cpu_takes, gpu_takes = arguments_of("workers", "threads"), arguments_of("cuda")
-        cpu_only = [name for name, value in arguments.items() if name in cpu_takes - gpu_takes and value]
-        gpu_only = [name for name, value in arguments.items() if name in gpu_takes - cpu_takes and value is not None]
-        if decode == "cuda" and cpu_only:
-            raise ValueError(f"{', '.join(cpu_only)} belong to decode='cpu'; decode='cuda' reads with threads in this "
-                             "process (threads=, prefetch=)")
-        if decode == "cpu" and gpu_only:
-            raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda'")
-        stream = stream_of(data, flavor, max_len, hidden_states_dtype, stream_kwargs)
+        stream = stream_of(data, flavor, max_len, hidden_states_dtype, schedule)
         if stream.transform is not None:
             raise ValueError("BatchLoader decodes stored rows straight into the batch, so it cannot run a per-item "
                              "transform; apply noise to the batch instead (see examples/), or use a DataLoader over "
                              "the stream with trainer_collate")
-        if decode == "auto":
-            self.auto: AutoChoice | None = choose_backend(stream.store, {name: value for name, value in arguments.items()
-                                                                        if value})
-            if self.auto.backend != "cuda" and gpu_only:
-                raise ValueError(f"{', '.join(gpu_only)} belong to decode='cuda'; decode='auto' decodes on the CPU "
-                                 f"here ({self.auto.reason})")
-            arguments["num_workers"] = self.auto.num_workers or num_workers
-            backend = get_backend(self.auto.backend)
-        else:
-            self.auto = None
-            backend = get_backend("cuda" if decode == "cuda" else "workers" if num_workers else "threads")
+        backend, options, self.auto = chosen_backend(decode, num_workers, device, stream.store)
         store = stream.store
         self.collate = trainer_collate(stream.flavor.name, stream.max_len,
                                        hidden_states_dtype=stream.hidden_states_dtype or store.info.torch_dtype
                                        ).for_store(store.info)
         stream = stream.for_loader(batch_size)  # the loader's own: the stream passed in deals as it did
-        self.backend: DecodeBackend = backend.from_arguments(stream, self.collate, batching, arguments)
+        self.backend: DecodeBackend = backend(stream, self.collate, batching, options)
         self.dataset = stream  # what h5feed.monitor reads its counters from
         self.batch_size, self.drop_last, self.device = batch_size, drop_last, self.backend.device
         # as a DataLoader has them (h5feed.monitor reads them)
@@ -223,7 +209,7 @@ class BatchLoader(LoaderControls):
 
 class CudaBatchLoader(BatchLoader):
     """`BatchLoader(decode="cuda")` under a name of its own: batches decoded on the GPU from compressed frames that
-    reader threads read and check (see `BatchLoader` for the arguments)."""
+    reader threads read and check (see `BatchLoader` for the arguments; `options`, the backend's own)."""
 
-    def __init__(self, data: HiddenStatesStream | Store | str | os.PathLike[str], **kwargs: Any) -> None:
-        super().__init__(data, decode="cuda", **kwargs)
+    def __init__(self, data: HiddenStatesStream | StoreLike, options: CudaOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(data, decode=options or "cuda", **kwargs)

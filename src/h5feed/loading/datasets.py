@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,17 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
 from h5feed.flavors import FLAVORS, Flavor, FlavorName, Item, Transform, get_flavor
-from h5feed.loading.follow import Follow, FollowedPositions, FollowedShare, open_followed
-from h5feed.loading.options import ItemOptions, OnCorrupt, SampleSelector, ScheduleOptions, StoreOptions
+from h5feed.loading.follow import FollowedPositions, FollowedShare, open_followed
+from h5feed.loading.options import (
+    ItemOptions,
+    OnCorrupt,
+    ReadOptions,
+    SampleSelector,
+    ScheduleOptions,
+    StoreLike,
+    StoreOptions,
+    open_store,
+)
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
 from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
@@ -51,10 +59,7 @@ class SkippedSample:
     index: int  # the store index of the damaged sample
 
 
-def split_samples(
-    store: Store | str | os.PathLike[str], ratio: float, seed: int = 0, *,
-    storage_options: Mapping[str, Any] | None = None,
-) -> tuple[list[int], list[int]]:
+def split_samples(store: StoreLike, ratio: float, seed: int = 0) -> tuple[list[int], list[int]]:
     """A seeded random split of a store's samples into (train, validation) store indices.
 
     speculators' own `split_files` shuffles in `os.walk` order with Python's global
@@ -62,7 +67,7 @@ def split_samples(
     """
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], not {ratio}")
-    n = len(_as_store(store, storage_options))
+    n = len(open_store(store))
     order = np.random.default_rng(seed).permutation(n).tolist()
     cut = int(n * ratio)
     return sorted(order[:cut]), sorted(order[cut:])
@@ -96,14 +101,6 @@ def select_samples(store: Store, samples: SampleSelector | None) -> list[int]:
     return selected
 
 
-def _as_store(
-    store: Store | str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | None = None,
-) -> Store:
-    """The store to read: one given open, or opened from a path or URL with these options."""
-    return StoreOptions(store, storage_options, cache_dir, cache_limit).open()
-
-
 class _FlavoredReader:
     """What the Dataset and the Stream share: the store, the flavor, the selection and the counters."""
 
@@ -112,7 +109,7 @@ class _FlavoredReader:
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str],
+        store: StoreLike,
         flavor: FlavorName | str,
         max_len: int | None,
         transform: Transform | None,
@@ -121,13 +118,10 @@ class _FlavoredReader:
         missing_loss_mask: Literal["error", "ones"],
         shared_memory: bool | None,
         on_corrupt: OnCorrupt,
-        storage_options: Mapping[str, Any] | None,
-        cache_dir: str | os.PathLike[str] | None,
-        cache_limit: int | None,
     ) -> None:
         ItemOptions(flavor, max_len, hidden_states_dtype, on_corrupt)  # checks them
         self.on_corrupt = on_corrupt
-        self.store = _as_store(store, storage_options, cache_dir, cache_limit)
+        self.store = open_store(store)
         self.shared_memory = shared_memory
         self.flavor: Flavor = get_flavor(flavor)
         self.max_len = max_len
@@ -246,7 +240,7 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str],
+        store: StoreLike,
         flavor: FlavorName | str = "speculators-legacy",
         max_len: int | None = None,
         transform: Transform | None = None,
@@ -256,14 +250,9 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
         missing_loss_mask: Literal["error", "ones"] = "error",
         shared_memory: bool | None = None,
         on_corrupt: OnCorrupt = "raise",
-        storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit: int | None = None,
     ) -> None:
-        super().__init__(
-            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
-            on_corrupt, storage_options, cache_dir, cache_limit,
-        )
+        super().__init__(store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask,
+                         shared_memory, on_corrupt)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -288,70 +277,47 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     read and decode up to `prefetch` samples ahead.
 
     Extra args (the rest as `HiddenStatesDataset`):
-        shuffle: False, True, or "locality": shuffle blocks of `locality_block` samples that lie
-            next to each other on disk, and the samples within each block (kinder to a cold cache).
-        seed: the shuffle seed; the epoch is added (`set_epoch`).
-        equal_per_rank: pad each rank to the same count by repeating samples (as DistributedSampler
-            does), since unequal counts hang DDP; False reads every sample exactly once.
         batch_size: the DataLoader's batch_size, so workers deal whole batches (a `StreamLoader` or `BatchLoader`
             reads a copy dealt in its own: `for_loader`).
-        prefetch: samples read ahead per worker (at least `threads`).
-        threads: reader threads per worker.  With num_workers=0 and threads = cores, items are
-            decoded straight into the trainer's memory: no process hand-off at all.
-        rank, world_size: default from torch.distributed when it is initialised, else 0 and 1.
-        follow: read the store while its writer appends (`h5feed.open_writer`): the samples in the order
-            they were published, waiting for more until a bound (`Follow`); needs shuffle=False and a local
-            store, and the stream has no length.  It opens once the first sample is published, each worker
-            waits only for its own samples, `state_dict()` is a position in publication order, and with
-            equal_per_rank a rank short of the last round's sample repeats one (`h5feed.loading.follow`).
+        schedule: which samples, in what order, on which rank, and whether to follow a writer
+            (`ScheduleOptions`: samples, shuffle, seed, rank, world_size, follow, ...; default: every sample,
+            shuffled with seed 0, this rank's share).
+        reading: reader threads per worker, samples read ahead, shared memory (`ReadOptions`).
     """
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str],
+        store: StoreLike,
         flavor: FlavorName | str = "speculators-legacy",
         max_len: int | None = None,
         transform: Transform | None = None,
         hidden_states_dtype: torch.dtype | None = None,
         *,
-        samples: SampleSelector | None = None,
-        missing_loss_mask: Literal["error", "ones"] = "error",
-        shared_memory: bool | None = None,
-        on_corrupt: OnCorrupt = "raise",
-        shuffle: bool | Literal["locality"] = True,
-        locality_block: int = 32,
-        seed: int = 0,
-        equal_per_rank: bool = True,
         batch_size: int = 1,
-        prefetch: int = 2,
-        threads: int = 1,
-        rank: int | None = None,
-        world_size: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit: int | None = None,
-        follow: Follow | None = None,
+        missing_loss_mask: Literal["error", "ones"] = "error",
+        on_corrupt: OnCorrupt = "raise",
+        schedule: ScheduleOptions | None = None,
+        reading: ReadOptions | None = None,
     ) -> None:
-        ScheduleOptions(samples, shuffle, locality_block, seed, equal_per_rank, rank, world_size, follow)  # checks them
-        if follow is not None:
-            if not isinstance(store, Store):  # its writer may not have published a sample yet
-                store = open_followed(store, follow, storage_options=storage_options, cache_dir=cache_dir,
-                                      cache_limit=cache_limit)
-                storage_options, cache_dir, cache_limit = None, None, None
-        super().__init__(
-            store, flavor, max_len, transform, hidden_states_dtype, samples, missing_loss_mask, shared_memory,
-            on_corrupt, storage_options, cache_dir, cache_limit,
-        )
-        self.follow = follow
+        schedule = schedule or ScheduleOptions()
+        reading = reading or ReadOptions()
+        if schedule.follow is not None and not isinstance(store, Store):  # its writer may not have published yet
+            where = store if isinstance(store, StoreOptions) else StoreOptions(store)
+            store = open_followed(where.location, schedule.follow, storage_options=where.storage_options,
+                                  cache_dir=where.cache_dir, cache_limit=where.cache_limit)
+        super().__init__(store, flavor, max_len, transform, hidden_states_dtype, schedule.samples, missing_loss_mask,
+                         reading.shared_memory, on_corrupt)
+        self.follow = schedule.follow
         self._missing_loss_mask = missing_loss_mask
         disk_order = None
-        if shuffle == "locality":
+        if schedule.shuffle == "locality":
             chosen = np.asarray(self.indices)
             disk_order = chosen[np.argsort(self.store.sample_starts[chosen], kind="stable")].tolist()
-        self.schedule = SampleSchedule(self.indices, disk_order, shuffle, locality_block, seed, equal_per_rank,
-                                       batch_size, rank, world_size)
-        self.prefetch = prefetch
-        self.threads = max(1, threads)
+        self.schedule = SampleSchedule(self.indices, disk_order, schedule.shuffle, schedule.locality_block,
+                                       schedule.seed, schedule.equal_per_rank, batch_size, schedule.rank,
+                                       schedule.world_size)
+        self.prefetch = reading.prefetch
+        self.threads = reading.threads
         self.stands_in_for_skips = False  # a StreamLoader keeps its batches to the schedule (SkippedSample)
 
     def for_loader(self, batch_size: int) -> HiddenStatesStream:
@@ -592,27 +558,27 @@ def _worker_died(reader: _FlavoredReader, worker: int, pid: int, exitcode: int) 
                            "state_dict() in a new loader", worker, pid, sample)
 
 
-def stream_of(data: HiddenStatesStream | Store | str | os.PathLike[str], flavor: str | None, max_len: int | None,
-              hidden_states_dtype: torch.dtype | None, stream_kwargs: dict[str, Any]) -> HiddenStatesStream:
-    """The stream a batch loader reads: the one passed in, or one made from a store and the stream's arguments.
+def stream_of(data: HiddenStatesStream | StoreLike, flavor: str | None, max_len: int | None,
+              hidden_states_dtype: torch.dtype | None, schedule: ScheduleOptions | None) -> HiddenStatesStream:
+    """The stream a batch loader reads: the one passed in, or one made from a store and the schedule.
     A batch loader deals the batches of a store's samples as it is opened: a stream that follows its writer is
     refused (before a store with no sample yet is waited for)."""
     stream = data if isinstance(data, HiddenStatesStream) else None
-    if (stream.follow if stream is not None else stream_kwargs.get("follow")) is not None:
-        where = stream.store.path if stream is not None else data.path if isinstance(data, Store) else data
+    if (stream.follow if stream is not None else schedule.follow if schedule is not None else None) is not None:
+        where = (stream.store.path if stream is not None else data.path if isinstance(data, Store)
+                 else data.location if isinstance(data, StoreOptions) else data)
         raise ValueError(f"{where}: a stream that follows its writer (follow=) is read with StreamLoader; "
                          "BatchLoader and CudaBatchLoader deal the batches of the samples a store holds when opened")
     if stream is not None:
-        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype, **stream_kwargs}
+        given = {"flavor": flavor, "max_len": max_len, "hidden_states_dtype": hidden_states_dtype,
+                 "schedule": schedule}
         extra = [name for name, value in given.items() if value is not None]
         if extra:
             raise ValueError(f"{', '.join(extra)} belong to the HiddenStatesStream passed in; set them there")
         return stream
-    if flavor is None:
-        data = _as_store(data, stream_kwargs.pop("storage_options", None), stream_kwargs.pop("cache_dir", None),
-                         stream_kwargs.pop("cache_limit", None))
-        flavor = _default_flavor(data)
-    return HiddenStatesStream(data, flavor, max_len, hidden_states_dtype=hidden_states_dtype, **stream_kwargs)
+    store = open_store(data)  # type: ignore[arg-type]
+    return HiddenStatesStream(store, flavor or _default_flavor(store), max_len, hidden_states_dtype=hidden_states_dtype,
+                              schedule=schedule)
 
 
 def _default_flavor(store: Store) -> str:

@@ -13,9 +13,9 @@ from h5feed.loading.backends.base import (
     BACKENDS,
     DecodeBackend,
     ReadyBatch,
-    arguments_of,
+    backend_of,
     get_backend,
     register_backend,
 )
 
-__all__ = ["BACKENDS", "DecodeBackend", "ReadyBatch", "arguments_of", "get_backend", "register_backend"]
+__all__ = ["BACKENDS", "DecodeBackend", "ReadyBatch", "backend_of", "get_backend", "register_backend"]

@@ -14,16 +14,14 @@ decodes them on the GPU.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from h5feed.flavors import Batch, TrainerCollate
-from h5feed.loading.datasets import HiddenStatesStream
+from h5feed.flavors import Batch
 from h5feed.loading.delivery import TrainerStream
-from h5feed.loading.options import Batching
 from h5feed.errors import unknown_name
 from h5feed.store import Store
 
@@ -44,14 +42,15 @@ class DecodeBackend(ABC):
 
     A backend is made as `Backend(stream, collate, batching, options)`: the loader's stream, the
     trainer's collate bound to the store, the loader's `Batching` and options of its own
-    (`Options`, a frozen dataclass that checks them); nothing starts before the first pass.
+    (`Options`, a frozen dataclass that checks them, which a user may pass as `BatchLoader(decode=...)`
+    to name the backend and set them); nothing starts before the first pass.
     `ready_batches` runs in the loader's delivery thread, one batch ahead of the trainer; everything
     else runs on the trainer's thread.  A backend keeps what it allocates (slots, staging memory)
     until `close`.
     """
 
     name: ClassVar[str]  # the registry's name for it
-    Options: ClassVar[type]  # its own options: a frozen dataclass whose fields are the loader's keyword arguments
+    Options: ClassVar[type]  # its own options: a frozen dataclass, which `BatchLoader(decode=...)` takes as it is
     delivery_thread: ClassVar[str]  # the name of the pass's delivery thread (the monitor and tests look for it)
     memory: ClassVar[str]  # what `close` gives back, in words for the user who iterates a closed loader
     device: torch.device | None  # where batches arrive; None: CPU memory
@@ -60,12 +59,10 @@ class DecodeBackend(ABC):
     multiprocessing_context: Any = None
 
     @classmethod
-    def from_arguments(cls, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
-                       arguments: Mapping[str, Any]) -> DecodeBackend:
-        """The backend, its options made of the loader's keyword arguments it has a field for (None: its default)."""
-        own = {f.name for f in fields(cls.Options)}
-        return cls(stream, collate, batching, cls.Options(**{name: value for name, value in arguments.items()
-                                                              if name in own and value is not None}))
+    @abstractmethod
+    def default_options(cls, num_workers: int, device: torch.device | str | None) -> Any:
+        """Its options for a loader that named the backend by a word (`decode="cpu"`, ...) and set only
+        `num_workers` and `device`: the rest at their defaults."""
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -122,6 +119,11 @@ def get_backend(name: str) -> type[DecodeBackend]:
         raise ValueError(unknown_name("decode backend", name, BACKENDS)) from None
 
 
-def arguments_of(*backends: str) -> set[str]:
-    """The loader's keyword arguments these backends take: the fields of their options."""
-    return {f.name for name in backends for f in fields(get_backend(name).Options)}
+def backend_of(options: object) -> type[DecodeBackend]:
+    """The backend whose options `options` are (a `BatchLoader(decode=...)` given an options object)."""
+    for backend in BACKENDS.values():
+        if type(options) is backend.Options:
+            return backend
+    names = ", ".join(backend.Options.__name__ for backend in BACKENDS.values())
+    raise TypeError(f"decode= takes 'cpu', 'cuda', 'auto' or a backend's options ({names}), not "
+                    f"{type(options).__name__}")

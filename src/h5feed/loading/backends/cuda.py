@@ -161,6 +161,10 @@ class CudaBackend(DecodeBackend):
     Options = CudaOptions
 
     @classmethod
+    def default_options(cls, num_workers: int, device: torch.device | str | None) -> CudaOptions:
+        return CudaOptions() if device is None else CudaOptions(device=device)
+
+    @classmethod
     def unavailable(cls) -> str | None:
         return why_unavailable()
 

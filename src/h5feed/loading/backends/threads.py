@@ -48,6 +48,10 @@ class ThreadsBackend(RingBackend):
     name = "threads"
     Options = ThreadsOptions
 
+    @classmethod
+    def default_options(cls, num_workers: int, device: torch.device | str | None) -> ThreadsOptions:
+        return ThreadsOptions(device=device)
+
     def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
                  options: ThreadsOptions) -> None:
         self.options = options

@@ -87,6 +87,10 @@ class WorkersBackend(RingBackend):
     name = "workers"
     Options = WorkersOptions
 
+    @classmethod
+    def default_options(cls, num_workers: int, device: torch.device | str | None) -> WorkersOptions:
+        return WorkersOptions(num_workers=num_workers, device=device)
+
     def __init__(self, stream: HiddenStatesStream, collate: TrainerCollate, batching: Batching,
                  options: WorkersOptions) -> None:
         self.options, self.num_workers = options, options.num_workers
