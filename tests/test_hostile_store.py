@@ -376,7 +376,7 @@ def test_a_hostile_store_in_a_bucket_is_refused_before_any_sample_is_fetched(dst
         set_rows(dst / "index", column, 2**26)
     url = upload(dst, s3, bucket)
     s3.proxy.reset()
-    for open_store in (Store, HiddenStatesDataset):
+    for open_store in (Store, lambda url, **options: HiddenStatesDataset(h5feed.StoreOptions(url, **options))):
         with bounded(), pytest.raises(StoreError) as err:
             open_store(url, storage_options=s3.storage_options)
         assert str(err.value) == (f"{url}: the store's attributes say 67108864 samples, but index/sample_length "
