@@ -28,7 +28,6 @@ from hs_connectors import FileTransfer, HiddenStatesBackend
 from speculators.train.data import ArrowDataset
 
 import h5feed
-from h5feed.conversion.lock import WriterLock
 from h5feed.errors import H5feedError, StoreError
 from h5feed.integrations.mooncake_local import LocalMaster, free_port
 from h5feed.integrations.speculators import H5feedBackend
