@@ -45,7 +45,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *filter(N
 SMALL_SEGMENTS = ["--mooncake-global-segment-gib", "0.0625", "--mooncake-local-buffer-gib", "0.0625"]
 
 TRAINER = r"""
-import argparse, json, sys, torch
+import argparse, json, os, sys, time, torch
 import h5feed.integrations.speculators_tap  # registers h5feed and h5feed-tap
 from hs_connectors import HiddenStatesBackend
 from speculators.train.data import ArrowDataset
@@ -57,13 +57,17 @@ transfer = backend.from_train_args(parser.parse_args(spec["flags"]), spec["data"
 dataset = ArrowDataset(96, spec["data"], transfer=transfer, vllm_endpoint=spec["endpoint"], on_missing="generate",
                        model="verifier", request_timeout=30, max_retries=0, generation_validation_retries=0)
 passes = []
-for _ in range(spec["passes"]):
+for number in range(spec["passes"]):
     items = []
     for i in spec.get("rows") or range(len(dataset)):
         item = dataset[i]
         items.append(item if isinstance(item, dict) else {"unavailable": item.reason})
         print("served", i, flush=True)
     passes.append(items)
+    if spec.get("pause") and number == 0:  # after epoch 1: wait for the test to stop the master
+        print("paused", flush=True)
+        while not os.path.exists(spec["pause"]):
+            time.sleep(0.05)
 torch.save(passes, spec["out"])
 """
 
@@ -218,15 +222,28 @@ def test_the_trainer_receives_the_mooncake_backends_samples_and_the_store_keeps_
         assert raw.has_loss_mask and torch.equal(raw.loss_mask, on_files[i]["loss_mask"].to(torch.int64))
 
 
-def test_a_later_run_reads_the_store_with_its_master_stopped(data, tmp_path, assert_same_batch):
+def test_epoch_2_and_a_later_run_read_the_store_with_the_master_stopped(data, tmp_path, assert_same_batch):
+    """The master (and the verifier) go away after epoch 1: epoch 2 of the same run reads the store, as does a later
+    run, and the h5feed backend (another drafter)."""
+    spec = {"backend": "h5feed-tap", "data": str(data), "out": str(tmp_path / "first.pt"), "passes": 2,
+            "rows": [0, 1, 2, 3], "pause": str(tmp_path / "go")}
     with LocalMaster(tmp_path / "master.log") as own:
         verifier = StandIn(data, own.address)
+        spec.update(endpoint=verifier.endpoint, flags=tap_flags(tmp_path / "hs.zarr", own.address))
+        run = trainer(spec, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
-            train("h5feed-tap", data, verifier.endpoint, tmp_path / "first.pt", tap_flags(tmp_path / "hs.zarr", own.address),
-                  rows=[0, 1, 2, 3])
+            lines = [run.stdout.readline() for _ in range(5)]
+            assert lines[-1] == "paused\n", lines
+            assert verifier.generated() == dict.fromkeys(range(4), 1)
         finally:
             verifier.stop()
     assert own.process.poll() is not None  # stopped
+    (tmp_path / "go").touch()
+    rest, _ = run.communicate(timeout=300)
+    assert run.returncode == 0 and rest.split()[-8:] == [w for i in range(4) for w in ("served", str(i))]
+    first = torch.load(tmp_path / "first.pt", weights_only=True)
+    for got, want in zip(first[1], file_items(data, range(4))):
+        assert_same_batch(got, want)
     items = train("h5feed-tap", data, "http://127.0.0.1:9/v1", tmp_path / "later.pt",
                   tap_flags(tmp_path / "hs.zarr", own.address), rows=[3, 1, 0, 2])[0]
     on_files = file_items(data, [3, 1, 0, 2])
