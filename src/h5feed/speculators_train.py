@@ -1,8 +1,10 @@
 """`python -m h5feed.speculators_train ARGS`: speculators' `train` command, able to read an h5feed store.
 
 The arguments are speculators' own (``speculators train --help``) plus ``--hidden-states-backend h5feed
---h5feed-store STORE``.  speculators builds its parser's backend flags from hs-connectors' registry, so
-h5feed's backend is registered first, then speculators' `train` runs as it does, its code unchanged
+--h5feed-store STORE`` (a converted store), or ``--hidden-states-backend h5feed-tap --h5feed-store STORE
+--mooncake-master HOST:PORT`` (hidden states streamed from vLLM through Mooncake, kept in STORE as they come).
+speculators builds its parser's backend flags from hs-connectors' registry, so h5feed's backends are registered
+first, then speculators' `train` runs as it does, its code unchanged
 (``torchrun ... -m h5feed.speculators_train ARGS`` runs it on several GPUs, as ``-m speculators.train`` does).
 
 It needs speculators 0.9 (``pip install 'speculators>=0.9,<0.10'``, which brings transformers and
@@ -46,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     unmet = unmet_requirement(sys.argv[1:] if argv is None else argv)
     if unmet is not None:
         raise SystemExit(f"python -m h5feed.speculators_train: {unmet}; it needs {NEEDS}")
-    import h5feed.integrations.speculators  # noqa: F401  (registers the backend before speculators' parser exists)
+    import h5feed.integrations.speculators_tap  # noqa: F401  (registers both backends before speculators' parser exists)
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 

@@ -94,6 +94,7 @@ if TYPE_CHECKING:  # typing.Self is 3.11+
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SHARDS = 16  # shards a writer reserves at a time: the arrays are grown once per block
+UNIQUE_SOURCE_INDEX = "unique_source_index"  # in a store's source_info: at most one sample per source index
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class WriterReport:
     bytes_out: int
     seconds: float  # spent in append(): the time the writer added to the extraction loop
     writer: str | None = None  # its id (None: the store's unnamed writer)
+    left_out: int = 0  # kept, but left out of the index: another writer published their source index first
 
 
 def open_writer(
@@ -123,6 +125,7 @@ def open_writer(
     block_shards: int = DEFAULT_BLOCK_SHARDS,
     durable: bool = True,
     write_behind: int = 0,
+    unique_source_index: bool = False,
     storage_options: dict[str, Any] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
 ) -> StoreWriter:
@@ -154,6 +157,13 @@ def open_writer(
             one too, so the caller may reuse its buffers); it waits while `write_behind` samples are in flight
             (memory stays bounded), and an error while writing (a full disk) is raised by the next `append`,
             `publish` or `close`.  0 (the default): each sample is written before `append` returns.
+        unique_source_index: each sample is appended with its `source_index=` (the dataset row or file index it is
+            the hidden states of), and the store's index holds at most one sample of each: a sample whose source
+            index the index already holds when it is published (another writer's, which published first) is left
+            out of it, its rows unused, as a killed writer's are.  Why: several writers that may each produce the
+            same row (the DataLoader workers of a trainer that taps the samples it receives) can then append
+            without agreeing first, and a reader pairs each row with one sample.  Recorded in the store: every
+            writer of a store gives the same.
         storage_options: for a bucket, fsspec's options (endpoint_url, credentials, ...).
         staging_dir: for a bucket, the local folder this writer works in: its journal and the samples being
             uploaded (default: one per store and writer id under `$XDG_CACHE_HOME/h5feed/staging`; the same
@@ -165,7 +175,7 @@ def open_writer(
     return StoreWriter(site, writer=writer, format=format, chunk_tokens=chunk_tokens,
                        shard_tokens=shard_tokens, codec=codec, last_state_norm=last_state_norm, precision=precision,
                        publish_every=publish_every, block_shards=block_shards, durable=durable,
-                       write_behind=write_behind)
+                       write_behind=write_behind, unique_source_index=unique_source_index)
 
 
 class StoreWriter:
@@ -173,7 +183,7 @@ class StoreWriter:
 
     def __init__(self, site: WriterSite, *, writer: str | None, format: str, chunk_tokens: int, shard_tokens: int,
                  codec: str, last_state_norm: LastStateNorm | None, precision: Precision, publish_every: int,
-                 block_shards: int, durable: bool, write_behind: int = 0) -> None:
+                 block_shards: int, durable: bool, write_behind: int = 0, unique_source_index: bool = False) -> None:
         fmt = FORMATS.get(format)  # type: ignore[call-overload]
         if not isinstance(fmt, TorchDictFormat):
             writable = ", ".join(name for name, f in FORMATS.items() if isinstance(f, TorchDictFormat))
@@ -192,11 +202,13 @@ class StoreWriter:
         self.chunk_tokens, self.shard_tokens, self.codec = chunk_tokens, shard_tokens, codec
         self.last_state_norm, self.precision = last_state_norm, precision
         self.publish_every, self.block_rows, self.durable = publish_every, block_shards * shard_tokens, durable
+        self.unique_source_index = unique_source_index
         self.info: StoreInfo | None = None
         self._reference: SampleShape | None = None
         self._rows: list[IndexRow] = []  # this writer's journaled samples, in its order
         self._bytes_out, self._seconds = 0, 0.0
-        self._published = 0
+        self._published = 0  # of its samples, those a publication has handled (put into the index, or left out)
+        self._left_out = 0
         self._next_row: int | None = None  # where its next sample goes; None: no rows reserved
         self._block_end = 0  # the end of the rows it reserved
         self._journal: IO[str] | None = None
@@ -220,8 +232,8 @@ class StoreWriter:
         records = journal_records(self.files.journal)
         for record in records:
             if "i" in record:
-                self._rows.append(IndexRow(record["start"], record["num_tokens"], record["i"], record["name"],
-                                           record["checksum"], record["has_loss_mask"]))
+                self._rows.append(IndexRow(record["start"], record["num_tokens"], record.get("source_index", record["i"]),
+                                           record["name"], record["checksum"], record["has_loss_mask"]))
                 self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
                 self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
         self._appended = len(self._rows)
@@ -250,6 +262,9 @@ class StoreWriter:
                  "shard_tokens": self.shard_tokens, "last_state_norm": self.last_state_norm,
                  "precision": self.precision}
         differ = differing_settings(info, asked)
+        if differ is None and bool(info.source_info.get(UNIQUE_SOURCE_INDEX)) != self.unique_source_index:
+            differ = tuple(f"unique_source_index={flag}" for flag in (not self.unique_source_index,
+                                                                      self.unique_source_index))
         if differ is not None:
             raise StoreError(self.location, f"was written with {differ[0]}, not {differ[1]}: open every writer of a "
                              "store with its settings, or write into another store")
@@ -280,17 +295,26 @@ class StoreWriter:
         return naming((SourceError, StoreError), {str(self.path): self.location})
 
     # --- appending -----------------------------------------------------------------------------
-    def append(self, sample: Mapping[str, Any] | None = None, /, *, name: str | None = None, **keys: Any) -> int:
+    def append(self, sample: Mapping[str, Any] | None = None, /, *, name: str | None = None,
+               source_index: int | None = None, **keys: Any) -> int:
         """Add one sample, given as its format's dict (`append(d)`) or as keywords (`append(input_ids=...,
         hidden_states=[...])`); CUDA tensors are copied to the host.  Its number among this writer's samples
         is returned: its index in the store when one writer writes it.  A sample that does not fit the store
-        (other H, K or dtype than the first) raises SourceError naming it."""
+        (other H, K or dtype than the first) raises SourceError naming it.  `source_index`: the row it is the
+        hidden states of, the store's `source_indices` entry (default: the number returned); a writer opened
+        with `unique_source_index` needs it."""
         with self._named():
-            return self._append({**(sample or {}), **keys}, name)
+            return self._append({**(sample or {}), **keys}, name, source_index)
 
-    def _append(self, sample: dict[str, Any], name: str | None) -> int:
+    def _append(self, sample: dict[str, Any], name: str | None, source_index: int | None) -> int:
         t0 = time.perf_counter()
         index = self._appended
+        if source_index is None and self.unique_source_index:
+            raise ValueError("this writer keeps one sample per source index (unique_source_index=True): give each "
+                             "sample's append(..., source_index=ROW)")
+        if source_index is not None and (isinstance(source_index, bool) or not isinstance(source_index, int)
+                                         or source_index < 0):
+            raise ValueError(f"source_index must be an int >= 0, not {source_index!r}")
         writer = self.files.writer
         label = name if name is not None else f"sample {index}" if writer is None else f"{writer}/sample {index}"
         where = self.path / label
@@ -312,7 +336,8 @@ class StoreWriter:
         if {e.name: e.record() for e in shape.extras} != self.info.extra_arrays:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
-        planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end)
+        planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end,
+                                 index if source_index is None else source_index)
         if self._behind is None:
             self._write(planned)  # a failure before its journal line (a full disk) takes neither its number nor rows
         self._next_row += taken
@@ -334,15 +359,16 @@ class StoreWriter:
             num_tokens = planned.sample.shape.num_tokens
             self.site.sample_written(self.info, planned.start, num_tokens)  # in the store before it is journaled
             self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
-                                 "num_tokens": num_tokens, "block_end": planned.block_end, **record}, sync=self.durable)
+                                 "num_tokens": num_tokens, "block_end": planned.block_end,
+                                 "source_index": planned.source_index, **record}, sync=self.durable)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:  # the folder the writer works in: the store, or a bucket's staging folder
                 raise DiskFullError(self.path, f"disk full while writing {planned.label!r} ({os.strerror(exc.errno)}): "
                                     "free space, then append it again (the samples appended before it are kept)"
                                     ) from exc
             raise
-        self._rows.append(IndexRow(planned.start, num_tokens, planned.index, planned.label, record["checksum"],
-                                   record["has_loss_mask"]))
+        self._rows.append(IndexRow(planned.start, num_tokens, planned.source_index, planned.label,
+                                   record["checksum"], record["has_loss_mask"]))
         self._bytes_out += record["bytes_out"]
 
     def _publish_due(self, label: str) -> None:
@@ -387,7 +413,8 @@ class StoreWriter:
     def _new_info(self, shape: SampleShape) -> StoreInfo:
         return new_store_info(self.format, shape, codec=self.codec, chunk_tokens=self.chunk_tokens,
                               shard_tokens=self.shard_tokens, source_root=WRITER_SOURCE, precision=self.precision,
-                              last_state_norm=self._norm(), source_info={})
+                              last_state_norm=self._norm(),
+                              source_info={UNIQUE_SOURCE_INDEX: True} if self.unique_source_index else {})
 
     def _write_journal(self, record: dict[str, Any], sync: bool) -> None:
         if self._journal is None:
@@ -414,22 +441,32 @@ class StoreWriter:
             return
         rows, arrays = list(self._rows), len(self.info.array_names)
 
-        def add_mine() -> None:  # the step's body, on the index as the store holds it now
+        def add_mine() -> int:  # the step's body, on the index as the store holds it now; returns the rows left out
             published = published_columns(self.path)
             mine = index_columns(rows, arrays)
-            new = ~np.isin(mine["sample_start"], published["sample_start"])
+            unpublished = ~np.isin(mine["sample_start"], published["sample_start"])
+            new = unpublished.copy()
+            if self.unique_source_index:  # a row another writer published first keeps that writer's sample
+                first_of_each = np.zeros(len(rows), dtype=bool)
+                first_of_each[np.unique(mine["source_index"], return_index=True)[1]] = True
+                new &= first_of_each & ~np.isin(mine["source_index"], published["source_index"])
             if new.any():
                 publish_columns(self.path, {k: np.concatenate([published[k], mine[k][new]]) for k in published},
                                 [], self.durable)
+            return int((unpublished & ~new).sum())
 
-        self.site.commit(PUBLISH_LOCK, add_mine)
-        self._published = len(rows)
+        left_out = self.site.commit(PUBLISH_LOCK, add_mine)
+        if left_out > self._left_out:
+            log.info("%s: %d of %s's samples left out of the index: their source index was published by another "
+                     "writer first (unique_source_index)", self.location, left_out - self._left_out, self.files.name)
+        self._published, self._left_out = len(rows), left_out
 
     # --- closing -------------------------------------------------------------------------------
     @property
     def report(self) -> WriterReport:
-        return WriterReport(self.location, len(self._rows), self._published, sum(r.num_tokens for r in self._rows),
-                            self._bytes_out, self._seconds, self.files.writer)
+        return WriterReport(self.location, len(self._rows), self._published - self._left_out,
+                            sum(r.num_tokens for r in self._rows), self._bytes_out, self._seconds, self.files.writer,
+                            self._left_out)
 
     def close(self) -> WriterReport:
         """Write what is still behind, publish what is journaled and let the store go (when no other writer
@@ -501,6 +538,7 @@ class _PlannedSample:
     sample: SourceSample
     start: int  # its first row
     block_end: int  # the end of the block its rows are in (journaled: a resume takes the block up again)
+    source_index: int  # the store's source_indices entry: the row it is of (by default its number)
 
 
 class _WriteBehind:

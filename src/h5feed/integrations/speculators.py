@@ -26,11 +26,13 @@ import numpy as np
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
+from h5feed.conversion.writer import UNIQUE_SOURCE_INDEX
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
-from h5feed.formats.speculators import SpeculatorsSafetensors
+from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors
 from h5feed.loading.datasets import OnCorrupt
 from h5feed.store import Store, plain_allocator
 from h5feed.store.fp8 import dequantized
+from h5feed.store.writer_state import WRITER_SOURCE
 
 if TYPE_CHECKING:
     from speculators.train.recovery import SampleUnavailable
@@ -67,6 +69,10 @@ class StoreTransfer(HiddenStatesTransfer):
     def __reduce__(self) -> tuple[type[StoreTransfer], tuple[Store, OnCorrupt]]:
         return type(self), (self.store, self.on_corrupt)
 
+    def holds(self, file_idx: int) -> bool:
+        """Whether the store holds the sample of ``hs_{file_idx}.safetensors`` (row `file_idx`)."""
+        return int(file_idx) in self._sample_of_file
+
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | SampleUnavailable:
         """What speculators' `file` backend returns for ``hs_{file_idx}.safetensors``, read from the store
         (a `SampleUnavailable` for a damaged sample skipped)."""
@@ -102,9 +108,12 @@ class StoreTransfer(HiddenStatesTransfer):
 
 
 def check_serves_speculators(store: Store) -> None:
-    """Refuse a store whose samples are not what speculators' `file` backend would read from its files."""
+    """Refuse a store whose samples are not what speculators' `file` backend would read from its files: one converted
+    from them, or one the ``h5feed-tap`` backend filled (`h5feed.integrations.speculators_tap`: the same [T, K+1, H]
+    samples, pre-norm last layer, appended by open_writer one per row, their source index the row)."""
     info, fmt = store.info, SpeculatorsSafetensors.name
-    if info.source_format != fmt:
+    tapped = info.source_format == SpeculatorsLegacyPt.name and bool(info.source_info.get(UNIQUE_SOURCE_INDEX))
+    if info.source_format != fmt and not tapped:
         raise StoreError(store.path, f"was converted from {info.source_format} files, not from speculators' "
                          f"hidden_states/hs_{{i}}.safetensors ({fmt}): the h5feed backend pairs row i of "
                          "speculators' Arrow dataset with the sample converted from hs_{i}.safetensors")
@@ -136,7 +145,9 @@ class H5feedBackend(HiddenStatesBackend):
         # speculators re-states each flag with its type and help only (no action), and fills in its default
         parser.add_argument("--h5feed-store", type=str, default=None,
                             help="The h5feed store converted from DATA_PATH/hidden_states (a path or a URL such as "
-                                 "s3://bucket/hs.zarr). Used with --hidden-states-backend h5feed.")
+                                 "s3://bucket/hs.zarr), or filled by --hidden-states-backend h5feed-tap (a local "
+                                 "folder, made at the first sample). Used with --hidden-states-backend h5feed or "
+                                 "h5feed-tap.")
         parser.add_argument("--h5feed-on-corrupt", type=str, choices=get_args(OnCorrupt), default="raise",
                             help="A sample whose stored bytes fail their checks: 'raise' its error (default), or "
                                  "'skip' it, logged and counted in the batch's error_records. Used with "
@@ -160,7 +171,7 @@ class H5feedBackend(HiddenStatesBackend):
             )
         store = Store(location, cache_dir=getattr(args, "h5feed_cache_dir", None))
         converted_from = store.info.source_root
-        if converted_from and os.path.realpath(converted_from) != os.path.realpath(data_path):
+        if converted_from not in ("", WRITER_SOURCE) and os.path.realpath(converted_from) != os.path.realpath(data_path):
             # moved data is fine; other data is not, and speculators would skip each sample with a warning only
             log.warning("%s was converted from %s, and speculators trains on the Arrow dataset in %s: if these are "
                         "not the same data, every sample's token ids will differ from its row's and speculators "
