@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from h5feed.errors import H5feedError
 from h5feed.io.local import write_atomically
-from h5feed.observe.monitor import BOTTLENECK_PCT
+from h5feed.observe.watchdog import BOTTLENECK_PCT
 from h5feed.observe.page import Section, bullets, figure_png, image, links, page_html, pyplot, table
 from h5feed.observe.renderer import Record, num, slowest_worker
 from h5feed.observe.runlog import RunId, RunLog, RunLogError, monitor_files
