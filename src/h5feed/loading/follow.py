@@ -48,7 +48,7 @@ from h5feed.io import FsspecStore, is_remote, open_url
 from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
-from h5feed.store.reader import local_path
+from h5feed.store.opening import local_path
 from h5feed.store.writer_state import (
     WRITER_API,
     WRITERS_DIR,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from h5feed.store.buffers import Allocator
-from h5feed.store.reader import RawSample
+from h5feed.store.read_results import RawSample
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
