@@ -2,8 +2,8 @@
 
 Why apart from the reader: this is what the reader does to the bytes of one object, whichever sample they belong
 to and wherever they came from (`sources`); the reader decides which objects and chunks a sample needs, what to
-retry and whom to blame.  Every check here raises a ValueError naming the object (`sources.object_error`; a frame
-that decodes to another size than its chunk, a plain one the reader names the store for); no byte that fails is
+retry and whom to blame.  Every check of an object's bytes raises `DamagedObject` naming the object (a frame that
+decodes to another size than its chunk, a plain ValueError the reader names the store for); no byte that fails is
 ever decoded into the caller's buffer.
 """
 
@@ -20,7 +20,7 @@ from numcodecs import blosc
 
 from h5feed.store.layout import CRC_BYTES, EMPTY, StoreInfo, decode_shard_index, shard_index_nbytes
 from h5feed.store.read_results import ReadStats
-from h5feed.store.sources import Deadline, ObjectSource, check_inner_chunk, object_error
+from h5feed.store.sources import DamagedObject, Deadline, ObjectSource, check_inner_chunk
 
 BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 
@@ -53,7 +53,7 @@ class ChunkDecoder:
             for k in inner:
                 offset, length = (int(x) for x in index[k])
                 if offset == EMPTY:
-                    raise object_error(where, f"inner chunk {k} is missing from the shard")
+                    raise DamagedObject(where, f"inner chunk {k} is missing from the shard")
                 stats.add_read(length, 0.0)
                 with view.span(offset, length) as encoded, encoded[:-CRC_BYTES] as frame:
                     if self.checked:
@@ -61,7 +61,7 @@ class ChunkDecoder:
                         try:
                             check_inner_chunk(encoded, k)
                         except ValueError as exc:
-                            raise object_error(where, str(exc)) from None
+                            raise DamagedObject(where, str(exc)) from None
                         stats.add_decode(time.perf_counter() - t1)
                     yield k, frame
 
@@ -69,7 +69,7 @@ class ChunkDecoder:
         try:
             return decode_shard_index(tail, self.info.chunks_per_shard, size, self.max_chunk_nbytes)
         except ValueError as exc:
-            raise object_error(where, str(exc)) from None
+            raise DamagedObject(where, str(exc)) from None
 
     def decoded_nbytes(self, frame: memoryview) -> int:
         """The bytes a frame says it decodes to (its Blosc header's; a frame stored as it is: its own size);

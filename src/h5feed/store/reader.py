@@ -50,7 +50,7 @@ from h5feed.store.layout import (
 )
 from h5feed.store.opening import local_path, object_source, read_local_info, unfinished_hint
 from h5feed.store.read_results import RawSample, ReadStats
-from h5feed.store.sources import Deadline, object_error, zarr_store
+from h5feed.store.sources import DamagedObject, Deadline, zarr_store
 
 log = logging.getLogger(__name__)
 READ_DEADLINE = 300.0  # seconds a sample's read from a bucket may take, retries included, before it is given up
@@ -400,7 +400,7 @@ class Store:
         except _TooSmall as exc:
             raise ValueError(str(exc)) from None
         except (ValueError, RuntimeError, OSError) as exc:
-            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+            raise self._corrupt(i, exc.where if isinstance(exc, DamagedObject) else self.path, str(exc)) from exc
         return placed
 
     def will_need(self, i: int, max_tokens: int | None = None, *, extras: Collection[str] | None = None) -> None:
@@ -485,7 +485,7 @@ class Store:
         except CorruptSampleError:
             raise
         except (ValueError, RuntimeError, OSError) as exc:  # numcodecs and checksums raise these on bad bytes
-            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+            raise self._corrupt(i, exc.where if isinstance(exc, DamagedObject) else self.path, str(exc)) from exc
         if not self.info.sharded and whole and self.checked:
             self._check_sample_checksum(i, name, dest, delivered)
         elif not self.info.sharded and not self._warned_unchecked:
@@ -516,9 +516,9 @@ class Store:
                         todo = range(k + 1, inner.stop)
                     break
                 except ValueError as exc:
-                    where = getattr(exc, "object_path", self._source.where(key))
+                    where = exc.where if isinstance(exc, DamagedObject) else self._source.where(key)
                     if fresh:
-                        raise object_error(where, f"{exc}, and again when read afresh") from None
+                        raise DamagedObject(where, f"{exc}, and again when read afresh") from None
                     log.warning("%s: %s; reading it again", where, exc)
                     if self.io_stats is not None:
                         self.io_stats.add_retry()
