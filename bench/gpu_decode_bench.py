@@ -218,7 +218,7 @@ def run_group(decode_module: ModuleType, label: str, bits: torch.Tensor, samples
     decoder = decode_module.CudaBloscDecoder(stream=side)
     rounded = -(-tokens // chunk) * chunk
     if label == "placed":
-        placements = [decode_module.Placement(i, 0, batch[a][n, c * chunk : min((c + 1) * chunk, tokens)])
+        placements = [decode_module.FramePlacement(i, 0, batch[a][n, c * chunk : min((c + 1) * chunk, tokens)])
                       for i, (n, a, c) in enumerate(where)]
 
         def call() -> tuple[object, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
