@@ -43,7 +43,7 @@ from h5feed.bench import (
     SyntheticSpec,
     drop_page_cache,
     ensure_default_set,
-    format_table,
+    format_ruled_table,
 )
 from h5feed.conversion import convert
 from h5feed.conversion.cluster import local_cluster
@@ -167,7 +167,7 @@ def table(runs: list[ConvertRun]) -> str:
         f"{r.ratio_raw:.3f}", f"{r.cpu_seconds:.1f}", f"{r.cpu_seconds / r.samples * 1e3:.0f}",
         f"{r.peak_worker_memory_bytes / 1e9:.2f} GB {r.memory_metric.upper()}", f"{100 * r.other_cpu_share:.0f}%",
     ] for r in runs]
-    return "\n".join(format_table(rows, right=set(range(len(header))) - {0, 2, 3}))
+    return "\n".join(format_ruled_table(rows, right=set(range(len(header))) - {0, 2, 3}))
 
 
 def dask_cost(runs: list[ConvertRun]) -> list[str]:

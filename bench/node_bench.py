@@ -81,7 +81,7 @@ from train_step import add_data_options, evict, fp8_store, make_data
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
-from h5feed.bench import format_table
+from h5feed.bench import format_ruled_table
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store
 
@@ -447,7 +447,7 @@ def table(results: list[PassResult]) -> str:
                      f"{p.need_samples_per_s:.1f}", f"{p.delivered_pct:.0f}", f"{p.first_batch_s:.2f}",
                      f"{max(steady):.1f}" if steady else "-", f"{p.steady_delivered_pct:.0f}", f"{p.loader_cores:.2f}",
                      f"{p.loader_cores_per_gpu:.2f}", f"{p.load_avg_max:.1f}", f"{p.other_cores:.2f}"])
-    lines = format_table(rows, right=set(range(3, len(head))))
+    lines = format_ruled_table(rows, right=set(range(3, len(head))))
     for p in results:
         lines += [f"{p.loader} ({p.data}, {p.cache}): {e.splitlines()[-1]}"
                   + (" (the traceback in the JSON)" if "\n" in e else "") for e in p.errors]

@@ -72,7 +72,7 @@ from h5feed import (
     WorkersOptions,
 )
 from h5feed.baseline import create_collate_fn
-from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_table
+from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_ruled_table
 from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
 from h5feed.store.layout import CHECKSUMMED, object_key
 
@@ -202,7 +202,7 @@ def report(runs: list[Run]) -> list[str]:
         rows.append([f"{r.delay_ms:.0f} ms", f"{r.size_mb} MB", str(r.concurrency), r.client, f"{r.mb_per_s:.0f}",
                      f"{100 * r.mb_per_s / ceiling[(r.delay_ms, r.size_mb, r.concurrency)]:.0f}%",
                      f"{r.client_cpu_s / (r.nbytes / 1e9):.2f}", f"{100 * r.other_cpu_share:.0f}%"])
-    return format_table(rows, right={0, 1, 2, 4, 5, 6, 7})
+    return format_ruled_table(rows, right={0, 1, 2, 4, 5, 6, 7})
 
 
 # --- loaders --------------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def loader_report(runs: list[LoaderRun]) -> list[str]:
                      f"{r.first_s:.2f}" if r.first_s is not None else "-", f"{r.seconds:.2f}",
                      f"{r.requests / r.samples:.1f}", str(r.retries), f"{r.client_cpu_s / r.samples:.2f}",
                      f"{r.server_cpu_s / r.samples:.2f}", f"{100 * r.other_cpu_share:.0f}%"])
-    return format_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
+    return format_ruled_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
 
 
 def main() -> None:

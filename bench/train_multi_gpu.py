@@ -62,7 +62,7 @@ from train_step import DrafterStep, Shape, add_data_options, evict, filesystem, 
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
-from h5feed.bench import format_table
+from h5feed.bench import format_ruled_table
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 from h5feed.verify import describe_store
@@ -286,7 +286,7 @@ def table(runs: list[dict[str, Any]]) -> str:
                      _num(t["gpu_idle_pct"], ".1f"), _num(t["samples_per_s"], ".2f"),
                      f"{_num(t['disk_read_GBps'], '.2f')} (disk {_num(t['machine_disk_read_GBps'], '.2f')})",
                      _num(t["decoded_GBps"], ".2f"), _num(t["loader_cores"], ".2f")])
-    lines = format_table(rows, right=set(range(1, len(head))))
+    lines = format_ruled_table(rows, right=set(range(1, len(head))))
     for run in runs:
         for m in run["machines"]:
             lines.append(
