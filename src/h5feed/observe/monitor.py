@@ -82,7 +82,7 @@ from h5feed.observe.watchdog import (
     RECENT_S,
     StallEpisode,
     advice,
-    classify,
+    classify_stall,
     diagnose_between,
     note_diagnosis,
     process_state,
@@ -447,7 +447,8 @@ class Monitor(Generic[T]):
             self._end_episode(episode)  # the batch came after the last tick
 
     def _announce_workers(self, snap: LoaderSnapshot, now: float) -> None:
-        reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({o})" if (o := self._view.object_of(w.current_sample)) else "")
+        reading = [f"worker {w.worker} sample {w.current_sample}"
+                   + (f" ({o})" if (o := self._view.object_of(w.current_sample)) else "")
                    for w in snap.workers if w.current_sample is not None]
         doing = "; reading " + ", ".join(reading) if reading else ""
         self._emit({"kind": "workers_started", "workers": len(snap.workers), "after(s)": now - self._t0},
@@ -514,7 +515,7 @@ class Monitor(Generic[T]):
         if snap is not None:
             quiet = [self._quiet_s(w, now - self._t0) for w in snap.workers]
         for_writer = snap is not None and any(w.waiting_for_writer_s is not None for w in snap.workers)
-        verdict = classify(wait, quiet, self.stall_after, for_writer)
+        verdict = classify_stall(wait, quiet, self.stall_after, for_writer)
         if verdict is None or not episode.should_report(verdict):
             return episode
         if episode.held_the_trainer:

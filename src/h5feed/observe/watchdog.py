@@ -30,7 +30,7 @@ Verdict = Literal["bottleneck", "stuck", "idle", "waiting", "writer"]
 Limit = Literal["oversubscribed", "handover", "storage", "network", "cpu", "workers"]
 
 
-def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float,
+def classify_stall(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float,
              waiting_for_writer: bool = False) -> Verdict | None:
     """What a stall is, from how long the trainer has waited and how long each worker has gone without progress.
 
@@ -140,7 +140,7 @@ class Diagnosis:
     text: str
 
 
-def _count(n: int, word: str) -> str:
+def _counted(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
@@ -156,7 +156,7 @@ def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
     """
     workers, cores = setup.workers, setup.cores
     if workers > cores:
-        return Diagnosis("oversubscribed", f"{_count(workers, 'worker')} on {_count(cores, 'core')}: use {cores}; "
+        return Diagnosis("oversubscribed", f"{_counted(workers, 'worker')} on {_counted(cores, 'core')}: use {cores}; "
                                            "workers beyond the cores only take turns on them, and each one started "
                                            "delays the first batch")
     if work is None or work.seconds <= 0 or work.busy_s <= 0:
@@ -183,7 +183,7 @@ def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
     readers = workers or max(1, round(busy))  # threads in the trainer's process: as many as were busy
     on_gpu = "BatchLoader(decode='cuda') decodes on the GPU instead and leaves the cores to the trainer"
     if decoding_cores >= CPU_BOUND * cores:
-        return Diagnosis("cpu", f"{doing}, keeping {decoding_cores:.1f} of {_count(cores, 'core')} busy: the CPU is "
+        return Diagnosis("cpu", f"{doing}, keeping {decoding_cores:.1f} of {_counted(cores, 'core')} busy: the CPU is "
                                 f"the limit, so more workers will not help; {on_gpu}")
     if readers >= cores:
         return Diagnosis("cpu", f"{doing}, with as many {'workers' if workers else 'reading threads'} as cores "
@@ -191,7 +191,7 @@ def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
     more = min(cores, 2 * readers)
     effect = "roughly double the rate" if more == 2 * readers else f"raise the rate about {more / readers:.1f}x"
     change = f"{more} workers" if workers else f"{more} DataLoader worker processes (num_workers={more})"
-    return Diagnosis("workers", f"{doing} on {_count(cores, 'core')}: {change} would {effect}")
+    return Diagnosis("workers", f"{doing} on {_counted(cores, 'core')}: {change} would {effect}")
 
 
 def diagnose_between(setup: LoaderSetup, before: LoaderSnapshot | None, now: LoaderSnapshot | None
