@@ -10,7 +10,14 @@ import torch
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream, StreamLoader
-from h5feed.errors import CorruptSampleError, DiskFullError, SourceError, StoreError, WorkerDiedError
+from h5feed.errors import (
+    CorruptSampleError,
+    DiskFullError,
+    NotAStoreError,
+    SourceError,
+    StoreError,
+    WorkerDiedError,
+)
 from h5feed.io import ObjectNotFound
 
 H = 8
@@ -198,10 +205,15 @@ def test_a_loader_pointed_at_the_sample_files_says_to_convert_them(tmp_path):
     write_synthetic(src, "speculators-v0-pt", 2, H, lengths=(4, 8), seed=6)
     said = (f"{src}: a folder of speculators-v0-pt sample files (data_{{i}}.pt), not an h5feed store: convert them "
             f"into one with `h5feed convert {src} DST`")
-    for open_it in (lambda: BatchLoader(src, max_len=64), lambda: HiddenStatesStream(src, "speculators", 64)):
-        with pytest.raises(StoreError) as err:
+    for open_it in (lambda: BatchLoader(src, max_len=64), lambda: HiddenStatesStream(src, "speculators", 64),
+                    lambda: HiddenStatesStream(src, "speculators", 64,
+                                               schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow()))):
+        with pytest.raises(NotAStoreError) as err:
             open_it()
         assert said in str(err.value)
+    with pytest.raises(NotAStoreError) as err:  # the store itself knows no input format: it says how to make one
+        h5feed.Store(src)
+    assert str(err.value) == f"{src}: not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`"
     with pytest.raises(StoreError, match="missing: does not exist: check the path, or create the store with "):
         BatchLoader(tmp_path / "missing", max_len=64)
 

@@ -43,6 +43,14 @@ class StoreError(PathError):
     """A store that cannot be opened or read: unfinished, corrupt or of another layout."""
 
 
+class NotAStoreError(StoreError):
+    """A location that holds no h5feed store: missing, or a folder (or bucket prefix) without a store's zarr.json.
+
+    The store says so, and how to create one; what else the folder holds is for whoever was given it to say: the
+    loaders and the CLI name a folder of sample files and the `h5feed convert` that makes a store of them
+    (`h5feed.loading.sample_folder`)."""
+
+
 class DiskFullError(StoreError, OSError):
     """A store's disk filled up (ENOSPC), said as a StoreError naming what was being written and what to do; still
     an OSError with errno ENOSPC, for code that handles a full disk as the system reports it."""
