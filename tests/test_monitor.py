@@ -249,10 +249,10 @@ def test_without_tensorboard(tmp_path, monkeypatch):
 
 
 def test_train_step_bench_smoke(tmp_path):
-    """bench/train_step.py end to end on CPU with tiny sizes: every loader, monitored, JSON written; the GPU
+    """bench/loader/train_step.py end to end on CPU with tiny sizes: every loader, monitored, JSON written; the GPU
     decode path, which needs CUDA, is recorded as failed with the reason, and the other runs go on."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--make-data", "3", "--hidden-size", "16",
+    cmd = [sys.executable, str(REPO / "bench" / "loader" / "train_step.py"), "--make-data", "3", "--hidden-size", "16",
            "--tokens", "20:30", "--max-len", "32", "--workers", "1", "--convert-workers", "0",
            "--data-dir", str(tmp_path / "data"), "--out", str(out)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)

@@ -34,17 +34,17 @@ to the first batch (the slowest rank's) and, from it on, the wait (the worst ran
 share delivered (each rank's samples over its own time) are given apart.
 
 On the H200 box (one GPU, 16 cores), from the repository root, with the wheels h5feed needs
-beside torch in .whl/ (as for bench/train_step.py):
+beside torch in .whl/ (as for bench/loader/train_step.py):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/node_bench.py --ranks 8 \\
+        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/loader/node_bench.py --ranks 8 \\
         --make-data 160 --hidden-size 7168 --convert-workers 16 --fp8 --workers 2 --step-ms 65 \\
         --loaders pt-baseline,workers,threads,cuda --cold --warm --out $OUT/node_bench.json
 
 A CPU smoke run (a minute here, mostly the ranks' start: importing torch; at 5 ms steps a sleep's
 overshoot on a busy box already shows in the shares delivered):
 
-    python bench/node_bench.py --ranks 2 --make-data 8 --hidden-size 64 --tokens 40:60 --max-len 64 \\
+    python bench/loader/node_bench.py --ranks 2 --make-data 8 --hidden-size 64 --tokens 40:60 --max-len 64 \\
         --workers 1 --step-ms 5 --convert-workers 0 --data-dir /tmp/nb --warm --out /tmp/nb/node_bench.json
 
 A rank that fails, dies or outlasts `--timeout` is reported with its error; Ctrl-C or an error
@@ -74,7 +74,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
 from train_step import add_data_options, evict, fp8_store, make_data

@@ -19,8 +19,8 @@ straight into the rows of the trainer's batch tensors (`decode_placed`).  With
 that module as the loader used it: decoded into temporaries, then one placement
 `copy_` per sample and array; both batches are checked equal, bit for bit.
 
-    python bench/gpu_decode_bench.py --out gpu_decode.json
-    python bench/gpu_decode_bench.py --batches --group-samples 4 16 --baseline old_gpu_decode.py
+    python bench/gpu/gpu_decode_bench.py --out gpu_decode.json
+    python bench/gpu/gpu_decode_bench.py --batches --group-samples 4 16 --baseline old_gpu_decode.py
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ samples; the difference between the engines is what Dask costs per sample.
 converts N one-token samples instead (H=16): the work per sample is then next to
 nothing, and a worker's milliseconds per sample are what the engine costs.
 
-    python bench/convert_bench.py --workers 1 2 --scheduler local --fsync both --num-samples 24
-    python bench/convert_bench.py --workers 1 2 --scheduler local --tiny 400
+    python bench/convert/convert_bench.py --workers 1 2 --scheduler local --fsync both --num-samples 24
+    python bench/convert/convert_bench.py --workers 1 2 --scheduler local --tiny 400
 """
 
 from __future__ import annotations

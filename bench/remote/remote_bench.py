@@ -14,7 +14,7 @@ Each client gets the same bytes at the same concurrency; each figure is the best
 passes (the box is shared), and the CPU seconds this process spent per GB say what the client
 costs beside the server.
 
-    python bench/remote_bench.py --sizes 11 50 --objects 6 --concurrency 4 16 --delays 0 0.02
+    python bench/remote/remote_bench.py --sizes 11 50 --objects 6 --concurrency 4 16 --delays 0 0.02
 
 `loaders`: training straight from the bucket.  The first `--samples` samples of a Kimi-shaped store
 (default: `h5feed bench`'s set in ~/.cache/h5feed/bench) and their `.pt` files are put into moto,
@@ -33,7 +33,7 @@ then, once per added delay:
   decoding does not share the box's cores with the server;
 - the cache: the StreamLoader with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
 
-    python bench/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
+    python bench/remote/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import numpy as np
 import psutil
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this checkout's h5feed and the test server
 
 from s3_server import CREDENTIALS, REGION, boto3_client
