@@ -8,7 +8,7 @@ all-reduce, so equal step counts are also checked by the subprocess ending withi
 Three launches: 2 ranks (two shuffled epochs through DataLoader workers, one rank slowed on
 purpose and both monitored; a padded epoch; an epoch stopped and its state saved after 3 steps),
 3 ranks (resume that state; save another after 2 steps), 2 ranks (resume that one).  Last, a
-smoke run of bench/train_multi_gpu.py with 2 gloo ranks.
+smoke run of bench/loader/train_multi_gpu.py with 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -241,9 +241,9 @@ def test_monitor_writes_a_file_per_rank_and_watch_names_the_slow_rank(launches):
 
 
 def test_multi_gpu_bench_smoke(tmp_path):
-    """bench/train_multi_gpu.py end to end with 2 gloo ranks at tiny shapes: both loaders, every figure there."""
+    """bench/loader/train_multi_gpu.py end to end with 2 gloo ranks at tiny shapes: both loaders, every figure there."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "bench" / "train_multi_gpu.py"), "--gpus", "2", "--make-data", "4",
+    cmd = [sys.executable, str(REPO / "bench" / "loader" / "train_multi_gpu.py"), "--gpus", "2", "--make-data", "4",
            "--hidden-size", "16", "--tokens", "20:30", "--max-len", "32", "--workers", "1", "--convert-workers", "0",
            "--data-dir", str(tmp_path / "data"), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)

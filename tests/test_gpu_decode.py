@@ -24,7 +24,7 @@ from numcodecs import Blosc, blosc
 from h5feed.gpu import (
     DamagedFrame,
     FrameError,
-    Placement,
+    FramePlacement,
     UnsupportedFrame,
     parse_frame,
     parse_frames,
@@ -256,16 +256,16 @@ def test_placements_write_row_ranges_of_a_batch():
             first, last = max(k * c, 1), min((k + 1) * c, length)  # rows [1, length) of the sample
             if first < last:
                 out = batch[n, first - 1 : last - 1]
-                placements.append(Placement(frame, (first - k * c) * row_bytes, out))
+                placements.append(FramePlacement(frame, (first - k * c) * row_bytes, out))
             frame += 1
     reference_decode_placed(frames, placements)
     for n, (sample, length) in enumerate(zip(samples, lengths)):
         assert torch.equal(batch[n, : length - 1].view(torch.uint16), sample[1:length].view(torch.uint16))
         assert batch[n, length - 1 :].isnan().all()  # pads are the caller's: never written
     with pytest.raises(ValueError, match=r"frame 4 of the batch decodes to 73728 bytes: bytes 288..74016"):
-        reference_decode_placed(frames, [Placement(4, 288, torch.empty(73728, dtype=torch.uint8))])
+        reference_decode_placed(frames, [FramePlacement(4, 288, torch.empty(73728, dtype=torch.uint8))])
     with pytest.raises(ValueError, match="a placement names frame 5; the batch has 5"):
-        reference_decode_placed(frames, [Placement(5, 0, torch.empty(8, dtype=torch.uint8))])
+        reference_decode_placed(frames, [FramePlacement(5, 0, torch.empty(8, dtype=torch.uint8))])
 
 
 # =========================================================================== what is refused
@@ -478,7 +478,7 @@ def test_gpu_placements_into_rows_of_a_batch(unshuffle):
                     row_bytes = width * 2 if key == "h" else 8
                     placements.append((len(frames), (first - k * c) * row_bytes, key, n, first - 1, last - 1))
                 frames.append(frame)
-    reference_decode_placed(frames, [Placement(f, skip, cpu[key][n, a:b]) for f, skip, key, n, a, b in placements])
+    reference_decode_placed(frames, [FramePlacement(f, skip, cpu[key][n, a:b]) for f, skip, key, n, a, b in placements])
     source = torch.zeros(sum(map(len, frames)) + 7 * len(frames), dtype=torch.uint8).pin_memory()
     spans, at = [], 5
     for frame in frames:
@@ -487,7 +487,7 @@ def test_gpu_placements_into_rows_of_a_batch(unshuffle):
         at += len(frame) + 7
     decoder = nvcomp.CudaBloscDecoder(stream=torch.cuda.Stream(), unshuffle=unshuffle)
     timing = decoder.decode_placed(
-        source, spans, [Placement(f, skip, gpu_batch[key][n, a:b]) for f, skip, key, n, a, b in placements])
+        source, spans, [FramePlacement(f, skip, gpu_batch[key][n, a:b]) for f, skip, key, n, a, b in placements])
     timing.gpu_times()
     for key, expected in cpu.items():
         bits = torch.int16 if key == "h" else torch.int64

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -29,6 +30,7 @@ from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.io import open_url
 from h5feed.store import Store
 from h5feed.store.layout import CRC_BYTES, INDEX_COLUMNS, IndexDigest, crc32c, shard_index_nbytes
+from h5feed.store.sources import DamagedObject, LocalSource
 from h5feed.synthetic import write_synthetic
 import h5feed
 
@@ -413,3 +415,14 @@ def test_an_oversized_shard_in_a_bucket_is_refused_before_it_is_fetched(dst, s3,
         assert str(err.value).startswith(f"{url}/{key}: sample 2 (converted from data_2.pt): is 2097152 bytes, more "
                                          f"than an object of its array can take ({max_nbytes})")
         assert [r for r in s3.proxy.requests("GET") if key in r.path] == []
+
+
+def test_a_damaged_object_carries_its_file_as_a_field_through_a_pickle(tmp_path):
+    """What the sources raise for an object's bytes: its file (or URL) in `where`, the problem as its message, which
+    the reader turns into the CorruptSampleError naming the sample and that file."""
+    key = "aux_hidden_states/c/0/0"
+    with pytest.raises(DamagedObject) as err, LocalSource(tmp_path).open(key, range(1), whole=True):
+        pass
+    assert err.value.where == tmp_path / key and err.value.problem == str(err.value) == "is missing"
+    copy = pickle.loads(pickle.dumps(err.value))
+    assert (type(copy), copy.where, copy.problem) == (DamagedObject, tmp_path / key, "is missing")

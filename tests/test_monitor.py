@@ -18,7 +18,7 @@ from conftest import SlowDataset
 import h5feed
 from h5feed.cli import main as cli_main
 from h5feed.observe.renderer import format_line, format_workers
-from h5feed.observe.watchdog import StallEpisode, classify
+from h5feed.observe.watchdog import StallEpisode, classify_stall
 
 REPO = Path(__file__).resolve().parents[1]
 STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
@@ -162,16 +162,17 @@ def test_one_file_per_rank_and_watch_names_the_slowest_rank(tmp_path, capsys, mo
 
 
 def test_stall_verdicts():
-    assert classify(None, [0.1, 0.2], stall_after=1.0) is None
-    assert classify(5.0, [0.1, 3.0], stall_after=1.0) == "bottleneck"  # trainer waits, a worker progresses
-    assert classify(5.0, [2.0, 3.0], stall_after=1.0) == "stuck"  # trainer waits, nobody progresses
-    assert classify(5.0, [], stall_after=1.0) == "stuck"  # trainer waits, no worker ever started
-    assert classify(None, [2.0, 3.0], stall_after=1.0) == "idle"  # trainer busy elsewhere, queues full
-    assert classify(0.5, [2.0, 3.0], stall_after=1.0) is None  # the trainer asks: not idle, and not yet a stall
-    assert classify(0.5, [], stall_after=1.0) is None  # workers still starting
-    assert classify(5.0, None, stall_after=1.0) == "waiting"  # a loader without counters
-    assert classify(5.0, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) == "writer"  # a following stream
-    assert classify(None, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) is None  # not idle: waits for samples
+    assert classify_stall(None, [0.1, 0.2], stall_after=1.0) is None
+    assert classify_stall(5.0, [0.1, 3.0], stall_after=1.0) == "bottleneck"  # trainer waits, a worker progresses
+    assert classify_stall(5.0, [2.0, 3.0], stall_after=1.0) == "stuck"  # trainer waits, nobody progresses
+    assert classify_stall(5.0, [], stall_after=1.0) == "stuck"  # trainer waits, no worker ever started
+    assert classify_stall(None, [2.0, 3.0], stall_after=1.0) == "idle"  # trainer busy elsewhere, queues full
+    assert classify_stall(0.5, [2.0, 3.0], stall_after=1.0) is None  # the trainer asks: not idle, and not yet a stall
+    assert classify_stall(0.5, [], stall_after=1.0) is None  # workers still starting
+    assert classify_stall(5.0, None, stall_after=1.0) == "waiting"  # a loader without counters
+    assert classify_stall(5.0, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) == "writer"  # a following stream
+    # not idle: waits for samples
+    assert classify_stall(None, [2.0, 3.0], stall_after=1.0, waiting_for_writer=True) is None
 
 
 class StutteringDataset(SlowDataset):
@@ -248,10 +249,10 @@ def test_without_tensorboard(tmp_path, monkeypatch):
 
 
 def test_train_step_bench_smoke(tmp_path):
-    """bench/train_step.py end to end on CPU with tiny sizes: every loader, monitored, JSON written; the GPU
+    """bench/loader/train_step.py end to end on CPU with tiny sizes: every loader, monitored, JSON written; the GPU
     decode path, which needs CUDA, is recorded as failed with the reason, and the other runs go on."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "bench" / "train_step.py"), "--make-data", "3", "--hidden-size", "16",
+    cmd = [sys.executable, str(REPO / "bench" / "loader" / "train_step.py"), "--make-data", "3", "--hidden-size", "16",
            "--tokens", "20:30", "--max-len", "32", "--workers", "1", "--convert-workers", "0",
            "--data-dir", str(tmp_path / "data"), "--out", str(out)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""bench/real_activations.py at tiny sizes on the CPU: its report holds together, its stores hold what was written.
+"""bench/training/real_activations.py at tiny sizes on the CPU: its report holds together, its stores hold what was written.
 
 The script trains a small LM on the standard library's text, writes its EAGLE-3 inputs to an exact and an FP8
 store and trains one drafter on each; these tests check what must hold whatever the sizes: the exact store
@@ -31,7 +31,7 @@ TINY = ["--device", "cpu", "--hidden-size", str(H), "--layers", str(LAYERS), "--
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("real_activations_bench", ROOT / "bench" / "real_activations.py")
+    spec = importlib.util.spec_from_file_location("real_activations_bench", ROOT / "bench" / "training" / "real_activations.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 import h5feed
 from h5feed.metrics import LoaderCounters
-from h5feed.observe.report import load_runs, plot_figure, write_report
+from h5feed.observe.report import plot_figure, write_report
+from h5feed.observe.tracks import load_runs
 from h5feed.observe.watch import frame
 
 

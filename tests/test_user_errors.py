@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream, StreamLoader
-from h5feed.errors import SourceError, StoreError
+from h5feed.errors import (
+    CorruptSampleError,
+    DiskFullError,
+    NotAStoreError,
+    SourceError,
+    StoreError,
+    WorkerDiedError,
+)
+from h5feed.io import ObjectNotFound
 
 H = 8
 LENGTHS = [5, 17, 3, 9]
@@ -196,9 +205,31 @@ def test_a_loader_pointed_at_the_sample_files_says_to_convert_them(tmp_path):
     write_synthetic(src, "speculators-v0-pt", 2, H, lengths=(4, 8), seed=6)
     said = (f"{src}: a folder of speculators-v0-pt sample files (data_{{i}}.pt), not an h5feed store: convert them "
             f"into one with `h5feed convert {src} DST`")
-    for open_it in (lambda: BatchLoader(src, max_len=64), lambda: HiddenStatesStream(src, "speculators", 64)):
-        with pytest.raises(StoreError) as err:
+    for open_it in (lambda: BatchLoader(src, max_len=64), lambda: HiddenStatesStream(src, "speculators", 64),
+                    lambda: HiddenStatesStream(src, "speculators", 64,
+                                               schedule=h5feed.ScheduleOptions(shuffle=False, follow=h5feed.Follow()))):
+        with pytest.raises(NotAStoreError) as err:
             open_it()
         assert said in str(err.value)
+    with pytest.raises(NotAStoreError) as err:  # the store itself knows no input format: it says how to make one
+        h5feed.Store(src)
+    assert str(err.value) == f"{src}: not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`"
     with pytest.raises(StoreError, match="missing: does not exist: check the path, or create the store with "):
         BatchLoader(tmp_path / "missing", max_len=64)
+
+
+@pytest.mark.parametrize("error", [
+    SourceError("src/data_0.pt", "is truncated"),
+    StoreError("store", "is damaged"),
+    CorruptSampleError("store/aux_hidden_states/c/0/0", "fails its checksum", 3, "data_3.pt"),
+    DiskFullError("store", "the disk is full"),
+    WorkerDiedError("store", "DataLoader worker 1 (pid 42) was killed", worker=1, pid=42, sample=7),
+    ObjectNotFound("s3://bucket/store/zarr.json", "no such object or bucket"),
+], ids=lambda error: type(error).__name__)
+def test_every_error_about_one_path_is_a_path_error_that_crosses_processes_whole(error):
+    """One base to catch them by (`h5feed.PathError`), the path and the problem apart, and the same error after a
+    pickle (a DataLoader worker's error reaches the trainer so)."""
+    assert isinstance(error, h5feed.PathError)
+    assert str(error).startswith(f"{error.path}: ") and str(error).endswith(error.problem)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error) and vars(copy) == vars(error)

@@ -1,7 +1,7 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
 from h5feed.conversion import ConvertReport, RepairReport, StoreWriter, WriterReport, convert, open_writer, repair
-from h5feed.errors import CorruptSampleError, H5feedError, SourceError, StoreError, WorkerDiedError
+from h5feed.errors import CorruptSampleError, H5feedError, PathError, SourceError, StoreError, WorkerDiedError
 from h5feed.flavors import TrainerCollate, trainer_collate
 from h5feed.loading.backends.cuda import CudaOptions
 from h5feed.loading.backends.threads import ThreadsOptions
@@ -31,6 +31,7 @@ __all__ = [
     "LoaderCounters",
     "LoaderSnapshot",
     "Monitor",
+    "PathError",
     "RawSample",
     "ReadOptions",
     "RepairReport",

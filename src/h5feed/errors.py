@@ -20,8 +20,11 @@ class H5feedError(Exception):
     """Base of every error h5feed raises on purpose."""
 
 
-class _PathError(H5feedError):
-    """An error about one file or folder: `str(err)` is "PATH: PROBLEM"."""
+class PathError(H5feedError):
+    """Base of the errors about one thing a path or URL names (a source file, a store, one of its objects, a
+    worker's store): `path` names it, `problem` says what is wrong and what to do, and `str(err)` is
+    "PATH: PROBLEM".  Catch it to handle any of them alike; it crosses process boundaries intact (a DataLoader
+    worker's error reaches the trainer as it was raised)."""
 
     def __init__(self, path: str | Path, problem: str) -> None:
         self.path = str(path)
@@ -32,12 +35,20 @@ class _PathError(H5feedError):
         return type(self), (self.path, self.problem)
 
 
-class SourceError(_PathError):
+class SourceError(PathError):
     """A source file that cannot be converted; names the file and the problem."""
 
 
-class StoreError(_PathError):
+class StoreError(PathError):
     """A store that cannot be opened or read: unfinished, corrupt or of another layout."""
+
+
+class NotAStoreError(StoreError):
+    """A location that holds no h5feed store: missing, or a folder (or bucket prefix) without a store's zarr.json.
+
+    The store says so, and how to create one; what else the folder holds is for whoever was given it to say: the
+    loaders and the CLI name a folder of sample files and the `h5feed convert` that makes a store of them
+    (`h5feed.loading.sample_folder`)."""
 
 
 class DiskFullError(StoreError, OSError):
@@ -73,7 +84,7 @@ class CorruptSampleError(StoreError):
         return type(self), (self.path, self.problem, self.sample, self.source_path)
 
 
-class WorkerDiedError(_PathError):
+class WorkerDiedError(PathError):
     """A DataLoader worker that died (killed, or crashed) while it read a store for the trainer.
 
     `path` is the store, `worker` the worker's id, `pid` its process id and `sample` the store

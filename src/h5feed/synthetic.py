@@ -396,7 +396,7 @@ def draft_probs(g: torch.Generator, rows: int, vocab: int, sigma: float = 2.0) -
     return torch.softmax(z, dim=-1)
 
 
-def _shift_left(t: torch.Tensor) -> torch.Tensor:
+def _shift_left_with_zero(t: torch.Tensor) -> torch.Tensor:
     """NeMo's `_shift_left_with_zero` on one sample: drop position 0, zero-fill the last."""
     return torch.cat((t[1:], torch.zeros_like(t[:1])))
 
@@ -422,9 +422,9 @@ def _write_nemo_cache(root: Path, lens: list[int], hidden: int, k: int, seed: in
         g = torch.Generator().manual_seed(_seed(seed, 0x9E0, i))
         probs = draft_probs(g, seq_length, draft_vocab_size)
         probs[-1] = torch.softmax(torch.zeros(draft_vocab_size), dim=-1)  # the shift's zero-filled logits
-        loss = _shift_left(torch.cat((mask, torch.zeros(pad, dtype=torch.int64))))
+        loss = _shift_left_with_zero(torch.cat((mask, torch.zeros(pad, dtype=torch.int64))))
         sample = {
-            "input_ids": _shift_left(torch.cat((ids, torch.full((pad,), PAD_ID, dtype=torch.int64)))),
+            "input_ids": _shift_left_with_zero(torch.cat((ids, torch.full((pad,), PAD_ID, dtype=torch.int64)))),
             "attention_mask": torch.cat((torch.ones(t, dtype=torch.int64), torch.zeros(pad, dtype=torch.int64))),
             "loss_mask": loss,
             "aux_hidden_states": torch.cat((torch.cat(layers[:k], -1), torch.cat(pad_layers[:k], -1)[:pad])),

@@ -8,8 +8,8 @@
 """
 
 from h5feed.bench.cli import add_bench_parser
-from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS, WorkerStats
-from h5feed.bench.report import BenchResult, PassResult, format_table
+from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS, WorkerPass
+from h5feed.bench.report import BenchResult, PassResult, format_ruled_table
 from h5feed.bench.runner import MemorySampler, run_bench
 from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec, drop_page_cache, ensure_default_set
 
@@ -22,10 +22,10 @@ __all__ = [
     "MemorySampler",
     "PassResult",
     "SyntheticSpec",
-    "WorkerStats",
+    "WorkerPass",
     "add_bench_parser",
     "drop_page_cache",
     "ensure_default_set",
-    "format_table",
+    "format_ruled_table",
     "run_bench",
 ]

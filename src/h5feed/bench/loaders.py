@@ -92,7 +92,7 @@ USABLE = {
 
 
 @dataclass
-class WorkerStats:
+class WorkerPass:
     """One DataLoader worker's share of a pass.
 
     For h5feed loaders it comes from the dataset's `counters.snapshot()` (bytes read from the
@@ -120,13 +120,13 @@ class WorkerCounts:
     read_seconds: float | None = None
     decode_seconds: float | None = None
 
-    def since(self, before: WorkerCounts | None, seconds: float, worker: int) -> WorkerStats:
+    def since(self, before: WorkerCounts | None, seconds: float, worker: int) -> WorkerPass:
         def minus(a: float | None, b: float | None) -> float | None:
             return None if a is None else a - (b or 0.0)
 
         b = before or WorkerCounts(0, 0, 0.0)
         samples, nbytes = self.samples - b.samples, self.bytes_read - b.bytes_read
-        return WorkerStats(worker, samples, samples / seconds, nbytes, nbytes / seconds / 1e9,
+        return WorkerPass(worker, samples, samples / seconds, nbytes, nbytes / seconds / 1e9,
                            self.busy_seconds - b.busy_seconds, minus(self.read_seconds, b.read_seconds),
                            minus(self.decode_seconds, b.decode_seconds))
 
@@ -208,7 +208,7 @@ class BuiltLoader:
         """The GPU time the loader spent decoding since `start_pass` (0 for loaders that decode on the CPU)."""
         return self._gpu_decode_ms() - self._gpu_before
 
-    def pass_stats(self, seconds: float) -> list[WorkerStats]:
+    def pass_stats(self, seconds: float) -> list[WorkerPass]:
         """Each worker's share of the pass since `start_pass`."""
         stats = [now.since(self._before.get(w), seconds, w) for w, now in sorted(self._counts().items())]
         return [w for w in stats if w.samples]

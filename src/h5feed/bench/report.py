@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, WorkerStats
+from h5feed.bench.loaders import BASELINE, LOADER_LABELS, SHORT_LABELS, USABLE, WorkerPass
 from h5feed.bench.step import StepAlone
 from h5feed.observe.page import Section, bullets, figure_png, image, page_html, preformatted, pyplot, table
 
@@ -38,7 +38,7 @@ class PassResult:
     bytes_read: int  # from storage: store chunks (h5feed) or whole files (baseline)
     peak_memory_bytes: int
     memory_metric: str  # "pss" or "rss"
-    workers: list[WorkerStats] = field(default_factory=list)
+    workers: list[WorkerPass] = field(default_factory=list)
     cpu_seconds: float = 0.0  # CPU (user + system) of the main process and its workers, until they are reaped
     other_cpu_share: float = 0.0  # share of the machine's CPUs other processes used meanwhile (disturbance)
     ratio: float | None = None  # samples/s over the baseline's, same cache state (trainer-path loaders only)
@@ -212,7 +212,7 @@ class BenchResult:
         right = {i for i, c in enumerate(columns) if c not in TEXT_COLUMNS}
         out = [store, source, *textwrap.wrap(settings, WIDTH, subsequent_indent="  "), machine,
                *textwrap.wrap(step, WIDTH, subsequent_indent="  "), "",
-               *format_table(rows, right)]
+               *format_ruled_table(rows, right)]
         if not verbose:
             out += ["", "loaders:"]
             out += [line for name in self.loader_names()
@@ -297,7 +297,7 @@ def _means(passes: list[PassResult], figure: Any) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in values.items()}
 
 
-def format_table(rows: list[list[str]], right: set[int]) -> list[str]:
+def format_ruled_table(rows: list[list[str]], right: set[int]) -> list[str]:
     """Plain-text columns: the first row is the header, a rule under it; columns in `right` align right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 

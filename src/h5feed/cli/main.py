@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from h5feed.cli.options import add_location_options, add_storage_option, location_options, one_of, storage_options
-from h5feed.errors import H5feedError, StoreError
+from h5feed.errors import H5feedError, NotAStoreError, StoreError
 from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS
+from h5feed.loading.sample_folder import explained
 from h5feed.observe.report import add_report_parser
 from h5feed.observe.trace import add_trace_parser
 from h5feed.observe.watch import add_watch_parser
@@ -333,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except H5feedError as exc:  # its message may quote a lock holder's host, a log's name: shown printable
-        log.error("h5feed %s: error: %s", args.command, printable(str(exc), lines=True))
+        said = explained(exc) if isinstance(exc, NotAStoreError) else exc  # a folder of sample files named so
+        log.error("h5feed %s: error: %s", args.command, printable(str(said), lines=True))
         return 1
     except BrokenPipeError:  # `h5feed inspect STORE | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

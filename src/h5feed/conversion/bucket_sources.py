@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from h5feed.errors import SourceError, StoreError, _PathError
+from h5feed.errors import PathError, SourceError, StoreError
 from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import ObjectNotFound, ObjectStore, open_url
 from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
 
-E = TypeVar("E", bound=_PathError)
+E = TypeVar("E", bound=PathError)
 log = logging.getLogger(__name__)
 
 # Objects that may be sample files: a placeholder in the shadow, fetched by the worker that reads it.

@@ -88,7 +88,7 @@ from h5feed.io import ObjectError, is_remote
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import contained_path
 from h5feed.store import Store, read_ahead
-from h5feed.store.reader import damaged_arrays, repair_hint
+from h5feed.store.damage import damaged_arrays, repair_hint
 from h5feed.store.layout import (
     COMPANIONS_DIR,
     DEFAULT_CHUNK_TOKENS,

@@ -65,8 +65,8 @@ from h5feed.io import is_remote
 from h5feed.io.local import fsync_dir, write_atomically
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store
+from h5feed.store.damage import damaged_arrays
 from h5feed.store.layout import StoreInfo, create_arrays, crc32c, read_info, write_info
-from h5feed.store.reader import damaged_arrays
 from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
 from h5feed.verify import Mismatch, check_sample, verify_store
 

@@ -21,7 +21,7 @@ from h5feed.gpu.frames import (
     parse_frames,
 )
 from h5feed.gpu.nvcomp import CudaBloscDecoder, CudaDecodeTiming, GpuTimes, available, decode_into_cuda, why_unavailable
-from h5feed.gpu.plan import Placement, reference_decode_into, reference_decode_placed
+from h5feed.gpu.plan import FramePlacement, reference_decode_into, reference_decode_placed
 
 __all__ = [
     "BloscFrame",
@@ -29,9 +29,9 @@ __all__ = [
     "CudaDecodeTiming",
     "DamagedFrame",
     "FrameError",
+    "FramePlacement",
     "FrameTable",
     "GpuTimes",
-    "Placement",
     "Stream",
     "UnsupportedFrame",
     "available",

@@ -55,7 +55,7 @@ import torch
 from h5feed.gpu.frames import FrameTable, parse_frames
 from h5feed.gpu.plan import (
     DecodePlan,
-    Placement,
+    FramePlacement,
     copy_frames,
     plan_decode,
     round_up,
@@ -264,14 +264,14 @@ class CudaBloscDecoder:
         return self._decode_pinned(source, spans, whole_placements(len(spans), outs), whole=True)
 
     def decode_placed(
-        self, source: torch.Tensor, spans: Sequence[tuple[int, int]], placements: Sequence[Placement]
+        self, source: torch.Tensor, spans: Sequence[tuple[int, int]], placements: Sequence[FramePlacement]
     ) -> CudaDecodeTiming:
         """`decode_from_pinned`, writing each placement's range of its frame's decoded bytes straight into its `out`.
 
         For a loader: one call per group of batches, with a placement per
         (chunk, row range of the batch it fills), e.g. the chunk of rows
         [1536, 1792) of a 1750-token sample placed as
-        `Placement(frame, 0, batch["hidden_states"][row, offset + 1536 : offset + 1750])`.
+        `FramePlacement(frame, 0, batch["hidden_states"][row, offset + 1536 : offset + 1750])`.
         Bytes of a frame no placement takes are decoded and dropped; pads are the caller's.
         """
         if not spans:
@@ -279,7 +279,8 @@ class CudaBloscDecoder:
         return self._decode_pinned(source, spans, placements, whole=False)
 
     def _decode_pinned(
-        self, source: torch.Tensor, spans: Sequence[tuple[int, int]], placements: Sequence[Placement], whole: bool
+        self, source: torch.Tensor, spans: Sequence[tuple[int, int]], placements: Sequence[FramePlacement],
+        whole: bool,
     ) -> CudaDecodeTiming:
         if source.device.type != "cpu" or source.dtype != torch.uint8 or source.dim() != 1 or not source.is_pinned():
             raise ValueError("source must be a 1-D pinned uint8 CPU tensor")
@@ -293,7 +294,7 @@ class CudaBloscDecoder:
             plan = self._plan(parse_frames(host, spans), placements, first, whole)
             return self._launch(plan, source[first:end], time.perf_counter() - start, 0.0)
 
-    def _plan(self, table: FrameTable, placements: Sequence[Placement], first: int, whole: bool) -> DecodePlan:
+    def _plan(self, table: FrameTable, placements: Sequence[FramePlacement], first: int, whole: bool) -> DecodePlan:
         plan = plan_decode(table, placements, first, whole)
         if any(out.device != self.device for out in plan.outs):
             raise ValueError(f"every output must be on {self.device}")

@@ -1,6 +1,7 @@
 """The decode plan of a batch of frames: where each stored stream is read from and decoded to, and the byte
-unshuffle rows that write each block's bytes into its destination (`Placement`), with the torch unshuffle and a
-CPU reference of the whole decode.
+unshuffle rows that write each block's bytes into its destination (`FramePlacement`: not a flavor's `Placement`
+of an item's rows in the batch, but where one frame's decoded bytes go), with the torch unshuffle and a CPU
+reference of the whole decode.
 
 Why apart from the decoder: the plan is the GPU path's algorithm less nvCOMP and the Triton kernel, so
 `reference_decode_into` and `reference_decode_placed` run it on the CPU with numcodecs' zstd and CI checks it
@@ -26,7 +27,7 @@ SCRATCH_ALIGN = 4096  # each frame's decoded bytes start on a page in the scratc
 
 
 @dataclass(frozen=True)
-class Placement:
+class FramePlacement:
     """Where decoded bytes go: `out` (a contiguous tensor) receives frame `frame`'s bytes from byte `skip` on.
 
     It takes `out.nbytes` bytes, which must lie inside the frame: a chunk's rows
@@ -82,14 +83,14 @@ class DecodePlan:
     scratch_nbytes: int
 
 
-def whole_placements(frames: int, outs: Sequence[torch.Tensor]) -> list[Placement]:
+def whole_placements(frames: int, outs: Sequence[torch.Tensor]) -> list[FramePlacement]:
     """Frame i decoded whole into outs[i]: the placements of `decode`'s and `decode_from_pinned`'s outputs."""
     if not frames or frames != len(outs):
         raise ValueError(f"{frames} frames and {len(outs)} output tensors: need as many, at least one")
-    return [Placement(i, 0, out) for i, out in enumerate(outs)]
+    return [FramePlacement(i, 0, out) for i, out in enumerate(outs)]
 
 
-def plan_decode(table: FrameTable, placements: Sequence[Placement], first: int, whole: bool) -> DecodePlan:
+def plan_decode(table: FrameTable, placements: Sequence[FramePlacement], first: int, whole: bool) -> DecodePlan:
     """Lay a parsed batch out: the staged bytes start at byte `first` of the frames' buffer.
 
     nvCOMP's zstd decoder reads and writes at any byte offset (its required
@@ -199,7 +200,7 @@ def copy_frames(frames: Sequence[Buffer], spans: Sequence[tuple[int, int]], into
         into[at : at + n] = np.frombuffer(frame, np.uint8)
 
 
-def reference_decode_placed(frames: Sequence[Buffer], placements: Sequence[Placement]) -> None:
+def reference_decode_placed(frames: Sequence[Buffer], placements: Sequence[FramePlacement]) -> None:
     """The GPU path's algorithm on the CPU (numcodecs' zstd per stream): decode frames into CPU placements.
 
     Same bulk parser, layout and unshuffle rows as the GPU path, run with the
@@ -217,7 +218,7 @@ def reference_decode_into(frames: Sequence[Buffer], outs: Sequence[torch.Tensor]
     _reference_decode(frames, whole_placements(len(frames), outs), whole=True)
 
 
-def _reference_decode(frames: Sequence[Buffer], placements: Sequence[Placement], whole: bool) -> None:
+def _reference_decode(frames: Sequence[Buffer], placements: Sequence[FramePlacement], whole: bool) -> None:
     from numcodecs import zstd
 
     spans, nbytes = stage_spans(frames)

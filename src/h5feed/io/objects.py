@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from h5feed.errors import _PathError
+from h5feed.errors import PathError
 
 Range = tuple[int, int]  # [start, stop) byte offsets into one object
 Buffer = bytes | memoryview  # what a range read returns: bytes-like, zero-copy where the client allows
@@ -25,7 +25,7 @@ Buffer = bytes | memoryview  # what a range read returns: bytes-like, zero-copy 
 PART_BYTES = 8 << 20  # a large object is fetched as concurrent ranges of this size (AWS advises 8-16 MB)
 
 
-class ObjectError(_PathError):
+class ObjectError(PathError):
     """An object that cannot be read or written: `str(err)` is "URL: PROBLEM, what to do"."""
 
 

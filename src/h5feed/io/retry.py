@@ -122,7 +122,7 @@ def _is_timeout(exc: BaseException) -> bool:
                or (type(e).__module__.startswith("obstore") and "TimedOut" in str(e)) for e in _chain(exc))
 
 
-def classify(exc: BaseException) -> Kind | None:
+def classify_failure(exc: BaseException) -> Kind | None:
     """"transient", "missing", "denied", or None for a failure that is none of these (not retried)."""
     for e in _chain(exc):
         status, code = _status_and_code(e)
@@ -192,7 +192,7 @@ class RetryPolicy:
             return random.uniform(0, min(self.cap, self.base * 2**attempt))
         if isinstance(exc, ObjectError):
             raise exc
-        kind = classify(exc)
+        kind = classify_failure(exc)
         if kind == "transient" and elapsed >= self.timeout and _is_timeout(exc):
             raise ObjectUnavailable(url, f"no answer in {self.timeout:g} s; check the endpoint and the network, or "
                                          f"raise {TIMEOUT_VARIABLE} (seconds) for a slow link") from exc

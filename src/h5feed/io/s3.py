@@ -1,7 +1,7 @@
 """s3:// stores: s3fs for everything, and obstore (Rust object_store) for the reads, where it is safe.
 
 obstore fetched the same concurrent 8 MiB ranges from the loopback S3 server up to 2x faster than
-s3fs, at less CPU per byte (bench/remote_bench.py), so reads go through it when
+s3fs, at less CPU per byte (bench/remote/remote_bench.py), so reads go through it when
 
 - the storage options are ones it can honour exactly (credentials, endpoint, region, profile,
   anonymous); any other option (requester pays, SSE, botocore config, ...) keeps every read on s3fs;

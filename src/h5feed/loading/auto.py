@@ -2,7 +2,7 @@
 
 A loader is judged by the trainer's samples/s against its step alone, not by its own speed.
 Measured with a Kimi-shaped EAGLE-3 drafter step on a 16-core GPU box (`h5feed bench`,
-`bench/node_bench.py`; bench/RESULTS.md): with all 16 cores for one GPU, worker processes give
+`bench/loader/node_bench.py`; bench/RESULTS.md): with all 16 cores for one GPU, worker processes give
 the step 98.1-98.7% of its speed alone once running, on 1.2-1.4 loader cores; reader threads
 96-98% (they share the trainer's interpreter); the GPU decoder 94-96% on 0.3-0.4 cores, its
 3-5 GPU ms a sample running beside the step's kernels (the step 1.04-1.05x).  With eight

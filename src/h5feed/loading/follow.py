@@ -45,10 +45,11 @@ from typing import Any
 
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, is_remote, open_url
+from h5feed.loading.sample_folder import open_or_explain
 from h5feed.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
-from h5feed.store.reader import local_path
+from h5feed.store.opening import local_path
 from h5feed.store.writer_state import (
     WRITER_API,
     WRITERS_DIR,
@@ -277,7 +278,7 @@ def open_followed(location: str | os.PathLike[str], follow: Follow, **store_opti
                 raise StoreError(where, "nothing was ever published in it (an open_writer that appended no sample "
                                  "leaves an empty folder) and no writer holds it: start the writer, then follow it")
             if status is None:
-                return Store(where, **store_options)  # not a store at all: its own error says so
+                return open_or_explain(where, **store_options)  # not a store at all: its error says what it is
             raise StoreError(where, f"no writer holds it and it has no published sample: its writer ({WRITER_API}) "
                              "let it go before publishing one; nothing will come to follow. Append samples with "
                              "open_writer on it again, then follow it")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from h5feed.loading.sample_folder import open_or_explain
 from h5feed.loading.schedule import Shuffle
 from h5feed.store import Store
 
@@ -50,11 +51,12 @@ class StoreOptions:
                              "an open Store already has its own: pass its path or URL instead")
 
     def open(self) -> Store:
-        """The store to read: the one given open, or opened from its location with these options."""
+        """The store to read: the one given open, or opened from its location with these options (a folder of
+        sample files given instead is named so, with the `h5feed convert` that makes its store)."""
         if isinstance(self.location, Store):
             return self.location
-        return Store(self.location, storage_options=self.storage_options, cache_dir=self.cache_dir,
-                     cache_limit=self.cache_limit)
+        return open_or_explain(self.location, storage_options=self.storage_options, cache_dir=self.cache_dir,
+                               cache_limit=self.cache_limit)
 
 
 StoreLike = Store | str | os.PathLike[str] | StoreOptions  # what the loaders take as the store

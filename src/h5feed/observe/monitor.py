@@ -38,28 +38,32 @@ Each pass over the loader is an epoch of one run: monitors of the same
 name and files in one process (a loop that wraps its loader afresh each epoch, or
 one monitor iterated per epoch) count the run's `global_step` on, write one
 TensorBoard events file with increasing steps, and say which epoch a line is of.
+
+This module is the measurement: the hot path, the passes and the reporting thread.  What it reads of the loader
+is `loader_view`'s, the verdicts on loading `watchdog`'s, the headspace's sums and sentence `headspace`'s, and
+where its lines and records go `monitor_log`'s.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
 from h5feed import tracing
-from h5feed.metrics import CountedReader, LoaderCounters, LoaderSnapshot, WorkerSnapshot
+from h5feed.metrics import LoaderSnapshot, WorkerSnapshot
+from h5feed.observe.headspace import Headspace, StepKind, headspace_text
+from h5feed.observe.loader_view import LoaderView, distributed_rank
+from h5feed.observe.monitor_log import RecordFile, say
 from h5feed.observe.renderer import (
     Record,
     format_line,
@@ -70,76 +74,27 @@ from h5feed.observe.renderer import (
     step_figures,
     worker_rows,
 )
-from h5feed.observe.runlog import JSONL_PREFIX, RunLogError, append_line
+from h5feed.observe.runlog import JSONL_PREFIX
 from h5feed.observe.scalars import ScalarSink, TensorBoardSink, report_scalars, tensorboard_sink, wandb_sink
 from h5feed.observe.timers import GpuSpan, GpuTimer, StepTotals
 from h5feed.observe.watchdog import (
+    BOTTLENECK_PCT,
     RECENT_S,
-    Diagnosis,
-    LoaderSetup,
-    LoaderWork,
     StallEpisode,
     advice,
-    classify,
-    diagnose,
+    classify_stall,
+    diagnose_between,
+    note_diagnosis,
     process_state,
     verdict_text,
+    wait_cause,
+    window_verdict,
     worker_sentence,
 )
-from h5feed.store import Store
 
 log = logging.getLogger(__name__)
 
-BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
-STARTUP_SHARE = 0.5  # of a bottleneck pass's wait, the first batch's share that makes start-up the thing to fix
-NOTHING_PCT = 1.0  # a headspace below this: data costs the step nothing measurable
-
 T = TypeVar("T")
-
-
-# What the monitor reads of the loader it wraps, where the loader has it: torch's DataLoader, StreamLoader and
-# BatchLoader have them all; any other iterable of batches is measured all the same.
-@runtime_checkable
-class OverDataset(Protocol):
-    """A loader over a dataset (whose counters, when it is h5feed's, the monitor shows)."""
-
-    dataset: Any
-
-
-@runtime_checkable
-class OverStore(Protocol):
-    """A dataset that reads a store (an h5feed `Store`, which the monitor describes, or another)."""
-
-    store: Any
-
-
-@runtime_checkable
-class Batched(Protocol):
-    """A loader that says how many samples a batch holds."""
-
-    batch_size: int | None
-
-
-@runtime_checkable
-class Sampled(Protocol):
-    """A loader whose batches a batch sampler makes (None: `batch_size` says, or one sample a batch)."""
-
-    batch_sampler: Any
-
-
-@runtime_checkable
-class WorkerPool(Protocol):
-    """A loader that reads in worker processes, and says how they start."""
-
-    num_workers: int
-    multiprocessing_context: Any
-
-
-def distributed_rank() -> tuple[int, int]:
-    """(rank, world size) of this process: torch.distributed's once initialised, else torchrun's environment."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def monitor(
@@ -190,46 +145,17 @@ def monitor(
 
 @dataclass
 class _Run:
-    """What outlives one pass over the loader: the run's batches and epochs so far, and its TensorBoard writer."""
+    """What outlives one pass over the loader: the run's batches and epochs so far, its JSON-lines file and its
+    TensorBoard writer."""
 
     steps_before: int = 0  # batches handed over in the passes that ended
     epochs: int = 0  # passes begun
     tensorboard: TensorBoardSink | None = None
-    log_failed: bool = False  # a write of the JSON-lines file failed: reported once, and the file left alone
+    records: RecordFile | None = None  # the JSON-lines file, once the first monitor of the run is made
     headspace_measured: bool = False  # the replayed steps of `headspace=` were run (once a run)
 
 
 _RUNS: dict[tuple[str, int, str, str], _Run] = {}  # by (name, rank, JSON-lines file, log_dir): one per run
-
-StepKind = Literal["first", "loaded", "replayed"]  # the pass's first step (the loader's start-up), or not
-
-
-@dataclass
-class _Headspace:
-    """The steps' time with the loader's batches and on a replayed one (`headspace=`): what data costs the step.
-
-    The pass's first step is left out of the loaded ones: its wait is the loader's start-up, a cost of its own
-    (`first_batch(s)`), not the steady state that the replayed steps are measured in."""
-
-    loaded_steps: int = 0
-    loaded_s: float = 0.0
-    replayed_steps: int = 0
-    replayed_s: float = 0.0
-
-    def add(self, kind: StepKind, step_s: float) -> None:
-        if kind == "loaded":
-            self.loaded_steps += 1
-            self.loaded_s += step_s
-        elif kind == "replayed":
-            self.replayed_steps += 1
-            self.replayed_s += step_s
-
-    def figures(self) -> Record:
-        loaded = self.loaded_s / self.loaded_steps if self.loaded_steps else None
-        replayed = self.replayed_s / self.replayed_steps if self.replayed_steps else None
-        faster = 100 * (loaded / replayed - 1) if loaded is not None and replayed else None
-        return {"headspace(%)": faster, "step_loaded(s)": loaded, "step_replayed(s)": replayed,
-                "replayed_steps": self.replayed_steps}
 
 
 @dataclass
@@ -252,28 +178,6 @@ def _nbytes(batch: Any) -> int:
 
 
 # --- the monitor --------------------------------------------------------------------------------
-
-
-def _why(exc: OSError | RunLogError, path: Path) -> str:
-    """Why the log could not be written, and what to do, in a sentence naming the file."""
-    if isinstance(exc, RunLogError):
-        return f"{exc}; remove it, or give the monitor another log_dir"
-    what = f"{path}: {exc.strerror or exc}"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{what}; free space under {path.parent}, or give the monitor a log_dir on another disk"
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{what}; give the monitor a log_dir this user can write"
-    return f"{what}; check {path.parent}, or give the monitor another log_dir"
-
-
-def _say(level: int, line: str) -> None:
-    """Log the line; if the trainer configured no logging, still write it to stderr: that is the point of it."""
-    if log.hasHandlers():
-        if log.level == logging.NOTSET and log.getEffectiveLevel() > level:
-            log.setLevel(logging.INFO)  # an unconfigured level (WARNING) would drop the reports
-        log.log(level, line)
-    else:
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
 class Monitor(Generic[T]):
@@ -301,10 +205,8 @@ class Monitor(Generic[T]):
         self.every, self.stall_after, self.name, self.headspace = every, stall_after, name, headspace
         self.rank, self.world_size = distributed_rank()
         self._label = label(name, self.rank, self.world_size)
-        self.dataset = loader.dataset if isinstance(loader, OverDataset) else None
-        reader = self.dataset if isinstance(self.dataset, CountedReader) else None
-        self.counters = reader.counters if reader is not None and isinstance(reader.counters, LoaderCounters) else None
-        self._store = self.dataset.store if isinstance(self.dataset, OverStore) else None
+        self._view = LoaderView.of(loader)
+        self.dataset, self.counters = self._view.dataset, self._view.counters
         log_path = Path(log_dir) if log_dir is not None else None
         self._trace_dir = log_path if trace else None
         if jsonl is not None:
@@ -313,21 +215,13 @@ class Monitor(Generic[T]):
             suffix = f"-rank{self.rank}" if self.world_size > 1 else ""
             self.jsonl_path = log_path / f"{JSONL_PREFIX}-{name}{suffix}.jsonl" if log_path is not None else None
         self._run = _RUNS.setdefault((name, self.rank, str(self.jsonl_path), str(log_path)), _Run())
+        if self._run.records is None and self.jsonl_path is not None:
+            self._run.records = RecordFile(self.jsonl_path, self._label)
         if self._run.tensorboard is None:
             self._run.tensorboard = tensorboard_sink(tensorboard, log_path)
         sinks = [self._run.tensorboard if tensorboard else None, wandb_sink(wandb)]
         self._sinks: list[ScalarSink] = [sink for sink in sinks if sink is not None]
-        self._batch_size = (loader.batch_size if isinstance(loader, Batched) else None) or 1
-        # samples a batch holds, for the samples ready ahead: unknown when a batch sampler makes the batches
-        sampled = isinstance(loader, Sampled) and loader.batch_sampler is not None
-        per_batch = loader.batch_size if isinstance(loader, Batched) else None
-        self._per_batch: int | None = per_batch or (None if sampled else 1)
-        store = self._store if isinstance(self._store, Store) else None
-        self._setup = LoaderSetup(workers=loader.num_workers if isinstance(loader, WorkerPool) else 0,
-                                  cores=len(os.sched_getaffinity(0)), remote=store is not None and store.remote,
-                                  fp8=store.info.fp8 if store is not None else None)
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
@@ -341,7 +235,7 @@ class Monitor(Generic[T]):
         self._open_bytes = 0
         self._open_kind: StepKind = "first"
         self._replayed = 0  # batches handed over again (headspace=), not the loader's
-        self._headspace = _Headspace()
+        self._headspace = Headspace()
         self._stalled_batch: int | None = None  # the batch (1-based) a stall was reported for, and its wait
         self._stalled_batch_wait: float | None = None
         self._gpu: GpuTimer | None = None
@@ -448,7 +342,7 @@ class Monitor(Generic[T]):
         totals.steps += steps
         totals.step_s += t - self._step_call
         totals.wait_s += self._open_wait
-        totals.samples += steps * self._batch_size
+        totals.samples += steps * self._view.batch_size
         totals.batch_bytes += self._open_bytes
         totals.add_gpu(gpu)
         if steps:
@@ -467,33 +361,12 @@ class Monitor(Generic[T]):
             self._gpu.called()
         self._start = _Report(self._t0, StepTotals(), self.counters.snapshot() if self.counters is not None else None)
         self._last_report = self._start
-        what = self._describe()
+        what = self._view.describe()
         self._emit({"kind": "start", "every(s)": self.every, "stall_after(s)": self.stall_after, "what": what,
                     "pid": os.getpid(), "host": socket.gethostname()},
                    f"{self._label} iterating {what}; waiting for the first batch")
         self._thread = threading.Thread(target=self._watch, name=f"h5feed-monitor-{self.name}", daemon=True)
         self._thread.start()
-
-    def _describe(self) -> str:
-        if isinstance(self._store, Store):
-            s = self._store
-            parts = [f"store {s.path} ({len(s)} samples, H={s.hidden_size}, K={s.num_aux_layers})"]
-        else:
-            source = self.loader if self.dataset is None else self.dataset
-            size = f" of {len(source)} samples" if hasattr(source, "__len__") else ""  # type: ignore[arg-type]
-            parts = [f"{type(source).__name__}{size}"]
-        workers = self.loader.num_workers if isinstance(self.loader, WorkerPool) else 0
-        if workers:
-            context = self.loader.multiprocessing_context  # type: ignore[attr-defined]
-            method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method(True)
-            plural = "s" if workers > 1 else ""
-            parts.append(f"{workers} DataLoader worker{plural} ({method or 'default start method'})")
-        else:
-            parts.append("reading in this process")
-        parts.append(f"batch_size {self._batch_size}")
-        if self.counters is None:
-            parts.append("no h5feed counters: worker activity cannot be seen")
-        return ", ".join(parts)
 
     def _finish(self) -> None:
         t_end = time.perf_counter()
@@ -520,59 +393,19 @@ class Monitor(Generic[T]):
             line += f" | {slowest}"
         wait = rec.get("data_loading(%)")
         if wait is not None and wait >= BOTTLENECK_PCT:
-            diagnosis = self._diagnose(self._start.snap, snap)
-            self._note(rec, diagnosis)
+            diagnosis = diagnose_between(self._view.setup, self._start.snap, snap)
+            note_diagnosis(rec, diagnosis)
             line += (f" | the step waited for data {wait:.1f}% of the time: loading held training back; "
-                     f"{self._cause(rec['data_wait(s)'], diagnosis)}")
+                     f"{wait_cause(self._first_batch_s, rec['data_wait(s)'], diagnosis, self.counters is not None)}")
         if self.headspace:
             rec |= self._headspace.figures()
-            line += f" | {self._headspace_text(rec)}"
+            line += f" | {headspace_text(rec, self._run.headspace_measured, self._batches, self.headspace)}"
         self._emit(rec, line)
         for sink in self._sinks:
             try:
                 sink.flush()
             except OSError as exc:  # TensorBoard's events file on a full disk: the loop goes on all the same
-                _say(logging.WARNING, f"{self._label} cannot write its scalars: {exc}")
-
-    def _diagnose(self, before: LoaderSnapshot | None, now: LoaderSnapshot | None) -> Diagnosis | None:
-        """What limits loading, from the workers' counters between two snapshots (and without them, whether
-        there are more workers than cores)."""
-        work = LoaderWork.between(before, now) if before is not None and now is not None else None
-        return diagnose(self._setup, work)
-
-    @staticmethod
-    def _note(rec: Record, diagnosis: Diagnosis | None) -> None:
-        """Put the diagnosis in the record, for `h5feed watch` and whoever reads the file."""
-        rec["limit"], rec["diagnosis"] = (diagnosis.limit, diagnosis.text) if diagnosis is not None else (None, None)
-
-    def _cause(self, wait_s: float, diagnosis: Diagnosis | None) -> str:
-        """Why a pass waited for data and what to change: its start-up, when the first batch was most of the
-        wait, else what limits the loader."""
-        first = self._first_batch_s or 0.0
-        if first >= STARTUP_SHARE * wait_s:
-            fix = (diagnosis.text if diagnosis is not None and diagnosis.limit == "oversubscribed" else
-                   "fewer DataLoader workers start sooner, and persistent_workers=True starts them once for the run")
-            return f"{first:.2f} s of the {wait_s:.2f} s was the first batch, the loader's start-up; {fix}"
-        if diagnosis is not None:
-            return diagnosis.text
-        if self.counters is None:
-            return ("this loader has no h5feed counters, so what limits it cannot be seen; `h5feed bench STORE` "
-                    "measures h5feed's loaders on this machine")
-        return "`h5feed bench STORE` measures the loaders on this machine"
-
-    def _headspace_text(self, rec: Record) -> str:
-        """The end line's headspace: how much faster the step would be if data cost nothing, or why not known."""
-        faster = rec["headspace(%)"]
-        if faster is None:
-            if self._run.headspace_measured:
-                return "headspace measured in an earlier pass of this run"
-            return (f"headspace not measured: the pass had {self._batches} batches, and the replay begins after "
-                    f"{self.headspace + 1}")
-        times = (f"a step took {rec['step_loaded(s)']:.4f} s with the loader's batches, "
-                 f"{rec['step_replayed(s)']:.4f} s on {rec['replayed_steps']} replayed ones")
-        if faster < NOTHING_PCT:
-            return f"data costs the step nothing measurable: {times}"
-        return f"training would run {faster:.0f}% faster if data cost nothing: {times}"
+                say(logging.WARNING, f"{self._label} cannot write its scalars: {exc}")
 
     def summary(self) -> Record:
         """The step figures over the steps of the pass that ended so far (all of it once the pass is over: the
@@ -603,7 +436,7 @@ class Monitor(Generic[T]):
                 episode = self._check_stall(now, snap, recent[0] if recent else None, episode)
                 if now - last.time >= self.every:
                     rec, totals = self._record("report", now, last, snap)
-                    self._emit(rec, format_line(rec) + self._hint(rec, last.snap, snap))
+                    self._emit(rec, format_line(rec) + window_verdict(rec, self._view.setup, last.snap, snap))
                     self._scalars(rec, last)
                     last = self._last_report = _Report(now, totals, snap)
             except Exception:  # a broken report must never stop the training, nor flood its log
@@ -613,31 +446,14 @@ class Monitor(Generic[T]):
         if not failed:
             self._end_episode(episode)  # the batch came after the last tick
 
-    def _hint(self, rec: Record, before: LoaderSnapshot | None, now: LoaderSnapshot | None) -> str:
-        """A report line's verdict, when its window's steps waited for data: what limits the loader ("" when
-        they did not, or nothing can be said); the record gets it too."""
-        wait = rec["data_loading(%)"]
-        if wait is None or wait < BOTTLENECK_PCT:
-            return ""
-        diagnosis = self._diagnose(before, now)
-        if diagnosis is None:
-            return ""
-        self._note(rec, diagnosis)
-        return f" | the step waited for data {wait:.1f}% of this window: {diagnosis.text}"
-
     def _announce_workers(self, snap: LoaderSnapshot, now: float) -> None:
-        reading = [f"worker {w.worker} sample {w.current_sample}" + (f" ({o})" if (o := self._object_of(w.current_sample)) else "")
+        reading = [f"worker {w.worker} sample {w.current_sample}"
+                   + (f" ({o})" if (o := self._view.object_of(w.current_sample)) else "")
                    for w in snap.workers if w.current_sample is not None]
         doing = "; reading " + ", ".join(reading) if reading else ""
         self._emit({"kind": "workers_started", "workers": len(snap.workers), "after(s)": now - self._t0},
                    f"{self._label} loader started after {now - self._t0:.1f} s: {len(snap.workers)} "
                    f"worker(s) up{doing}")
-
-    def _object_of(self, index: int | None) -> str | None:
-        """The store object a worker reads for a sample index, for h5feed datasets."""
-        if index is None or not isinstance(self._store, Store) or not 0 <= index < len(self._store):
-            return None
-        return self._store.sample_object(index)
 
     def _record(
         self, kind: str, now: float, since: _Report, snap: LoaderSnapshot | None = None
@@ -668,7 +484,7 @@ class Monitor(Generic[T]):
             "cuda": self._gpu is not None,
         }
         if snap is not None:
-            rows = worker_rows(snap, since.snap, self._object_of)
+            rows = worker_rows(snap, since.snap, self._view.object_of)
             rec["loader"], rec["workers"] = loader_figures(rows, self._ahead(snap, loaded)), rows
         else:
             rec["loader"], rec["workers"] = None, []
@@ -679,10 +495,10 @@ class Monitor(Generic[T]):
         yet, out of `loaded` batches taken: what is ready ahead of it.  None where a batch sampler makes the
         batches (how many samples the trainer took is not known)."""
         start = self._start.snap
-        if self._per_batch is None or start is None:
+        if self._view.per_batch is None or start is None:
             return None
         done = sum(snap.total(name) - start.total(name) for name in ("samples", "corrupt"))
-        return max(0, int(done) - loaded * self._per_batch)  # the last batch may be short
+        return max(0, int(done) - loaded * self._view.per_batch)  # the last batch may be short
 
     def _check_stall(
         self, now: float, snap: LoaderSnapshot | None, recent: LoaderSnapshot | None, episode: StallEpisode
@@ -699,19 +515,19 @@ class Monitor(Generic[T]):
         if snap is not None:
             quiet = [self._quiet_s(w, now - self._t0) for w in snap.workers]
         for_writer = snap is not None and any(w.waiting_for_writer_s is not None for w in snap.workers)
-        verdict = classify(wait, quiet, self.stall_after, for_writer)
+        verdict = classify_stall(wait, quiet, self.stall_after, for_writer)
         if verdict is None or not episode.should_report(verdict):
             return episode
         if episode.held_the_trainer:
             with self._lock:
                 if self._stalled_batch != batches + 1:
                     self._stalled_batch, self._stalled_batch_wait = batches + 1, None
-        rows = worker_rows(snap, recent, self._object_of) if snap is not None else []
+        rows = worker_rows(snap, recent, self._view.object_of) if snap is not None else []
         for row in rows:
             row["state"], row["cpu_s"] = process_state(row["pid"])
         text = verdict_text(verdict, wait, min(quiet) if quiet else None, batches,
                              loader_figures(rows) if recent is not None else None)
-        diagnosis = self._diagnose(recent, snap)
+        diagnosis = diagnose_between(self._view.setup, recent, snap)
         what_to_do = advice(verdict, rows, diagnosis)
         lines = [f"{self._label} STALL: {text}", *(worker_sentence(r) for r in rows)]
         if what_to_do:
@@ -745,21 +561,11 @@ class Monitor(Generic[T]):
     def _emit(self, rec: Record, line: str | None, level: int = logging.INFO) -> None:
         """Say `line` (None: nothing) and write `rec` to the JSON-lines file."""
         if line is not None:
-            _say(level, line)
-        if self.jsonl_path is None:
+            say(level, line)
+        if self._run.records is None:
             return
-        rec = {"kind": rec["kind"], "name": self.name, "time": time.time(), "rank": self.rank,
-               "world_size": self.world_size} | rec
-        with self._write_lock:
-            if self._run.log_failed:
-                return
-            try:
-                self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-                append_line(self.jsonl_path, json.dumps(rec) + "\n")
-            except (OSError, RunLogError) as exc:  # watching a run must never stop it
-                self._run.log_failed = True
-                _say(logging.WARNING, f"{self._label} cannot write its log: {_why(exc, self.jsonl_path)}; training "
-                                      "goes on without that file (these lines still go to the trainer's log)")
+        self._run.records.append({"kind": rec["kind"], "name": self.name, "time": time.time(), "rank": self.rank,
+                                  "world_size": self.world_size} | rec)
 
     def _scalars(self, rec: Record, since: _Report) -> None:
         """Send a window's scalars, at the run's count of completed steps: a window with none sends nothing, so

@@ -171,7 +171,7 @@ _WORKER_COLUMNS: list[Column] = [
 ]
 
 
-def format_table(columns: list[Column], rows: list[Record], last: tuple[str, str]) -> list[str]:
+def format_record_table(columns: list[Column], rows: list[Record], last: tuple[str, str]) -> list[str]:
     """Rows as right-aligned columns ("-" for None), then the `last` (heading, key) column left-aligned."""
     if not rows:
         return []
@@ -185,7 +185,7 @@ def format_table(columns: list[Column], rows: list[Record], last: tuple[str, str
 def format_workers(rows: list[Record]) -> list[str]:
     """Per-worker rows as an aligned table (the store object of its sample last; the rank first if rows have one)."""
     ranked = any("rank" in r for r in rows)
-    return format_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("reading", "object"))
+    return format_record_table([("rank", "rank", "d")] * ranked + _WORKER_COLUMNS, rows, ("reading", "object"))
 
 
 def slowest_worker(paces: dict[str, float]) -> str | None:

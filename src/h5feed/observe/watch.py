@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from h5feed.observe.renderer import Column, Record, format_line, format_table, format_workers, num
+from h5feed.observe.renderer import Column, Record, format_line, format_record_table, format_workers, num
 from h5feed.observe.runlog import JSONL_PREFIX, WATCH_WINDOW_BYTES, RunId, RunLog, RunLogError, monitor_files
 from h5feed.text import printable
 
@@ -173,7 +173,7 @@ def render_ranks(run: list[tuple[RunLog, list[Record]]], now: float) -> str:
     if first[0].get("kind") == "start":
         out.append(f"   rank {ranks[0]}: {first[0]['what']}")
     rows = [_rank_row(records, now) for _, records in run]
-    out += format_table(_RANK_COLUMNS, rows, ("state", "state"))
+    out += format_record_table(_RANK_COLUMNS, rows, ("state", "state"))
     if (sentence := slowest_rank(rows)) is not None:
         out.append(sentence)
     for rank, (_, records) in zip(ranks, run):

@@ -1,6 +1,7 @@
 """Verdicts on loading: what a stall is (from the trainer's wait and the workers' progress), what each worker is
-doing, and what limits the loader (`diagnose`: the storage, the CPU, too few or too many workers) with the one
-change that would help most.
+doing, whether a pass or a report's window was held back by loading (its steps waited `BOTTLENECK_PCT` of their
+time for data) and why, and what limits the loader (`diagnose`: the storage, the CPU, too few or too many
+workers) with the one change that would help most.
 
 Why a diagnosis rather than a hint: "more workers may help" is wrong as often as right.  With 32 workers on 2
 cores more workers only take turns on the cores; with the storage at its rate they only queue more reads; with
@@ -19,6 +20,8 @@ from h5feed.metrics import LoaderSnapshot
 from h5feed.observe.renderer import Record, num
 
 RECENT_S = 10.0  # the window of a stall report's "recent" throughput
+BOTTLENECK_PCT = 5.0  # a pass whose steps waited this share of their time for data was held back by loading
+STARTUP_SHARE = 0.5  # of a bottleneck pass's wait, the first batch's share that makes start-up the thing to fix
 READ_BOUND = 0.6  # reading takes this share of the workers' busy time: the storage (or the network) sets the pace
 CPU_BOUND = 0.8  # decoding keeps this share of the cores busy: the CPU sets the pace
 BUSY_BOUND = 0.5  # workers busy less than this share of the time do not set the pace: what is after them does
@@ -27,7 +30,7 @@ Verdict = Literal["bottleneck", "stuck", "idle", "waiting", "writer"]
 Limit = Literal["oversubscribed", "handover", "storage", "network", "cpu", "workers"]
 
 
-def classify(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float,
+def classify_stall(trainer_wait_s: float | None, worker_quiet_s: list[float] | None, stall_after: float,
              waiting_for_writer: bool = False) -> Verdict | None:
     """What a stall is, from how long the trainer has waited and how long each worker has gone without progress.
 
@@ -137,7 +140,7 @@ class Diagnosis:
     text: str
 
 
-def _count(n: int, word: str) -> str:
+def _counted(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
@@ -153,7 +156,7 @@ def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
     """
     workers, cores = setup.workers, setup.cores
     if workers > cores:
-        return Diagnosis("oversubscribed", f"{_count(workers, 'worker')} on {_count(cores, 'core')}: use {cores}; "
+        return Diagnosis("oversubscribed", f"{_counted(workers, 'worker')} on {_counted(cores, 'core')}: use {cores}; "
                                            "workers beyond the cores only take turns on them, and each one started "
                                            "delays the first batch")
     if work is None or work.seconds <= 0 or work.busy_s <= 0:
@@ -180,7 +183,7 @@ def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
     readers = workers or max(1, round(busy))  # threads in the trainer's process: as many as were busy
     on_gpu = "BatchLoader(decode='cuda') decodes on the GPU instead and leaves the cores to the trainer"
     if decoding_cores >= CPU_BOUND * cores:
-        return Diagnosis("cpu", f"{doing}, keeping {decoding_cores:.1f} of {_count(cores, 'core')} busy: the CPU is "
+        return Diagnosis("cpu", f"{doing}, keeping {decoding_cores:.1f} of {_counted(cores, 'core')} busy: the CPU is "
                                 f"the limit, so more workers will not help; {on_gpu}")
     if readers >= cores:
         return Diagnosis("cpu", f"{doing}, with as many {'workers' if workers else 'reading threads'} as cores "
@@ -188,7 +191,50 @@ def diagnose(setup: LoaderSetup, work: LoaderWork | None) -> Diagnosis | None:
     more = min(cores, 2 * readers)
     effect = "roughly double the rate" if more == 2 * readers else f"raise the rate about {more / readers:.1f}x"
     change = f"{more} workers" if workers else f"{more} DataLoader worker processes (num_workers={more})"
-    return Diagnosis("workers", f"{doing} on {_count(cores, 'core')}: {change} would {effect}")
+    return Diagnosis("workers", f"{doing} on {_counted(cores, 'core')}: {change} would {effect}")
+
+
+def diagnose_between(setup: LoaderSetup, before: LoaderSnapshot | None, now: LoaderSnapshot | None
+                     ) -> Diagnosis | None:
+    """What limits loading, from the workers' counters between two snapshots (and without them, whether there are
+    more workers than cores)."""
+    work = LoaderWork.between(before, now) if before is not None and now is not None else None
+    return diagnose(setup, work)
+
+
+def note_diagnosis(rec: Record, diagnosis: Diagnosis | None) -> None:
+    """Put the diagnosis in the record, for `h5feed watch` and whoever reads the file."""
+    rec["limit"], rec["diagnosis"] = (diagnosis.limit, diagnosis.text) if diagnosis is not None else (None, None)
+
+
+def window_verdict(rec: Record, setup: LoaderSetup, before: LoaderSnapshot | None, now: LoaderSnapshot | None
+                   ) -> str:
+    """A report line's verdict, when its window's steps waited for data: what limits the loader ("" when they did
+    not, or nothing can be said); the record gets it too."""
+    wait = rec["data_loading(%)"]
+    if wait is None or wait < BOTTLENECK_PCT:
+        return ""
+    diagnosis = diagnose_between(setup, before, now)
+    if diagnosis is None:
+        return ""
+    note_diagnosis(rec, diagnosis)
+    return f" | the step waited for data {wait:.1f}% of this window: {diagnosis.text}"
+
+
+def wait_cause(first_batch_s: float | None, wait_s: float, diagnosis: Diagnosis | None, counted: bool) -> str:
+    """Why a pass waited for data and what to change: its start-up, when the first batch was most of the wait,
+    else what limits the loader (`counted`: the loader has h5feed's counters, so a diagnosis could be made)."""
+    first = first_batch_s or 0.0
+    if first >= STARTUP_SHARE * wait_s:
+        fix = (diagnosis.text if diagnosis is not None and diagnosis.limit == "oversubscribed" else
+               "fewer DataLoader workers start sooner, and persistent_workers=True starts them once for the run")
+        return f"{first:.2f} s of the {wait_s:.2f} s was the first batch, the loader's start-up; {fix}"
+    if diagnosis is not None:
+        return diagnosis.text
+    if not counted:
+        return ("this loader has no h5feed counters, so what limits it cannot be seen; `h5feed bench STORE` "
+                "measures h5feed's loaders on this machine")
+    return "`h5feed bench STORE` measures the loaders on this machine"
 
 
 def _fewer_bytes(setup: LoaderSetup, read_share: float) -> str:

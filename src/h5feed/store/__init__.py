@@ -19,7 +19,9 @@ from h5feed.store.layout import (
     read_info,
     storage_dtype,
 )
-from h5feed.store.reader import RawSample, ReadStats, Store, read_ahead
+from h5feed.store.read_results import RawSample, ReadStats
+from h5feed.store.reader import Store
+from h5feed.store.sources import read_ahead
 
 __all__ = [
     "ATTRS_KEY",

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from h5feed.store.buffers import Allocator
-from h5feed.store.reader import RawSample
+from h5feed.store.read_results import RawSample
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -59,7 +59,7 @@ def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     return out.copy_(torch.mul(*scaled))
 
 
-# Values dequantized per pass on the CPU: the fastest measured (bench/fp8_cpu_decode.py's shape, 2-core AVX2 VM),
+# Values dequantized per pass on the CPU: the fastest measured (bench/loader/fp8_cpu_decode.py's shape, 2-core AVX2 VM),
 # where numpy's and torch's per-call costs are small next to a pass's work and its temporaries (3 MiB) stay cached.
 CPU_BLOCK_VALUES = 1 << 19
 

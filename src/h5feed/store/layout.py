@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from h5feed.errors import SourceError, StoreError
+from h5feed.errors import NotAStoreError, StoreError
 from h5feed.io.local import write_atomically
 
 if TYPE_CHECKING:
@@ -512,7 +512,10 @@ def read_info(location: Path | ObjectStore) -> StoreInfo:
     try:
         text = location.get("zarr.json") if isinstance(location, ObjectStore) else (location / "zarr.json").read_bytes()
     except (ObjectNotFound, FileNotFoundError, NotADirectoryError):
-        raise StoreError(where, _converted_here(location, "is missing") or _not_a_store(location)) from None
+        converted = _converted_here(location, "is missing")
+        if converted is not None:
+            raise StoreError(where, converted) from None
+        raise NotAStoreError(where, _not_a_store(location)) from None
     try:
         meta = json.loads(text)
         attrs = meta["attributes"][ATTRS_KEY]
@@ -546,22 +549,13 @@ def _converted_here(location: Path | ObjectStore, what: str) -> str | None:
 
 
 def _not_a_store(location: Path | ObjectStore) -> str:
-    """Why a folder without zarr.json is no store, in the words that lead to the fix: a path mistyped, or a folder
-    of sample files given where their store was meant (a loader pointed at what `h5feed convert` reads)."""
-    create = "create one with `h5feed convert SRC DST`"
+    """Why a location without zarr.json is no store, in the words that lead to the fix: a path mistyped, or a store
+    to create.  A folder of sample files given where their store was meant (a loader pointed at what `h5feed convert`
+    reads) is named by the loaders and the CLI, which know the input formats (`h5feed.loading.sample_folder`): the
+    store does not."""
     if isinstance(location, Path) and not location.exists():
         return "does not exist: check the path, or create the store with `h5feed convert SRC DST`"
-    if isinstance(location, Path) and location.is_dir():
-        from h5feed.formats import detect_format
-
-        try:
-            source = detect_format(location)
-        except (SourceError, OSError):  # no sample files of a known format either
-            pass
-        else:
-            return (f"a folder of {source.name} sample files ({source.what}), not an h5feed store: convert them "
-                    f"into one with `h5feed convert {location} DST`, then read DST")
-    return f"not an h5feed store (no zarr.json); {create}"
+    return "not an h5feed store (no zarr.json); create one with `h5feed convert SRC DST`"
 
 
 def edited_hint(where: str | Path) -> str:

@@ -10,6 +10,11 @@ on their way: a new request, a new download into the node cache, the file mapped
 again); when those fail too, the read raises `CorruptSampleError` naming the sample,
 its source file and the object.  A read from a bucket gives up at its deadline
 (`read_deadline`) with an `ObjectUnavailable` that says so.
+
+The parts: `opening` (the location, the attributes, the object source), `index` (the
+sample index, read and checked), `chunks` (one object's chunks checked and decoded),
+`damage` (damaged metadata in words), `read_results` (what a read returns and costs);
+this module is the `Store` that joins them, sample by sample.
 """
 
 from __future__ import annotations
@@ -19,100 +24,36 @@ import json
 import logging
 import os
 import struct
-import threading
 import time
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 import torch
-from numcodecs import blosc
 
 from h5feed.errors import CorruptSampleError, StoreError
-from h5feed.io import CachedStore, FsspecStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
+from h5feed.io import IOCounters, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
+from h5feed.store.chunks import ChunkDecoder
+from h5feed.store.damage import sizes_claimed
+from h5feed.store.index import SampleIndex
 from h5feed.store.layout import (
-    CRC_BYTES,
-    Commit,
-    EMPTY,
     HIDDEN_SCALES,
-    INDEX_COLUMNS,
     TOKEN_ARRAYS,
+    Commit,
     IndexDigest,
-    StoreInfo,
     crc32c,
-    decode_shard_index,
     edited_hint,
-    index_digest,
     object_key,
     read_info,
-    shard_index_nbytes,
 )
-from h5feed.store.sources import (
-    CachedSource,
-    Deadline,
-    LocalSource,
-    ObjectSource,
-    RemoteSource,
-    check_inner_chunk,
-    fingerprint,
-    object_error,
-    read_ahead,
-    zarr_store,
-)
-from h5feed.store.writer_state import WRITER_API, WRITER_SOURCE, being_converted, bucket_being_written
+from h5feed.store.opening import local_path, object_source, read_local_info, unfinished_hint
+from h5feed.store.read_results import RawSample, ReadStats
+from h5feed.store.sources import DamagedObject, Deadline, zarr_store
 
 log = logging.getLogger(__name__)
-_BLOSC_HEADER = struct.Struct("<BBBBiii")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 READ_DEADLINE = 300.0  # seconds a sample's read from a bucket may take, retries included, before it is given up
-
-
-@dataclass
-class RawSample:
-    """One sample's tensors as stored: hidden states in their logical dtype (an FP8 store's: float8_e4m3fn, with
-    their scales; `h5feed.store.fp8.dequantized` gives them as read), views of one buffer each."""
-
-    input_ids: torch.Tensor  # int64 [t]
-    loss_mask: torch.Tensor  # int64 [t]
-    aux_hidden_states: torch.Tensor  # [t, K*H]
-    last_hidden_state: torch.Tensor | None  # [t, H]; None when the store holds none (`info.has_last_state`)
-    num_tokens: int  # tokens of the whole sample (t may be fewer when truncated)
-    has_loss_mask: bool
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the optional arrays read, [t, width] or [t]
-    hidden_scales: torch.Tensor | None = None  # an FP8 store's: float32 [t], each token's (`h5feed.store.fp8`)
-
-
-@dataclass
-class ReadStats:
-    """What reads cost: bytes from storage, bytes delivered, seconds in I/O and in checking + decoding.
-
-    `Store` reports through the three `add_*` methods, which `metrics.WorkerCounters`
-    implements too (in shared memory, thread-safe).
-    """
-
-    bytes_read: int = 0
-    bytes_delivered: int = 0
-    read_seconds: float = 0.0
-    decode_seconds: float = 0.0
-
-    def add_read(self, nbytes: int, seconds: float) -> None:
-        self.bytes_read += nbytes
-        self.read_seconds += seconds
-
-    def add_decode(self, seconds: float) -> None:
-        self.decode_seconds += seconds
-
-    def add_delivered(self, nbytes: int) -> None:
-        self.bytes_delivered += nbytes
-
-
-def local_path(location: str | os.PathLike[str]) -> Path:
-    """A local store's folder, given as a path or a file:// URL."""
-    text = os.fspath(location)
-    return Path(unquote(text.split("://", 1)[1]) if text.startswith("file://") else text)
 
 
 class Store:
@@ -157,44 +98,18 @@ class Store:
             self.info = read_info(self._objects)
         else:
             self.path = local_path(location)
-            self.info = self._read_local_info()
+            self.info = read_local_info(self.path)
         if self.info.status != "complete":
-            running = self._being_written_in_bucket() if self.remote else being_converted(self.path)
             raise StoreError(self.path, f"conversion has not finished (status {self.info.status!r}); "
-                             + (running or self._resume_hint()))
+                             + unfinished_hint(self.path, self.info, self._objects))
         if num_samples is not None and not 0 <= num_samples <= self.info.num_samples:
             raise StoreError(self.path, f"holds {self.info.num_samples} samples, not the {num_samples} asked for")
-        self._load_index(self.info.num_samples if num_samples is None else num_samples)
-        self._check_index()
-        self._check_index_digest()
-        self._max_chunk_nbytes = max(self.info.max_chunk_nbytes(name) for name in self.info.array_names)
-        self._source = self._make_source()
-        self._compressed = self.info.codec.get("name") != "none"
+        self._open_index(self.info.num_samples if num_samples is None else num_samples)
+        self._source = object_source(self.info, self._objects, self.path, self.__dict__.get("_zarr_store"))
+        self._chunks = ChunkDecoder(self.info, self._source, checked)
         if len(self) and not self.remote:  # in a bucket it would cost requests at every open; reads check sizes
             self._check_stored_width(int(np.argmax(self.sample_lengths)))
-        self._scratch = threading.local()
         self._warned_unchecked = False
-
-    def _read_local_info(self) -> StoreInfo:
-        """The attributes of a local store; one a writer holds before its first sample has none yet: say so."""
-        try:
-            return read_info(self.path)
-        except StoreError:
-            running = being_converted(self.path)
-            if running is None or (Path(self.path) / "zarr.json").is_file():
-                raise
-            raise StoreError(self.path, f"has no sample yet; {running}") from None
-
-    def _being_written_in_bucket(self) -> str | None:
-        objects = self._objects.inner if isinstance(self._objects, CachedStore) else self._objects
-        return bucket_being_written(objects) if isinstance(objects, FsspecStore) else None
-
-    def _resume_hint(self) -> str:
-        """What to do with an unfinished store no writer holds: resume the writer that made it."""
-        if self.info.source_root == WRITER_SOURCE:
-            return (f"its writer ({WRITER_API}) let it go before publishing a sample: open_writer on it again "
-                    "appends after the samples it journaled")
-        return "run the same `h5feed convert` command again to resume it"
 
     def __getstate__(self) -> dict[str, Any]:
         return {"location": self.path, "checked": self.checked, "storage_options": self.storage_options,
@@ -227,128 +142,46 @@ class Store:
             self._zarr_store = zarr_store(self._objects, {"zarr.json": root}, (f"{index}/",))
         return zarr.open_group(self._zarr_store, mode="r", zarr_format=3)
 
-    def _load_index(self, n: int) -> None:
-        """The first n rows of each index column: the columns may already hold an append's rows that
-        the attributes, read before them, do not publish yet.
+    def _open_index(self, n: int) -> None:
+        """Read the first n rows of the index and check them (`SampleIndex`): nothing is read of a sample before."""
+        self.index = SampleIndex.read(self.zarr_group, self.info, self.path, n)
+        self.index.check(self.path, self.info.object_tokens)
+        self.index.check_digest(self.path, self.info.num_samples)
 
-        Nothing is read or allocated for n rows before the arrays' metadata agrees with the attributes
-        and every column's stored chunks hold n rows: a store claiming 2^26 samples is refused at once."""
-        try:
-            group = self.zarr_group()
-            index = group[Commit.of_root({"attributes": group.attrs.asdict()}).index]
-            self._recorded_digest = IndexDigest.from_attributes(index.attrs)  # before the rows it may cover
-            self.total_rows = self._check_arrays(group)
-            self._check_columns(index, n)
-            self.sample_starts = np.asarray(index["sample_start"][:n], dtype=np.int64)
-            self.sample_lengths = np.asarray(index["sample_length"][:n], dtype=np.int64)
-            self.source_paths: list[str] = [str(p) for p in index["source_path"][:n]]
-            self.source_indices = np.asarray(index["source_index"][:n], dtype=np.int64)
-            self.checksums = np.asarray(index["checksum"][:n], dtype=np.uint32)
-            self.has_loss_mask = np.asarray(index["has_loss_mask"][:n], dtype=bool)
-        except (ObjectError, StoreError):  # the bucket said no (its error names the object), or a check above
-            raise
-        except Exception as exc:  # missing arrays, failed checksums, unreadable metadata
-            raise StoreError(self.path, f"the sample index is missing or damaged ({exc!r}); {_REBUILD_HINT}") from exc
-        if len(self.sample_lengths) != n:
-            raise StoreError(self.path, f"the sample index is damaged: it holds {len(self.sample_lengths)} samples, "
-                             f"fewer than the {n} the store's attributes publish; {_REBUILD_HINT}")
+    @property
+    def sample_starts(self) -> np.ndarray:
+        """Each sample's first row in the arrays (int64)."""
+        return self.index.sample_starts
 
-    def _check_arrays(self, group: Any) -> int:
-        """The rows every array holds, once each array's metadata agrees with the attributes (width, dtype,
-        shards and chunks).  An array whose metadata zarr cannot parse is left to `h5feed verify`
-        (reads do not use it, and check every chunk's decoded size against the attributes)."""
-        rows = {}
-        for name in self.info.array_names:
-            try:
-                array = group[name]
-            except Exception as exc:
-                if name == "aux_hidden_states":  # its rows bound the index: it must open
-                    raise StoreError(self.path, f"{damaged_metadata(name, exc)}; {repair_hint(self.path)}") from exc
-                continue
-            problem = metadata_disagreement(self.info, name, array)
-            if problem is not None:
-                raise StoreError(self.path, f"{problem}; {edited_hint(self.path)}")
-            rows[name] = array.shape[0]
-        return min(rows.values())  # a writer grows the arrays one after another: the smallest bounds the samples
+    @property
+    def sample_lengths(self) -> np.ndarray:
+        """Each sample's tokens (int64)."""
+        return self.index.sample_lengths
 
-    def _check_columns(self, index: Any, n: int) -> None:
-        """Every index column holds n rows, and `sample_length`'s stored chunks do (zarr stores no chunk of fill
-        values, so a column of zeros may have none, but lengths are positive: a missing chunk would read as
-        zeros), and `checksum` has one column per array: from metadata and a listing, before any row is read."""
-        lengths = index["sample_length"]
-        stored = lengths.nchunks_initialized * lengths.chunks[0]
-        for name, held in [("sample_length", min(lengths.shape[0], stored)),
-                           *((name, index[name].shape[0]) for name in INDEX_COLUMNS if name != "sample_length")]:
-            if held < n:
-                raise StoreError(self.path, f"the store's attributes say {n} samples, but index/{name} holds {held}; "
-                                 f"{edited_hint(self.path)}")
-        width = index["checksum"].shape[1:]
-        if width != (len(self.info.array_names),):
-            raise StoreError(self.path, f"index/checksum has {_plain(width)} columns, not one for each of the "
-                             f"{len(self.info.array_names)} arrays; {edited_hint(self.path)}")
+    @property
+    def source_paths(self) -> list[str]:
+        """The file each sample was converted from."""
+        return self.index.source_paths
 
-    def _make_source(self) -> ObjectSource:
-        max_nbytes = {name: self.info.max_object_nbytes(name) for name in self.info.array_names}
-        if self._objects is None:
-            return LocalSource(Path(self.path), max_nbytes)
-        per_shard = self.info.chunks_per_shard if self.info.sharded else 0
-        if isinstance(self._objects, CachedStore):
-            self._objects.namespace = fingerprint(self._zarr_store)  # a store rewritten at this URL is cached anew
-            return CachedSource(self._objects, per_shard, max_nbytes)
-        small = (*TOKEN_ARRAYS, HIDDEN_SCALES)  # fetched whole
-        return RemoteSource(self._objects, per_shard, small_arrays=small, max_nbytes=max_nbytes)
+    @property
+    def source_indices(self) -> np.ndarray:
+        """Each sample's place in its source file (int64)."""
+        return self.index.source_indices
 
-    def _check_index(self) -> None:
-        """Refuse an index that could hand out another sample's rows: starts aligned, lengths positive, no two
-        samples overlapping, all inside the arrays.  Starts increase in a store one process wrote; writers
-        appending together publish in turn, each its own rows, so the index's order need not be the rows'."""
-        n = len(self.sample_lengths)
-        columns = (self.sample_starts, self.source_paths, self.source_indices, self.checksums, self.has_loss_mask)
-        if any(len(c) != n for c in columns):
-            raise StoreError(self.path, f"the sample index is damaged: its columns differ in length; {_REBUILD_HINT}")
-        align = self.info.object_tokens
-        ends = self.sample_starts + -(-self.sample_lengths // align) * align
-        by_start = np.argsort(self.sample_starts, kind="stable")
-        overlapping = np.zeros(n, dtype=bool)  # a sample whose rows begin inside the sample before it on disk
-        overlapping[by_start[1:]] = self.sample_starts[by_start[1:]] < ends[by_start[:-1]]
-        problems = (
-            (self.sample_lengths <= 0, lambda i: "has no tokens"),
-            (self.sample_starts % align != 0, lambda i: f"does not start on a multiple of {align} rows"),
-            (self.sample_starts < 0, lambda i: "starts before the first row"),
-            (ends > self.total_rows, lambda i: f"ends past the arrays' {self.total_rows} rows"),
-            (overlapping, lambda i: f"overlaps sample {self._sample_on_disk_before(i, by_start)}"),
-        )
-        for bad, what in problems:
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise StoreError(
-                    self.path, f"the sample index is damaged: sample {i} (start {int(self.sample_starts[i])}, "
-                    f"{int(self.sample_lengths[i])} tokens) {what(i)}; {_REBUILD_HINT}"
-                )
+    @property
+    def checksums(self) -> np.ndarray:
+        """Each sample's crc32c of each array (uint32 [n, arrays]), as recorded at conversion."""
+        return self.index.checksums
 
-    @staticmethod
-    def _sample_on_disk_before(i: int, by_start: np.ndarray) -> int:
-        return int(by_start[int(np.flatnonzero(by_start == i)[0]) - 1])
+    @property
+    def has_loss_mask(self) -> np.ndarray:
+        """Whether each sample's source had a loss mask (bool)."""
+        return self.index.has_loss_mask
 
-    def _check_index_digest(self) -> None:
-        """The index rows against the digest recorded at conversion: a rewritten length, start or source path
-        is refused here (with the per-sample checksums, which bind each row to its data, on read).  Checked when
-        the digest covers exactly the published samples: an append in flight, a snapshot of fewer samples (its
-        opener checked) and a store converted before digests are not."""
-        recorded = self._recorded_digest
-        if recorded is None or recorded.rows != len(self) or len(self) != self.info.num_samples:
-            return
-        got = index_digest(self._index_columns())
-        if got != recorded.crc32c:
-            raise StoreError(self.path, f"the sample index fails the checksum recorded at conversion (crc32c "
-                             f"{got:#010x}, recorded {recorded.crc32c:#010x}): its rows were changed; "
-                             f"{edited_hint(self.path)}")
-
-    def _index_columns(self, rows: int | None = None) -> dict[str, Any]:
-        """The index rows read (the first `rows` of them), as `index_digest` takes them."""
-        return {"sample_start": self.sample_starts[:rows], "sample_length": self.sample_lengths[:rows],
-                "source_path": self.source_paths[:rows], "source_index": self.source_indices[:rows],
-                "checksum": self.checksums[:rows], "has_loss_mask": self.has_loss_mask[:rows]}
+    @property
+    def total_rows(self) -> int:
+        """The rows every array holds: no sample ends past them."""
+        return self.index.total_rows
 
     def _check_stored(self, i: int) -> None:
         """In a local store, the file holding sample i's last row exists: checked before buffers are sized from
@@ -370,12 +203,12 @@ class Store:
         try:
             with contextlib.closing(self._frames(i, name, range(1), ReadStats(), self._deadline(i))) as frames:
                 _, frame = next(frames)
-                stored = _BLOSC_HEADER.unpack_from(frame)[4] if self._compressed else len(frame)
+                stored = self._chunks.decoded_nbytes(frame)
         except (ValueError, OSError, struct.error):
             return
         if stored != expected:
             where = self._source.where(object_key(self.info, name, int(self.sample_starts[i]) // self.info.object_tokens))
-            raise StoreError(self.path, f"the store's attributes ({_sizes_claimed(self.info)}) give {name} chunks "
+            raise StoreError(self.path, f"the store's attributes ({sizes_claimed(self.info)}) give {name} chunks "
                              f"of {expected} bytes, but the first chunk in {where} holds {stored}; "
                              f"{edited_hint(self.path)}")
 
@@ -414,14 +247,15 @@ class Store:
         changed = [name for name in sizes if getattr(info, name) != getattr(self.info, name)]
         if changed:
             raise self._replaced(f"its {', '.join(changed)} changed")
-        read = IndexDigest.of(self._index_columns())
+        read = IndexDigest.of(self.index.columns())
         self.info = info
         self.__dict__.pop("_zarr_store", None)  # a bucket's: the index objects as fetched then
-        self._load_index(info.num_samples)
-        if IndexDigest.of(self._index_columns(read.rows)) != read:
+        index = SampleIndex.read(self.zarr_group, info, self.path, info.num_samples)
+        if IndexDigest.of(index.columns(read.rows)) != read:
             raise self._replaced(f"the first {read.rows} rows of its index are no longer the ones read")
-        self._check_index()
-        self._check_index_digest()
+        self.index = index
+        index.check(self.path, info.object_tokens)
+        index.check_digest(self.path, info.num_samples)
         return len(self)
 
     def _replaced(self, what: str) -> StoreError:
@@ -566,7 +400,7 @@ class Store:
         except _TooSmall as exc:
             raise ValueError(str(exc)) from None
         except (ValueError, RuntimeError, OSError) as exc:
-            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+            raise self._corrupt(i, exc.where if isinstance(exc, DamagedObject) else self.path, str(exc)) from exc
         return placed
 
     def will_need(self, i: int, max_tokens: int | None = None, *, extras: Collection[str] | None = None) -> None:
@@ -641,17 +475,17 @@ class Store:
                 t0 = time.perf_counter()
                 lo, hi = max(start, chunk * c), min(stop, (chunk + 1) * c)
                 if lo == chunk * c and hi == (chunk + 1) * c:  # the whole chunk: decode in place
-                    self._decode(frame, dest[lo - start : hi - start].reshape(-1))
+                    self._chunks.decode(frame, dest[lo - start : hi - start].reshape(-1))
                 else:
-                    scratch = self._scratch_buffer(c * row_nbytes)
-                    self._decode(frame, scratch)
+                    scratch = self._chunks.scratch(c * row_nbytes)
+                    self._chunks.decode(frame, scratch)
                     rows = scratch.reshape(c, row_nbytes)
                     dest[lo - start : hi - start] = rows[lo - chunk * c : hi - chunk * c]
                 stats.add_decode(time.perf_counter() - t0)
         except CorruptSampleError:
             raise
         except (ValueError, RuntimeError, OSError) as exc:  # numcodecs and checksums raise these on bad bytes
-            raise self._corrupt(i, getattr(exc, "object_path", self.path), str(exc)) from exc
+            raise self._corrupt(i, exc.where if isinstance(exc, DamagedObject) else self.path, str(exc)) from exc
         if not self.info.sharded and whole and self.checked:
             self._check_sample_checksum(i, name, dest, delivered)
         elif not self.info.sharded and not self._warned_unchecked:
@@ -677,74 +511,17 @@ class Store:
             todo = inner
             for fresh in (False, True):
                 try:
-                    for k, frame in self._object_frames(key, todo, whole and todo == inner, stats, fresh, deadline):
+                    for k, frame in self._chunks.object_frames(key, todo, whole and todo == inner, stats, fresh, deadline):
                         yield first + k, frame
                         todo = range(k + 1, inner.stop)
                     break
                 except ValueError as exc:
-                    where = getattr(exc, "object_path", self._source.where(key))
+                    where = exc.where if isinstance(exc, DamagedObject) else self._source.where(key)
                     if fresh:
-                        raise object_error(where, f"{exc}, and again when read afresh") from None
+                        raise DamagedObject(where, f"{exc}, and again when read afresh") from None
                     log.warning("%s: %s; reading it again", where, exc)
                     if self.io_stats is not None:
                         self.io_stats.add_retry()
-
-    def _object_frames(
-        self, key: str, inner: range, whole: bool, stats: ReadStats, fresh: bool, deadline: Deadline | None
-    ) -> Iterator[tuple[int, memoryview]]:
-        """(inner chunk, its frame) of one object, each checked; ValueError for bytes that fail."""
-        where = self._source.where(key)
-        t0 = time.perf_counter()
-        with self._source.open(key, inner, whole, fresh, deadline) as view:
-            if not self.info.sharded:
-                stats.add_read(view.size, time.perf_counter() - t0)
-                with view.span(0, view.size) as frame:
-                    yield 0, frame
-                return
-            per_object = self.info.chunks_per_shard
-            index = self._shard_index(view.tail(shard_index_nbytes(per_object)), view.size, where)
-            stats.add_read(shard_index_nbytes(per_object), time.perf_counter() - t0)
-            for k in inner:
-                offset, length = (int(x) for x in index[k])
-                if offset == EMPTY:
-                    raise object_error(where, f"inner chunk {k} is missing from the shard")
-                stats.add_read(length, 0.0)
-                with view.span(offset, length) as encoded, encoded[:-CRC_BYTES] as frame:
-                    if self.checked:
-                        t1 = time.perf_counter()
-                        try:
-                            check_inner_chunk(encoded, k)
-                        except ValueError as exc:
-                            raise object_error(where, str(exc)) from None
-                        stats.add_decode(time.perf_counter() - t1)
-                    yield k, frame
-
-    def _shard_index(self, tail: bytes, size: int, where: str | Path) -> np.ndarray:
-        try:
-            return decode_shard_index(tail, self.info.chunks_per_shard, size, self._max_chunk_nbytes)
-        except ValueError as exc:
-            raise object_error(where, str(exc)) from None
-
-    def _decode(self, frame: memoryview, out: np.ndarray) -> None:
-        """Decode one chunk's frame into `out` (its bytes), refusing a frame of another size."""
-        if not self._compressed:
-            if len(frame) != out.nbytes:
-                raise ValueError(f"chunk holds {len(frame)} bytes, expected {out.nbytes}")
-            out[:] = np.frombuffer(frame, dtype=np.uint8)
-            return
-        if len(frame) < _BLOSC_HEADER.size:
-            raise ValueError(f"chunk of {len(frame)} bytes is too short for a Blosc frame")
-        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack_from(frame)
-        if nbytes != out.nbytes or cbytes != len(frame):
-            raise ValueError(f"Blosc frame of {cbytes} bytes decoding to {nbytes}, expected {len(frame)} and {out.nbytes}")
-        blosc.decompress(frame, out)
-
-    def _scratch_buffer(self, nbytes: int) -> np.ndarray:
-        """A per-thread buffer for chunks only partly wanted (reused: fresh pages cost page faults)."""
-        buffer = getattr(self._scratch, "buffer", None)
-        if buffer is None or buffer.nbytes < nbytes:
-            buffer = self._scratch.buffer = np.empty(nbytes, dtype=np.uint8)
-        return buffer[:nbytes]
 
     def _check_sample_checksum(self, i: int, name: str, dest: np.ndarray, tokens: int) -> None:
         """Format 1: crc32c of the sample's decoded rows against the one recorded at conversion."""
@@ -760,67 +537,3 @@ class Store:
 
 class _TooSmall(Exception):
     """The caller's buffer, not the store, is at fault."""
-
-
-_REBUILD_HINT = "run the `h5feed convert` command that made the store again to rebuild the index"
-
-
-def metadata_disagreement(info: StoreInfo, name: str, array: Any) -> str | None:
-    """Where the zarr array `name` (opened) disagrees with the store's attributes (row width, dtype, chunk and
-    shard shape), or None: the reader refuses such a store, and `h5feed repair` writes the metadata again."""
-    width = (info.width(name),) if info.is_matrix(name) else ()
-    claimed = {"row width": width, "dtype": str(info.storage_dtype(name)).removeprefix("torch."),
-               "chunk shape": (info.chunk_tokens, *width),
-               "shard shape": (info.shard_tokens, *width) if info.sharded else None}
-    stored = {"row width": tuple(array.shape)[1:], "dtype": str(array.dtype), "chunk shape": tuple(array.chunks),
-              "shard shape": tuple(array.shards) if array.shards else None}
-    for what, value in claimed.items():
-        if value != stored[what]:
-            return (f"the store's attributes ({_sizes_claimed(info)}) give {name} {what} {_plain(value)}, but {name}/zarr.json "
-                    f"says {_plain(stored[what])}")
-    return None
-
-
-def _sizes_claimed(info: StoreInfo) -> str:
-    return (f"hidden_size {info.hidden_size}, num_aux_layers {info.num_aux_layers}, chunk_tokens "
-            f"{info.chunk_tokens}, shard_tokens {info.shard_tokens}")
-
-
-def damaged_metadata(name: str, exc: BaseException) -> str:
-    """What is wrong with an array whose metadata zarr cannot open, in one short line: the exception's own text
-    may quote the whole damaged document."""
-    return f"{name}/zarr.json is damaged or missing (zarr cannot open it: {type(exc).__name__})"
-
-
-def repair_hint(path: Path | str) -> str:
-    """What to run on a store whose arrays are damaged."""
-    return f"run `h5feed repair {path}` to rebuild it and re-encode damaged samples from their source files"
-
-
-def _plain(value: Any) -> str:
-    """A shape or figure as a user reads it: (96,) as 96, (16, 96) as 16 x 96."""
-    if isinstance(value, tuple):
-        return " x ".join(map(_plain, value)) if value else "none"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {v}" for k, v in value.items())
-    return str(value)
-
-__all__ = ["RawSample", "ReadStats", "Store", "read_ahead"]
-
-
-def damaged_arrays(path: Path, info: StoreInfo) -> dict[str, str]:
-    """The token arrays of the local store `path` whose metadata (`<array>/zarr.json`) zarr cannot open, or which
-    disagrees with the store's attributes, each with what is wrong: what `h5feed repair` writes again."""
-    import zarr
-
-    problems = {}
-    for name in info.array_names:
-        try:
-            array = zarr.open_array(path / name, mode="r", zarr_format=3)
-        except Exception as exc:  # whatever zarr raises on damaged or missing metadata
-            problems[name] = damaged_metadata(name, exc)
-            continue
-        problem = metadata_disagreement(info, name, array)
-        if problem is not None:
-            problems[name] = problem
-    return problems

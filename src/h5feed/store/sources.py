@@ -64,11 +64,20 @@ MAX_RANGE_BYTES = 2 * PART_BYTES  # the longest range request: 16 MiB
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def object_error(where: str | Path, problem: str) -> ValueError:
-    """A damaged object: the reader turns it into a CorruptSampleError naming `where` (a path or URL)."""
-    exc = ValueError(problem)
-    exc.object_path = where  # type: ignore[attr-defined]
-    return exc
+class DamagedObject(ValueError):
+    """Bytes of one of a store's objects that fail a check (empty, too large, missing, a shard index or an inner
+    chunk that fails its crc32c): `where` is the object's file or URL, `problem` what failed (`str(exc)`).
+
+    Never raised to the trainer: the reader reads the object once more, fresh, then raises a `CorruptSampleError`
+    naming the sample and `where`.  A ValueError, as the node cache's check of a download raises (`io.cache`)."""
+
+    def __init__(self, where: str | Path, problem: str) -> None:
+        super().__init__(problem)
+        self.where = where
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str | Path, str]]:
+        return type(self), (self.where, self.problem)
 
 
 def check_inner_chunk(encoded: memoryview, k: int) -> None:
@@ -85,7 +94,7 @@ def check_shard(chunks_per_shard: int, url: str, data: memoryview) -> None:
             if offset != EMPTY:
                 check_inner_chunk(data[offset : offset + length], k)
     except ValueError as exc:
-        raise object_error(url, str(exc)) from None
+        raise DamagedObject(url, str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -161,9 +170,9 @@ class MappedObject:
     def __init__(self, fd: int, where: str | Path, populate: bool, max_nbytes: int | None = None) -> None:
         self.size = os.fstat(fd).st_size
         if self.size == 0:
-            raise object_error(where, "is empty")
+            raise DamagedObject(where, "is empty")
         if max_nbytes is not None and self.size > max_nbytes:  # e.g. a sparse file: refused before it is mapped
-            raise object_error(where, f"is {self.size} bytes, more than an object of its array can take ({max_nbytes})")
+            raise DamagedObject(where, f"is {self.size} bytes, more than an object of its array can take ({max_nbytes})")
         self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
                               prot=mmap.PROT_READ)
         self._view = memoryview(self._map)
@@ -200,7 +209,7 @@ class LocalSource(ObjectSource):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise object_error(path, "is missing") from None
+            raise DamagedObject(path, "is missing") from None
         try:
             view = MappedObject(fd, path, populate=whole, max_nbytes=self.max_nbytes.get(key.split("/", 1)[0]))
         finally:
@@ -407,16 +416,16 @@ class RemoteSource(_FetchingSource):
             return FetchedObject(len(data), data[-n:], [(0, data)])
         size, most = self._size(key), self._max_nbytes(key)
         if most is not None and size > most:  # a listing's claim: refused before any byte is fetched
-            raise object_error(self.where(key), f"is {size} bytes, more than an object of its array can take ({most})")
+            raise DamagedObject(self.where(key), f"is {size} bytes, more than an object of its array can take ({most})")
         if not self.chunks_per_shard:  # format 1: the object is one chunk
             return FetchedObject(size, b"", self._pieces(key, [(0, size)]))
         if size < n:
-            raise object_error(self.where(key), f"shard of {size} bytes is too short for its index")
+            raise DamagedObject(self.where(key), f"shard of {size} bytes is too short for its index")
         tail = self._pieces(key, [(size - n, size)])[0][1]
         try:
             index = decode_shard_index(tail, self.chunks_per_shard, size)
         except ValueError as exc:
-            raise object_error(self.where(key), str(exc)) from None
+            raise DamagedObject(self.where(key), str(exc)) from None
         wanted = index[inner.start : inner.stop]
         spans = [(int(offset), int(offset + length)) for offset, length in wanted if offset != EMPTY]
         return FetchedObject(size, tail, self._pieces(key, coalesce(sorted(spans))))

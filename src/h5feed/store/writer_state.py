@@ -138,7 +138,7 @@ def writer_locks(store: Path) -> WriterLocks:
         return WriterLocks([], [])
     live, departed = [], []
     for lock in locks:
-        probe = _probe(lock)
+        probe = _probe_lock(lock)
         if probe is None:
             continue
         held, holder = probe
@@ -152,11 +152,11 @@ def writer_locks(store: Path) -> WriterLocks:
 
 def _exclusive_holder(lock: Path) -> dict[str, Any] | None:
     """The description of the process holding `lock` exclusively, or None when none does."""
-    probe = _probe(lock)
+    probe = _probe_lock(lock)
     return probe[1] if probe is not None and probe[0] else None
 
 
-def _probe(lock: Path) -> tuple[bool, dict[str, Any]] | None:
+def _probe_lock(lock: Path) -> tuple[bool, dict[str, Any]] | None:
     """(whether a process holds `lock` exclusively, its description), or None where there is no lock file: none,
     or one its holder removed (a clean close) while it was looked at."""
     try:

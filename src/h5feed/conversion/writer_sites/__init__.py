@@ -10,7 +10,7 @@ from h5feed.conversion.writer_sites.bucket import BucketSite
 from h5feed.conversion.writer_sites.local import LocalSite
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, is_remote, open_url
-from h5feed.store.reader import local_path
+from h5feed.store.opening import local_path
 
 __all__ = ["BucketSite", "LocalSite", "WriterSite", "open_site"]
 

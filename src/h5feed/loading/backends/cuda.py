@@ -28,7 +28,7 @@ import torch
 from h5feed import tracing
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import Batch, BatchPlan, RowKey, TensorSpec, TrainerCollate
-from h5feed.gpu import CudaBloscDecoder, Placement, why_unavailable
+from h5feed.gpu import CudaBloscDecoder, FramePlacement, why_unavailable
 from h5feed.loading.backends.base import DecodeBackend, ReadyBatch, register_backend
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
@@ -283,7 +283,7 @@ class CudaBackend(DecodeBackend):
         """Queue the group's decode on the decode stream, each frame's rows straight into their place in its batch
         (whose memory is kept for the trainer's stream from here)."""
         side = self._decoder.stream
-        placements: list[Placement] = []
+        placements: list[FramePlacement] = []
         conversions: list[Callable[[], object]] = []  # rows decoded into a temporary, then written into the batch
         results: list[ReadyBatch] = []
         with torch.cuda.stream(side):
@@ -315,7 +315,7 @@ class CudaBackend(DecodeBackend):
         self._collect_timings(wait=False)
         return results
 
-    def _placed(self, staged: _Staged, first_frame: int, placements: list[Placement],
+    def _placed(self, staged: _Staged, first_frame: int, placements: list[FramePlacement],
                 conversions: list[Callable[[], object]]) -> tuple[Batch, BatchPlan]:
         """The staged batch's tensors, pads zeroed, with a placement for every decoded chunk's rows.
 
@@ -334,7 +334,7 @@ class CudaBackend(DecodeBackend):
             row_bytes, hi = info.row_nbytes(array), lo + into.shape[0]
             for chunk in range(lo // c, -(-hi // c)):
                 first, last = max(lo, chunk * c), min(hi, (chunk + 1) * c)
-                placements.append(Placement(frame_of[(n, array, chunk)], (first - chunk * c) * row_bytes,
+                placements.append(FramePlacement(frame_of[(n, array, chunk)], (first - chunk * c) * row_bytes,
                                             into[first - lo : last - lo]))
 
         def place_rows(n: int, rows: dict[RowKey, torch.Tensor]) -> None:

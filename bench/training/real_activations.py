@@ -1,7 +1,7 @@
 """FP8 against lossless on real activations: a small LM trained here, its EAGLE-3 inputs stored both ways.
 
-Why: FP8 stores were measured on synthetic Gaussian activations only (bench/fp8_sizes.py), and no pretrained
-weights can be downloaded here.  A trained network's activations are not Gaussian (outlier channels, heavy
+Why: FP8 stores were measured on synthetic Gaussian activations only (bench/convert/fp8_sizes.py), and no
+pretrained weights can be downloaded here.  A trained network's activations are not Gaussian (outlier channels, heavy
 tails, a scale that grows with depth), and both FP8's error (one scale per token, set by its largest value)
 and the codec's ratio depend on that.  So this trains a model itself, in the same process:
 
@@ -21,8 +21,8 @@ It writes real_activations.json, drafter_losses.csv and drafter_losses.png under
 --stores (default OUT/stores).  This is a small LM trained here on the Python standard library, not a
 production model.
 
-    python bench/real_activations.py --out /tmp/realacts            # CPU: tiny shapes, under a minute
-    python bench/real_activations.py --out $OUT/realacts            # one H200: H=1024, 8 layers, ~5 min
+    python bench/training/real_activations.py --out /tmp/realacts            # CPU: tiny shapes, under a minute
+    python bench/training/real_activations.py --out $OUT/realacts            # one H200: H=1024, 8 layers, ~5 min
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
-sys.path.append(str(Path(__file__).resolve().parent))  # fp8_sizes beside this file (last: shadows nothing)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the h5feed of this checkout
+sys.path.append(str(Path(__file__).resolve().parents[1] / "convert"))  # fp8_sizes (last: shadows nothing)
 
 from fp8_sizes import NOISE_RMS, figures, hidden_rows, hidden_state_bytes, store_token_errors
 
@@ -381,7 +381,7 @@ def activation_stats(store: h5feed.Store, layer_names: list[str], device: torch.
 
 
 def fp8_report(stores: dict[str, Path]) -> dict[str, Any]:
-    """Sizes against raw bf16 and FP8's error per token, as bench/fp8_sizes.py counts them."""
+    """Sizes against raw bf16 and FP8's error per token, as bench/convert/fp8_sizes.py counts them."""
     exact, fp8 = h5feed.Store(stores["exact"]), h5feed.Store(stores["fp8"])
     tokens = int(exact.sample_lengths.sum())
     raw_bf16 = tokens * (exact.num_aux_layers + 1) * exact.hidden_size * 2

@@ -34,17 +34,17 @@ to the first batch (the slowest rank's) and, from it on, the wait (the worst ran
 share delivered (each rank's samples over its own time) are given apart.
 
 On the H200 box (one GPU, 16 cores), from the repository root, with the wheels h5feed needs
-beside torch in .whl/ (as for bench/train_step.py):
+beside torch in .whl/ (as for bench/loader/train_step.py):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/node_bench.py --ranks 8 \\
+        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/loader/node_bench.py --ranks 8 \\
         --make-data 160 --hidden-size 7168 --convert-workers 16 --fp8 --workers 2 --step-ms 65 \\
         --loaders pt-baseline,workers,threads,cuda --cold --warm --out $OUT/node_bench.json
 
 A CPU smoke run (a minute here, mostly the ranks' start: importing torch; at 5 ms steps a sleep's
 overshoot on a busy box already shows in the shares delivered):
 
-    python bench/node_bench.py --ranks 2 --make-data 8 --hidden-size 64 --tokens 40:60 --max-len 64 \\
+    python bench/loader/node_bench.py --ranks 2 --make-data 8 --hidden-size 64 --tokens 40:60 --max-len 64 \\
         --workers 1 --step-ms 5 --convert-workers 0 --data-dir /tmp/nb --warm --out /tmp/nb/node_bench.json
 
 A rank that fails, dies or outlasts `--timeout` is reported with its error; Ctrl-C or an error
@@ -74,14 +74,14 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
 from train_step import add_data_options, evict, fp8_store, make_data
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
-from h5feed.bench import format_table
+from h5feed.bench import format_ruled_table
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store
 
@@ -447,7 +447,7 @@ def table(results: list[PassResult]) -> str:
                      f"{p.need_samples_per_s:.1f}", f"{p.delivered_pct:.0f}", f"{p.first_batch_s:.2f}",
                      f"{max(steady):.1f}" if steady else "-", f"{p.steady_delivered_pct:.0f}", f"{p.loader_cores:.2f}",
                      f"{p.loader_cores_per_gpu:.2f}", f"{p.load_avg_max:.1f}", f"{p.other_cores:.2f}"])
-    lines = format_table(rows, right=set(range(3, len(head))))
+    lines = format_ruled_table(rows, right=set(range(3, len(head))))
     for p in results:
         lines += [f"{p.loader} ({p.data}, {p.cache}): {e.splitlines()[-1]}"
                   + (" (the traceback in the JSON)" if "\n" in e else "") for e in p.errors]

@@ -7,7 +7,7 @@ a token's hidden states, and relative to their RMS) beside speculators 0.4's tra
 std 0.05), and what a read costs (CPU seconds per sample of a HiddenStatesDataset in this process, one thread,
 warm page cache: FP8's includes its dequantization).
 
-    python bench/fp8_sizes.py --work /tmp/fp8-sizes [--samples 4] [--hidden-size 7168] [--src FOLDER]
+    python bench/convert/fp8_sizes.py --work /tmp/fp8-sizes [--samples 4] [--hidden-size 7168] [--src FOLDER]
 
 `--src` measures an existing source folder (real activations) instead of writing a synthetic one.
 """

@@ -1,7 +1,7 @@
 """Compression of the Model-Optimizer, AngelSlim and NeMo Automodel formats' arrays, and a codec sweep for
 NeMo's stored target distribution (bf16 probabilities, not activations).
 
-    python bench/pipeline_formats.py --hidden-size 4096 --samples 4 --tokens 768:1024 --out /tmp/pipeline-bench
+    python bench/convert/pipeline_formats.py --hidden-size 4096 --samples 4 --tokens 768:1024 --out /tmp/pipeline-bench
 
 1. Writes a synthetic set in each format (h5feed.synthetic: realistic activations; NeMo's target
    distribution a bf16 softmax of realistic logits over a 32000-token draft vocabulary), converts it

@@ -19,8 +19,8 @@ straight into the rows of the trainer's batch tensors (`decode_placed`).  With
 that module as the loader used it: decoded into temporaries, then one placement
 `copy_` per sample and array; both batches are checked equal, bit for bit.
 
-    python bench/gpu_decode_bench.py --out gpu_decode.json
-    python bench/gpu_decode_bench.py --batches --group-samples 4 16 --baseline old_gpu_decode.py
+    python bench/gpu/gpu_decode_bench.py --out gpu_decode.json
+    python bench/gpu/gpu_decode_bench.py --batches --group-samples 4 16 --baseline old_gpu_decode.py
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from numcodecs import blosc
 
 from h5feed import gpu
-from h5feed.bench import format_table
+from h5feed.bench import format_ruled_table
 from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.synthetic import column_scales, make_sample
 
@@ -218,7 +218,7 @@ def run_group(decode_module: ModuleType, label: str, bits: torch.Tensor, samples
     decoder = decode_module.CudaBloscDecoder(stream=side)
     rounded = -(-tokens // chunk) * chunk
     if label == "placed":
-        placements = [decode_module.Placement(i, 0, batch[a][n, c * chunk : min((c + 1) * chunk, tokens)])
+        placements = [decode_module.FramePlacement(i, 0, batch[a][n, c * chunk : min((c + 1) * chunk, tokens)])
                       for i, (n, a, c) in enumerate(where)]
 
         def call() -> tuple[object, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     if rows:
-        print("\n".join(format_table(table, right={0, *range(3, 15)})))
+        print("\n".join(format_ruled_table(table, right={0, *range(3, 15)})))
     groups = []
     decoders = [("placed", gpu)] + ([("baseline", load_baseline(a.baseline))] if a.baseline else [])
     for samples in a.group_samples:
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         table = [header] + [[g.decoder, str(g.samples), f"{g.decoded_mib:.0f}", f"{g.launch_ms:.2f}",
                              f"{g.h2d_ms:.2f}", f"{g.zstd_ms:.2f}", f"{g.unshuffle_ms:.2f}", f"{g.place_ms:.2f}",
                              f"{g.gpu_ms_per_sample:.2f}", "yes" if g.bit_exact else "NO"] for g in groups]
-        print("\n".join(format_table(table, right=set(range(1, 9)))))
+        print("\n".join(format_ruled_table(table, right=set(range(1, 9)))))
     for blocksize, c in codec.items():
         print(
             f"blocks of {blocksize // 1024} KiB: ratio {c['ratio']:.3f}, "

@@ -14,7 +14,7 @@ machine's noise hits all alike, times:
 Prints each pass as it ends, then the medians, FP8 over exact per checkout, and each checkout over the first.
 `uptime`'s load is printed before and after: the machine is shared, and a loaded one slows every figure.
 
-    python bench/fp8_cpu_decode.py [--work /tmp/h5feed-fp8-cpu] [--root OLD_CHECKOUT --root NEW_CHECKOUT]
+    python bench/loader/fp8_cpu_decode.py [--work /tmp/h5feed-fp8-cpu] [--root OLD_CHECKOUT --root NEW_CHECKOUT]
         [--hidden-size 4096] [--tokens 900:1100] [--samples 16] [--passes 3]
 
 A checkout to compare against can be exported without a worktree:
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--passes", type=int, default=3, help="passes of each checkout")
     args = parser.parse_args()
-    roots = args.root or [Path(__file__).resolve().parents[1] / "src"]
+    roots = args.root or [Path(__file__).resolve().parents[2] / "src"]
     low, high = (int(x) for x in args.tokens.split(":"))
     exact, fp8 = stores(args.work, args.hidden_size, (low, high), args.samples)
     print("before:", load(), file=sys.stderr, flush=True)

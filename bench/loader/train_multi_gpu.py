@@ -2,7 +2,7 @@
 
 One command takes the number of GPUs, launches that many ranks with torchrun (NCCL, one GPU a
 rank; gloo on the CPU when there is no CUDA, so it can be tried anywhere at tiny shapes), and
-runs one epoch of `bench/train_step.py`'s Kimi-shaped EAGLE-3 step (imported from it) in each
+runs one epoch of `bench/loader/train_step.py`'s Kimi-shaped EAGLE-3 step (imported from it) in each
 rank, first fed by h5feed (`HiddenStatesStream` + `StreamLoader`), then by speculators 0.4's
 `.pt` loader exactly as its trainer runs it (its collate, `pin_memory`), each from a cold page
 cache.  Both loaders give rank r the same samples in the same order (the stream's sharding:
@@ -16,12 +16,12 @@ On the two-GPU H200 box, from the repository root (wheels of zarr, numcodecs, go
 and donfig in .whl/, as for train_step.py):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/train_multi_gpu.py --gpus 2 \\
+        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/loader/train_multi_gpu.py --gpus 2 \\
         --make-data 160 --hidden-size 7168 --workers 4 --convert-workers 16 --cold --out $OUT
 
 A CPU smoke run (2 ranks, gloo; seconds):
 
-    python bench/train_multi_gpu.py --gpus 2 --make-data 4 --hidden-size 16 --tokens 20:30 --max-len 32 \\
+    python bench/loader/train_multi_gpu.py --gpus 2 --make-data 4 --hidden-size 16 --tokens 20:30 --max-len 32 \\
         --workers 1 --convert-workers 0 --data-dir /tmp/tmg --out /tmp/tmg/out
 
 How each figure is taken: data wait % and GPU idle % by `h5feed.monitor` (from the second
@@ -55,14 +55,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the h5feed of this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside this file
 
 from train_step import DrafterStep, Shape, add_data_options, evict, filesystem, make_data, step_seconds, train
 
 import h5feed
 from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
-from h5feed.bench import format_table
+from h5feed.bench import format_ruled_table
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store import Store
 from h5feed.verify import describe_store
@@ -286,7 +286,7 @@ def table(runs: list[dict[str, Any]]) -> str:
                      _num(t["gpu_idle_pct"], ".1f"), _num(t["samples_per_s"], ".2f"),
                      f"{_num(t['disk_read_GBps'], '.2f')} (disk {_num(t['machine_disk_read_GBps'], '.2f')})",
                      _num(t["decoded_GBps"], ".2f"), _num(t["loader_cores"], ".2f")])
-    lines = format_table(rows, right=set(range(1, len(head))))
+    lines = format_ruled_table(rows, right=set(range(1, len(head))))
     for run in runs:
         for m in run["machines"]:
             lines.append(

@@ -8,7 +8,7 @@ extraction's pace: each sample costs `--extract-ms` of "model" time (a sleep: th
 `next()`), how much of the workers' time went to waiting for the writers (h5feed's counters), and the rates of
 both sides: when extraction is slower than training the wait is the writers', and the counters say so.
 
-    python bench/follow_bench.py --samples 24 --writers 2 --extract-ms 100 --step-ms 50 --out /tmp/follow_bench
+    python bench/writer/follow_bench.py --samples 24 --writers 2 --extract-ms 100 --step-ms 50 --out /tmp/follow_bench
 """
 
 from __future__ import annotations

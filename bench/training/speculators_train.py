@@ -9,9 +9,9 @@ pydantic-settings==2.16.3 annotated-types==0.8.0 typing-inspection==0.4.5 python
 numcodecs==0.16.6 crc32c==2.9.post0 donfig==0.8.1.post1 google-crc32c==1.9.0:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 python3 bench/speculators_train.py \
-        --make-data 240 --hidden-size 2048 --tokens 256:1024 --total-seq-len 2048 --workers 8 --steps 20 --cold \
-        --work /tmp/spec --out $OUT
+        .whl/*.whl && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 \
+        python3 bench/training/speculators_train.py --make-data 240 --hidden-size 2048 --tokens 256:1024 \
+        --total-seq-len 2048 --workers 8 --steps 20 --cold --work /tmp/spec --out $OUT
 
 (eager: on torch 2.11 speculators' `torch.compile` of its fused loss fails in dynamo; at 8192 tokens a step and a
 full vocabulary its eager loss outgrows an H200's memory)

@@ -4,12 +4,13 @@ The whole GPU run (one H200, 16 cores), from the repository root, with the wheel
 needs beside torch in .whl/ (see the device notes):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/train_step.py --make-data 48 \
+        .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/loader/train_step.py --make-data 48 \
         --hidden-size 7168 --workers 1,2,4 --step-ms 65 --convert-workers 16 --cold --out $OUT
 
 A CPU smoke run (seconds):
 
-    python bench/train_step.py --make-data 4 --hidden-size 32 --tokens 40:60 --max-len 64 --workers 1 --out /tmp/ts
+    python bench/loader/train_step.py --make-data 4 --hidden-size 32 --tokens 40:60 --max-len 64 --workers 1 \\
+        --out /tmp/ts
 
 Why: one H200 trains a Kimi-shaped EAGLE-3 drafter at ~15 samples/s, i.e. as
 much hidden-state data as its disk can give (bench/RESULTS.md), so the loader, not the
@@ -60,7 +61,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the h5feed of this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the h5feed of this checkout
 
 import h5feed
 from h5feed.baseline import create_collate_fn

@@ -17,8 +17,8 @@ samples; the difference between the engines is what Dask costs per sample.
 converts N one-token samples instead (H=16): the work per sample is then next to
 nothing, and a worker's milliseconds per sample are what the engine costs.
 
-    python bench/convert_bench.py --workers 1 2 --scheduler local --fsync both --num-samples 24
-    python bench/convert_bench.py --workers 1 2 --scheduler local --tiny 400
+    python bench/convert/convert_bench.py --workers 1 2 --scheduler local --fsync both --num-samples 24
+    python bench/convert/convert_bench.py --workers 1 2 --scheduler local --tiny 400
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from h5feed.bench import (
     SyntheticSpec,
     drop_page_cache,
     ensure_default_set,
-    format_table,
+    format_ruled_table,
 )
 from h5feed.conversion import convert
 from h5feed.conversion.cluster import local_cluster
@@ -167,7 +167,7 @@ def table(runs: list[ConvertRun]) -> str:
         f"{r.ratio_raw:.3f}", f"{r.cpu_seconds:.1f}", f"{r.cpu_seconds / r.samples * 1e3:.0f}",
         f"{r.peak_worker_memory_bytes / 1e9:.2f} GB {r.memory_metric.upper()}", f"{100 * r.other_cpu_share:.0f}%",
     ] for r in runs]
-    return "\n".join(format_table(rows, right=set(range(len(header))) - {0, 2, 3}))
+    return "\n".join(format_ruled_table(rows, right=set(range(len(header))) - {0, 2, 3}))
 
 
 def dask_cost(runs: list[ConvertRun]) -> list[str]:

@@ -1,10 +1,10 @@
-"""What checked reads cost: every inner chunk's crc32c verified before it is decoded (issue 7).
+"""What checked reads cost: every inner chunk's crc32c verified before it is decoded.
 
 Reads every sample of a store on one thread, with checks on and off, alternating
 passes so the machine's noise hits both alike; cold passes drop the page cache
 first (root only).  Prints CPU seconds and wall seconds per sample and the ratio.
 
-    python bench/checked_reads.py [STORE] --passes 3 [--cold]
+    python bench/loader/checked_reads.py [STORE] --passes 3 [--cold]
 """
 
 from __future__ import annotations

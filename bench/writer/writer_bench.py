@@ -3,7 +3,7 @@
 For the same synthetic samples (Kimi-shaped by default: H=7168, K=3, 1500..1900 tokens, bf16, made once in
 memory), time per sample of (a) `torch.save` into a folder, as pipelines do today, and (b) `writer.append`
 into a store, each in one pass, with fsync (durable) on both sides; and the disk each takes.  A follower's
-data wait is measured by `bench/follow_bench.py`, not here.  `--extract-ms` puts a model's time before
+data wait is measured by `bench/writer/follow_bench.py`, not here.  `--extract-ms` puts a model's time before
 each sample (both sides) and `--write-behind N` lets the writer compress behind it.  With `--device cuda`
 the samples lie on the GPU, as an extraction's do: the `.pt` side copies them to the host before
 `torch.save` (as the pipelines' scripts do), the writer is handed the CUDA tensors.
@@ -13,9 +13,9 @@ its share of the samples, made in the process before the clock starts, its share
 threads) against one writer process appending them all: samples/s in all, from the first append to the last
 close.
 
-    python bench/writer_bench.py --samples 8 --out /tmp/writer_bench [--device cuda]
-    python bench/writer_bench.py --samples 8 --extract-ms 800 --write-behind 2 --out /tmp/writer_bench
-    python bench/writer_bench.py --samples 32 --writers 4 --hidden-size 1024 --out /tmp/writer_bench
+    python bench/writer/writer_bench.py --samples 8 --out /tmp/writer_bench [--device cuda]
+    python bench/writer/writer_bench.py --samples 8 --extract-ms 800 --write-behind 2 --out /tmp/writer_bench
+    python bench/writer/writer_bench.py --samples 32 --writers 4 --hidden-size 1024 --out /tmp/writer_bench
 
 `--bucket` also times the writer into a bucket: moto's S3 server on loopback behind the test proxy
 (`tests/s3_server.py`, `--bucket-delay` seconds added to every request), the same samples appended to
@@ -23,14 +23,15 @@ close.
 bucket's bytes.  moto keeps objects in its own process's memory, so this is the client's and the
 loopback's cost, not a cloud's.
 
-    python bench/writer_bench.py --samples 8 --hidden-size 2048 --bucket --bucket-delay 0.02 --out /tmp/writer_bench
+    python bench/writer/writer_bench.py --samples 8 --hidden-size 2048 --bucket --bucket-delay 0.02 \\
+        --out /tmp/writer_bench
 
 `--bucket --writers N` times N writer processes appending to one bucket store at once instead (each its share of
 the samples, publishing every `--publish-every`): time per sample from the first append to the last close, and
 the requests (and PUTs) per sample the proxy saw.
 The local `--writers` comparison is skipped then.
 
-    python bench/writer_bench.py --samples 8 --hidden-size 256 --tokens 100:200 --publish-every 1 --bucket \
+    python bench/writer/writer_bench.py --samples 8 --hidden-size 256 --tokens 100:200 --publish-every 1 --bucket \
         --writers 4 --out /tmp/writer_bench
 """
 
@@ -140,7 +141,7 @@ def timed_processes(store: Path | str, writers: int, samples: int, shape: dict[s
 
 def timed_bucket_writer(samples: list[dict], args: argparse.Namespace, extract_s: float) -> dict[str, Any]:
     """The writer into a bucket of moto's server on loopback (the tests' server and proxy, started here)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from s3_server import running_s3
 
     with running_s3() as s3:

@@ -1,6 +1,6 @@
 """How long the trainer's thread spends in `next(loader)` when batches are ready: BatchLoader under a simulated step.
 
-    python bench/next_latency.py [--steps 80] [--step-ms 60] [--cache /tmp/h5feed-next-latency]
+    python bench/loader/next_latency.py [--steps 80] [--step-ms 60] [--cache /tmp/h5feed-next-latency]
 
 For each shape (tiny: H=64, 64-128 tokens; medium: H=1024 x 3 aux layers, 512-1024 tokens;
 speculators-legacy batches of 1, max_len 1024, bf16) and each loader (2 worker processes,

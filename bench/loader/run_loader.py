@@ -1,7 +1,7 @@
 """Run one of `h5feed bench`'s loaders over the bench store, as the bench does, for a profiler.
 
-    python bench/run_loader.py LOADER WORKERS PASSES [STORE]
-    py-spy record -s -n -r 100 -f raw -o prof.txt -- python bench/run_loader.py BatchLoader-threads 4 3
+    python bench/loader/run_loader.py LOADER WORKERS PASSES [STORE]
+    py-spy record -s -n -r 100 -f raw -o prof.txt -- python bench/loader/run_loader.py BatchLoader-threads 4 3
 
 LOADER is one of `h5feed.bench.LOADERS` (pt-baseline, BatchLoader, BatchLoader-threads,
 StreamLoader, HiddenStatesDataset, HiddenStatesStream-items).  STORE defaults to the

@@ -14,7 +14,7 @@ Each client gets the same bytes at the same concurrency; each figure is the best
 passes (the box is shared), and the CPU seconds this process spent per GB say what the client
 costs beside the server.
 
-    python bench/remote_bench.py --sizes 11 50 --objects 6 --concurrency 4 16 --delays 0 0.02
+    python bench/remote/remote_bench.py --sizes 11 50 --objects 6 --concurrency 4 16 --delays 0 0.02
 
 `loaders`: training straight from the bucket.  The first `--samples` samples of a Kimi-shaped store
 (default: `h5feed bench`'s set in ~/.cache/h5feed/bench) and their `.pt` files are put into moto,
@@ -33,7 +33,7 @@ then, once per added delay:
   decoding does not share the box's cores with the server;
 - the cache: the StreamLoader with `cache_dir` (epoch 1 fills it, epoch 2 reads it) against the local store.
 
-    python bench/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
+    python bench/remote/remote_bench.py loaders --samples 16 --workers 2 --delays 0 0.02
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import numpy as np
 import psutil
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this checkout's h5feed and the test server
 
 from s3_server import CREDENTIALS, REGION, boto3_client
@@ -72,7 +72,7 @@ from h5feed import (
     WorkersOptions,
 )
 from h5feed.baseline import create_collate_fn
-from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_table
+from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_ruled_table
 from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
 from h5feed.store.layout import CHECKSUMMED, object_key
 
@@ -202,7 +202,7 @@ def report(runs: list[Run]) -> list[str]:
         rows.append([f"{r.delay_ms:.0f} ms", f"{r.size_mb} MB", str(r.concurrency), r.client, f"{r.mb_per_s:.0f}",
                      f"{100 * r.mb_per_s / ceiling[(r.delay_ms, r.size_mb, r.concurrency)]:.0f}%",
                      f"{r.client_cpu_s / (r.nbytes / 1e9):.2f}", f"{100 * r.other_cpu_share:.0f}%"])
-    return format_table(rows, right={0, 1, 2, 4, 5, 6, 7})
+    return format_ruled_table(rows, right={0, 1, 2, 4, 5, 6, 7})
 
 
 # --- loaders --------------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def loader_report(runs: list[LoaderRun]) -> list[str]:
                      f"{r.first_s:.2f}" if r.first_s is not None else "-", f"{r.seconds:.2f}",
                      f"{r.requests / r.samples:.1f}", str(r.retries), f"{r.client_cpu_s / r.samples:.2f}",
                      f"{r.server_cpu_s / r.samples:.2f}", f"{100 * r.other_cpu_share:.0f}%"])
-    return format_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
+    return format_ruled_table(rows, right={0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
 
 
 def main() -> None:
