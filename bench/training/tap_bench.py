@@ -20,8 +20,8 @@ files (Arrow dataset + hs_{i}.safetensors, made once under --out).  What is time
 Each side runs `--repeat` times, alternating, each into a fresh store; the medians of the per-sample times are
 printed, with the figures as JSON in --out/tap_bench.json.
 
-    python bench/tap_bench.py --samples 32 --hidden-size 1024 --tokens 400:600 --out /tmp/tap_bench
-    python bench/tap_bench.py --samples 16 --hidden-size 4096 --tokens 1000:1400 --step-ms 300 --out /tmp/tap_bench
+    python bench/training/tap_bench.py --samples 32 --hidden-size 1024 --tokens 400:600 --out /tmp/tap_bench
+    python bench/training/tap_bench.py --samples 16 --hidden-size 4096 --tokens 1000:1400 --step-ms 300 --out /tmp/tap_bench
 """
 
 from __future__ import annotations

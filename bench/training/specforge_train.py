@@ -1,7 +1,7 @@
 """SpecForge 0.2's own `specforge train`: its time to first step and its data wait on its .ckpt (or .ckpt.gz) files,
 against the same data in an h5feed store (``python -m h5feed.specforge_train``).
 
-    python bench/specforge_train.py --make-data 48 --hidden-size 1024 --tokens 1024:2048 --steps 8 --repeat 2 \
+    python bench/training/specforge_train.py --make-data 48 --hidden-size 1024 --tokens 1024:2048 --steps 8 --repeat 2 \
         --cold --work /tmp/specforge_bench --out bench/out
 
 ``--make-data N`` writes N samples as SpecForge's capture writes them for ``--algorithm`` (DFlash's
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 ARMS = ("files", "files-gz", "store")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 8192
 STEP_LINE = re.compile(r"^step (\d+): (\{.*\})$")
 
