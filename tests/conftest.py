@@ -155,7 +155,10 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
 
     With workers=0 and after=2 the journal holds exactly samples 0 and 1.
     """
-    module = sys.modules["h5feed.conversion.converter"]
+    from h5feed.conversion.converter import convert
+    from h5feed.store.writer_state import read_journal
+
+    module = sys.modules["h5feed.conversion.tasks"]  # where the convert step looks convert_one up
 
     def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, dict[str, Any]]:
         original = module.convert_one
@@ -170,10 +173,10 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
         monkeypatch.setattr(module, "convert_one", convert_one)
         try:
             with pytest.raises(KeyboardInterrupt):
-                module.convert(src, dst, workers=0, progress=False, **kwargs)
+                convert(src, dst, workers=0, progress=False, **kwargs)
         finally:
             monkeypatch.setattr(module, "convert_one", original)
-        return module.read_journal(Path(dst))
+        return read_journal(Path(dst))
 
     return run
 

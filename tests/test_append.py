@@ -148,6 +148,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     if where == "planned":  # the plan holds the new samples; the arrays are not resized yet
         monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)
     elif where == "converting":  # two of the four new samples converted
+        module = sys.modules["h5feed.conversion.tasks"]
         original, calls = module.convert_one, []
 
         def convert_one(*args):

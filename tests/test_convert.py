@@ -256,7 +256,7 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
     convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    module = sys.modules["h5feed.conversion.converter"]
+    module = sys.modules["h5feed.conversion.plan"]
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt

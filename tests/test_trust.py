@@ -296,7 +296,7 @@ def test_semaphores_left_by_a_killed_process_group_are_removed_by_the_next_run(t
 
 
 def test_clean_runs_leave_nothing_in_dev_shm(tmp_path):
-    from h5feed.conversion.lock import _mapped_shm_inodes
+    from h5feed.conversion.pool import _mapped_shm_inodes
 
     before = set(os.listdir("/dev/shm"))
     _, dst = make_store(tmp_path)

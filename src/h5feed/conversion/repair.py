@@ -48,17 +48,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from h5feed.conversion.converter import (
-    Plan,
-    PlannedSample,
-    convert_one,
-    journaled_rows,
-    publish_journal,
-    published_skips,
-    what_changed,
-)
+from h5feed.conversion.append import what_changed
+from h5feed.conversion.finalize import journaled_rows, publish_journal, published_skips
 from h5feed.conversion.lock import WriterLock
+from h5feed.conversion.plan import Plan, PlannedSample
 from h5feed.conversion.samples import index_columns, published_columns
+from h5feed.conversion.tasks import convert_one
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import SampleShape, SourceFile, SourceFormat
 from h5feed.io import is_remote
