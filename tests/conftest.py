@@ -20,10 +20,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from h5feed.store.journal import JournalRecord
 
 
 def _source_sample(fmt: str, root: Path, relpath: str, index: int) -> dict[str, Any]:
@@ -150,17 +153,17 @@ def chromium(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
 
 
 @pytest.fixture
-def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[int, dict[str, Any]]]:
+def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[int, JournalRecord]]:
     """Convert in this process and stop like Ctrl-C after `after` samples; returns the journal.
 
     With workers=0 and after=2 the journal holds exactly samples 0 and 1.
     """
     from h5feed.conversion.converter import convert
-    from h5feed.store.writer_state import read_journal
+    from h5feed.store.journal import read_journal
 
     module = sys.modules["h5feed.conversion.tasks"]  # where the convert step looks convert_one up
 
-    def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, dict[str, Any]]:
+    def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, JournalRecord]:
         original = module.convert_one
         calls = []
 

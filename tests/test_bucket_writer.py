@@ -38,7 +38,8 @@ from h5feed.conversion.publish import is_shard
 from h5feed.conversion.writer_sites.bucket import BucketSite
 from h5feed.store import Store
 from h5feed.store.layout import COMMIT_KEY, Commit
-from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, WRITERS_DIR, bucket_writers, read_journal
+from h5feed.store.journal import JOURNAL_FILE, read_journal
+from h5feed.store.writer_state import LOCK_FILE, WRITERS_DIR, bucket_writers
 from h5feed.synthetic import write_synthetic
 
 

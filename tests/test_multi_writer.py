@@ -5,6 +5,7 @@ h5feed left resumes, and `h5feed convert` and the writers keep excluding each ot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import multiprocessing.synchronize
@@ -24,16 +25,14 @@ from h5feed import Follow, HiddenStatesStream, StoreError, convert, open_writer
 from h5feed.conversion.lock import WriterLock
 from h5feed.conversion.samples import array_rows, grow_arrays, rows_taken
 from h5feed.store import Store
+from h5feed.store.journal import JOURNAL_FILE, journal_records, read_journal
 from h5feed.store.layout import object_key
 from h5feed.store.writer_state import (
-    JOURNAL_FILE,
     LOCK_FILE,
     WRITERS_DIR,
     WriterFiles,
     being_converted,
     current_writer,
-    journal_records,
-    read_journal,
 )
 from h5feed.synthetic import write_synthetic
 
@@ -271,9 +270,9 @@ def legacy_store(tmp_path: Path, n: int, published: int) -> Path:
     shutil.copytree(tmp_path / "published" / "index", dst / "index")
     shutil.copy(tmp_path / "published" / "zarr.json", dst / "zarr.json")
     shutil.rmtree(dst / WRITERS_DIR)
-    records = [{k: v for k, v in r.items() if k != "block_end"}
-               for r in journal_records(dst / JOURNAL_FILE) if "i" in r]  # an earlier writer's: samples only
-    (dst / JOURNAL_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = [dataclasses.replace(r, block_end=None)
+               for r in journal_records(dst / JOURNAL_FILE) if r.i is not None]  # an earlier writer's: samples only
+    (dst / JOURNAL_FILE).write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     grow_arrays(dst, 2 * array_rows(dst), durable=False)  # it doubled them when outgrown
     (dst / LOCK_FILE).write_text(json.dumps({"by": "`h5feed.open_writer`", "host": "gone", "pid": 1,
                                              "started_at": "then", "semaphores": []}))  # its kill left the lock file

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from h5feed import Store, StoreError, open_writer
-from h5feed.store.writer_state import WriterFiles, journal_records
+from h5feed.store.journal import journal_records
+from h5feed.store.writer_state import WriterFiles
 
 H, CHUNK, SHARD = 32, 16, 32
 TESTS = Path(__file__).resolve().parent
@@ -114,7 +115,7 @@ def test_a_killed_writer_resumed_publishes_its_journaled_rows_under_their_source
     killed = subprocess.run([sys.executable, "-c", KILLED, str(dst), "w0"], check=False, timeout=120, env=ENV)
     assert killed.returncode == -signal.SIGKILL
     records = journal_records(WriterFiles(dst, "w0").journal)
-    assert [r["source_index"] for r in records if "i" in r] == [9, 4, 6]
+    assert [r.source_index for r in records if r.i is not None] == [9, 4, 6]
     with keyed(dst, "w1") as other:  # another writer published row 4 meanwhile
         other.append(sample(4, salt=7), source_index=4)
     with keyed(dst, "w0") as resumed:  # publishes what w0 journaled

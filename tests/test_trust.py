@@ -18,7 +18,7 @@ import torch
 from conftest import bits
 
 from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, StreamLoader, convert
-from h5feed.conversion.converter import JOURNAL_FILE
+from h5feed.store.journal import JOURNAL_FILE
 from h5feed.errors import CorruptSampleError, SourceError, StoreError
 from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic

@@ -16,7 +16,7 @@ import torch
 
 import h5feed
 from h5feed import HiddenStatesDataset, SourceError, Store, StoreError, convert, open_writer
-from h5feed.store.writer_state import read_journal
+from h5feed.store.journal import read_journal
 from h5feed.synthetic import write_synthetic
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
@@ -275,7 +275,7 @@ def test_samples_written_behind_are_the_bytes_written_at_once(source, converted,
                 tensor.zero_()  # a buffer reused by the caller's next sample
     assert (writer.report.samples, writer.report.published) == (N, N)
     assert array_files(dst) == array_files(converted)
-    assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(N)]
+    assert [r.name for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(N)]
 
 
 def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_kept(source, tmp_path, monkeypatch):
@@ -304,7 +304,7 @@ def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_
     with pytest.raises(OSError, match="No space left on device"):  # and at close, which publishes the rest
         w.close()
     assert len(calls) == 5  # nothing written after the failure, also what was queued behind it
-    assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(4)]
+    assert [r.name for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(4)]
     store = Store(dst)
     assert len(store) == 4
     for i in range(4):

@@ -16,7 +16,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from h5feed.conversion.finalize import published_skips
 from h5feed.conversion.job import Job, Listing
@@ -26,8 +25,9 @@ from h5feed.conversion.pool import TaskPool
 from h5feed.conversion.samples import differing_settings
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import SampleShape, SourceFile, SourceFormat
+from h5feed.store.journal import JOURNAL_FILE, JournalRecord, read_journal
 from h5feed.store.layout import StoreInfo
-from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, read_journal
+from h5feed.store.writer_state import PLAN_FILE
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
     done = read_journal(dst)
     published = plan.published
     journal_sound = all(i in done for i in range(published))
-    kept = sum("checksum" in r for r in done.values())
+    kept = sum(r.converted for r in done.values())
     finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, published_skips(plan, done))
     out_of_store = _failed_while_converting(plan, done)  # skipped while converting, or dropped by `h5feed repair`
     failed = out_of_store if job.settings.retry_skipped else {}
@@ -79,7 +79,7 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
         plan = dataclasses.replace(plan, skipped=tuple(s for s in plan.skipped if s not in retried))
         present = {f.relpath for f in listing.files} | {s["path"] for s in listing.unreadable + listing.unfinished}
         gone = [_gone(s["path"], s["problem"]) for s in retried if s["path"] not in present] + \
-            [_gone(relpath, done[found[0]]["skipped"]) for relpath, found in failed.items() if relpath not in present]
+            [_gone(relpath, done[found[0]].skipped) for relpath, found in failed.items() if relpath not in present]
         for record in gone:
             log.warning("%s: %s %s", dst, record["path"], record["problem"])
     known = plan.known() - set(failed)
@@ -118,14 +118,14 @@ def _gone(relpath: str, problem: str) -> dict[str, str]:
             "again"}
 
 
-def _failed_while_converting(plan: Plan, done: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
+def _failed_while_converting(plan: Plan, done: dict[int, JournalRecord]) -> dict[str, list[int]]:
     """The files none of whose samples converted (each skipped while converting, not while planning), with
     their plan positions: planned again after the last sample, they can be retried whole."""
     positions: dict[str, list[int]] = {}
     for i, sample in enumerate(plan.samples):
         positions.setdefault(sample.relpath, []).append(i)
     return {relpath: found for relpath, found in positions.items()
-            if all(i not in plan.retried and "skipped" in done.get(i, {}) for i in found)}
+            if all(i not in plan.retried and i in done and done[i].skipped is not None for i in found)}
 
 
 def _changed_since_planned(src: Path, plan: Plan) -> list[tuple[str, str]]:

@@ -53,17 +53,10 @@ from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS, SourceFile, detect_f
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.paths import contained_path
 from h5feed.store import Store
+from h5feed.store.journal import JOURNAL_FILE, read_journal
 from h5feed.store.layout import DEFAULT_CHUNK_TOKENS, LastStateNorm, Precision, StoreInfo, chunk_codec, read_info
 from h5feed.store.reader import damaged_arrays, repair_hint
-from h5feed.store.writer_state import (
-    JOURNAL_FILE,
-    LOCK_FILE,
-    PLAN_FILE,
-    WRITER_API,
-    WRITER_SOURCE,
-    holds_no_samples,
-    read_journal,
-)
+from h5feed.store.writer_state import LOCK_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, holds_no_samples
 
 __all__ = ["ConvertReport", "convert"]
 
@@ -271,7 +264,7 @@ def _convert(job: Job, pool: PoolMaker, listing: Listing) -> ConvertReport:
     if info is not None and info.status != "complete":
         log.info("%s: resuming an unfinished conversion: %d of %d samples were done by an earlier run; %d to go",
                  dst_path, len(done), len(samples), len(pending))
-    report = ConvertReport(dst_path, 0, 0, 0, sum("checksum" in r for r in done.values()))
+    report = ConvertReport(dst_path, 0, 0, 0, sum(r.converted for r in done.values()))
     if pending:
         # from the plan, not the listing: a file gone since planning fails to load (and --skip-bad skips it)
         by_relpath = {s.relpath: SourceFile(contained_path(job.src, s.relpath), s.sample_index, s.relpath)
@@ -281,7 +274,7 @@ def _convert(job: Job, pool: PoolMaker, listing: Listing) -> ConvertReport:
         report.seconds_converting = time.perf_counter() - t0
         done = read_journal(dst_path)
     skipped = published_skips(plan, done)
-    if not any("checksum" in r for r in done.values()):
+    if not any(r.converted for r in done.values()):
         raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
                           f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
     remove_partial_writes(dst_path)  # what a worker killed mid-write left (its sample was redone elsewhere)

@@ -9,46 +9,43 @@ mended (a sample dropped, an index rebuilt) with the same code.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from h5feed.conversion.plan import Plan, PlannedSample
 from h5feed.conversion.samples import IndexRow, publish_samples
-from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
-from h5feed.store.writer_state import JOURNAL_FILE
+from h5feed.io.local import PARTIAL_SUFFIX
+from h5feed.store.journal import JOURNAL_FILE, JournalRecord, rewrite_journal
 
 
-def published_skips(plan: Plan, done: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def published_skips(plan: Plan, done: dict[int, JournalRecord]) -> list[dict[str, str]]:
     """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
     to convert (or that `h5feed repair` dropped), in plan order."""
     return list(plan.skipped) + list(plan.unfinished) + [
-        {"path": plan.samples[i].relpath, "problem": r["skipped"]} for i, r in sorted(done.items())
-        if "skipped" in r and i not in plan.retried
+        {"path": plan.samples[i].relpath, "problem": r.skipped} for i, r in sorted(done.items())
+        if r.skipped is not None and i not in plan.retried
     ]
 
 
-def journaled_rows(samples: Sequence[PlannedSample], done: dict[int, dict[str, Any]]) -> list[IndexRow]:
+def journaled_rows(samples: Sequence[PlannedSample], done: dict[int, JournalRecord]) -> list[IndexRow]:
     """The index rows of the samples the journal holds converted, in plan order: what the index publishes."""
     return [IndexRow(samples[i].start, samples[i].num_tokens, samples[i].sample_index, samples[i].relpath,
-                     done[i]["checksum"], done[i]["has_loss_mask"])
-            for i in range(len(samples)) if "checksum" in done.get(i, {})]
+                     done[i].checksum, done[i].has_loss_mask)
+            for i in range(len(samples)) if i in done and done[i].converted]
 
 
-def publish_journal(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], durable: bool) -> None:
+def publish_journal(dst: Path, plan: Plan, done: dict[int, JournalRecord], durable: bool) -> None:
     """Publish the samples the journal `done` holds, the index written anew: `h5feed repair`'s rebuild of a
     damaged index, and its publication of the samples it drops (recorded in `done` as skipped)."""
     finalize(dst, plan.samples, done, published_skips(plan, done), durable, rebuild=True)
 
 
 def finalize(
-    dst: Path, samples: Sequence[PlannedSample], done: dict[int, dict[str, Any]], skipped: list[dict[str, str]],
+    dst: Path, samples: Sequence[PlannedSample], done: dict[int, JournalRecord], skipped: list[dict[str, str]],
     durable: bool, rebuild: bool = False,
 ) -> None:
     """Rewrite the journal in plan order, then publish the samples it holds (index, then status)."""
-    journal = "".join(json.dumps({"i": i, **done[i]}) + "\n" for i in sorted(done))
-    write_atomically(dst / JOURNAL_FILE, journal.encode(), durable=durable)  # the same bytes however the run went
+    rewrite_journal(dst / JOURNAL_FILE, done, durable)  # the same bytes however the run went
     publish_samples(dst, journaled_rows(samples, done), skipped, durable, rebuild)
 
 

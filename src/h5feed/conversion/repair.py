@@ -62,7 +62,8 @@ from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store
 from h5feed.store.layout import StoreInfo, create_arrays, crc32c, read_info, write_info
 from h5feed.store.reader import damaged_arrays
-from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
+from h5feed.store.journal import JOURNAL_FILE, JournalRecord, read_journal
+from h5feed.store.writer_state import PLAN_FILE, WRITER_API, WRITER_SOURCE
 from h5feed.verify import Mismatch, check_sample, verify_store
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def _refuse_unfinished(dst: Path, info: StoreInfo) -> None:
                          "(repair mends complete stores)")
 
 
-def _expected_info(plan: Plan, done: dict[int, dict[str, Any]]) -> StoreInfo | None:
+def _expected_info(plan: Plan, done: dict[int, JournalRecord]) -> StoreInfo | None:
     """The attributes a conversion that ended with this plan and journal published (None: the plan, written
     before it kept them, has no copy)."""
     if plan.store is None:
@@ -174,7 +175,7 @@ def _expected_info(plan: Plan, done: dict[int, dict[str, Any]]) -> StoreInfo | N
                                 "num_tokens": sum(r.num_tokens for r in rows), "skipped": published_skips(plan, done)})
 
 
-def _sound_attributes(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: int, report: RepairReport,
+def _sound_attributes(dst: Path, plan: Plan, done: dict[int, JournalRecord], unfinished: int, report: RepairReport,
                       durable: bool) -> StoreInfo:
     """The store's attributes, written again from the plan's copy where they cannot be read or differ from what the
     conversion planned (what its publication sets is left to `_republish_if_damaged`)."""
@@ -209,7 +210,7 @@ def _sound_attributes(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], un
     return expected
 
 
-def _index_problem(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, dict[str, Any]],
+def _index_problem(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, JournalRecord],
                    unfinished: int) -> str | None:
     """What is wrong with the published samples (the index and the attributes' count of it) against the journal,
     or None.  With an append unfinished the journal holds samples not published yet: the index must only open."""
@@ -232,7 +233,7 @@ def _index_problem(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, dict[
     return None
 
 
-def _republish_if_damaged(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, dict[str, Any]], unfinished: int,
+def _republish_if_damaged(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, JournalRecord], unfinished: int,
                           report: RepairReport, durable: bool) -> None:
     """Publish the index again from the journal where it fails to open or disagrees with it."""
     problem = _index_problem(dst, info, plan, done, unfinished)
@@ -329,7 +330,7 @@ def _repair_samples(dst: Path, src: Path, info: StoreInfo, plan: Plan, damaged: 
     return positions
 
 
-def _drop(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: int, positions: dict[int, int],
+def _drop(dst: Path, plan: Plan, done: dict[int, JournalRecord], unfinished: int, positions: dict[int, int],
           report: RepairReport, durable: bool) -> None:
     """Drop each unrepaired sample the plan places from the index: its journal record becomes a skip saying why it
     could not be repaired, and the index is published again from the journal."""
@@ -346,7 +347,7 @@ def _drop(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: in
     for i, problems in why.items():
         reason = f"{DROPPED}: its stored rows fail their checks, and repair could not convert it again " \
                  f"({'; '.join(problems)})"
-        done[positions[i]] = {"skipped": reason}
+        done[positions[i]] = JournalRecord.skip(positions[i], reason)
         report.dropped.append(Mismatch(i, plan.samples[positions[i]].relpath, reason))
     log.warning("%s: dropping %d sample(s) from the index", dst, len(why))
     publish_journal(dst, plan, done, durable)
@@ -370,7 +371,7 @@ def _repair_sample(dst: Path, src: Path, info: StoreInfo, plan: Plan, planned: P
     record = convert_one(plan.options.format, str(staging), SourceFile(path, planned.sample_index, planned.relpath),
                          planned.start, shape, info, durable)
     recorded = [int(c) for c in store.checksums[i]]
-    if (record["checksum"], record["has_loss_mask"]) != (recorded, bool(store.has_loss_mask[i])):
+    if (list(record.checksum), record.has_loss_mask) != (recorded, bool(store.has_loss_mask[i])):
         shutil.rmtree(staging)
         raise SourceError(path, "gives other rows than it did when it was converted (its size and mtime are the "
                           "same)")

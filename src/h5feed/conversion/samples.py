@@ -24,6 +24,7 @@ from h5feed.errors import SourceError
 from h5feed.formats import SampleShape, SourceFormat, SourceSample
 from h5feed.io.local import fsync_dir, write_atomically
 from h5feed.store.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, quantize, token_scales
+from h5feed.store.journal import JournalRecord
 from h5feed.store.layout import (
     HIDDEN_SCALES,
     IndexDigest,
@@ -123,9 +124,10 @@ def check_same_shape(where: Path, shape: SampleShape, reference: SampleShape, wh
             raise SourceError(where, f"{what} {got} differs from {want} of {whose}")
 
 
-def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, durable: bool) -> dict[str, Any]:
+def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, durable: bool) -> JournalRecord:
     """Write one sample's shards from row `start` (a shard boundary); its journal record: the crc32c of each
-    array's rows, whether it had a loss mask, the bytes written.  FP8 stores quantize here."""
+    array's rows, whether it had a loss mask, the bytes written (the caller adds where it is).  FP8 stores
+    quantize here."""
     loss_mask = sample.stored_loss_mask()
     c = info.chunk_tokens
     rows = range(0, len(sample.input_ids), c)
@@ -157,11 +159,8 @@ def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, d
     if last is not None:
         blocks["last_hidden_states"] = chunks(last, "last_hidden_states")
     written = {name: write_shards(dst, info, name, blocks[name], start, durable) for name in info.array_names}
-    return {
-        "checksum": [crc for _, crc in written.values()],
-        "has_loss_mask": sample.loss_mask is not None,
-        "bytes_out": sum(nbytes for nbytes, _ in written.values()),
-    }
+    return JournalRecord(checksum=tuple(crc for _, crc in written.values()), has_loss_mask=sample.loss_mask is not None,
+                         bytes_out=sum(nbytes for nbytes, _ in written.values()))
 
 
 def write_shards(
@@ -298,7 +297,7 @@ class IndexRow:
     num_tokens: int
     source_index: int
     source_path: str
-    checksum: list[int]
+    checksum: tuple[int, ...]
     has_loss_mask: bool
 
 

@@ -11,16 +11,14 @@ same command resumes.  A bucket DST's publisher uploads each journaled sample as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
-import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -33,8 +31,8 @@ from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile
 from h5feed.formats.checks import check_token_values
 from h5feed.store import read_ahead
+from h5feed.store.journal import JOURNAL_FILE, JournalRecord, JournalWriter
 from h5feed.store.layout import StoreInfo, read_info
-from h5feed.store.writer_state import JOURNAL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ log = logging.getLogger(__name__)
 class _Converted:
     """What a task sends back: the journal record, or the source's problem; and who did it, how fast."""
 
-    record: dict[str, Any] | None
+    record: JournalRecord | None  # without its plan position: the driver journals it with it
     error: SourceError | None
     worker: str
     seconds: float
@@ -88,9 +86,7 @@ def convert_pending(
     failure: BaseException | None = None
     todo = iter(pending)
     in_flight: dict[Future[_Converted], int] = {}
-    with open(dst / JOURNAL_FILE, "a") as journal:
-        if journal.tell() and not (dst / JOURNAL_FILE).read_text().endswith("\n"):
-            journal.write("\n")  # end a line cut short by a kill, or the next record would be lost with it
+    with JournalWriter(dst / JOURNAL_FILE, end_cut_line=True) as journal:
 
         def submit_more() -> None:
             while len(in_flight) < 2 * pool.slots():
@@ -120,18 +116,17 @@ def convert_pending(
                 except Exception as exc:  # a crashed worker: BrokenProcessPool, KilledWorker and the like
                     failure = failure or H5feedError(f"converting {samples[i].relpath} failed: {exc!r}")
                     continue
-                record = result.record
                 if result.error is not None:
                     if not job.settings.skip_bad:
                         failure = failure or result.error
                         continue
                     log.warning("skipping %s", result.error)
-                    record = {"skipped": result.error.problem}
-                journal.write(json.dumps({"i": i, **record}) + "\n")
-                journal.flush()
-                if durable:  # after the worker's fsync of the shards: a journaled sample survives power loss
-                    os.fsync(journal.fileno())
-                if publisher is not None and "checksum" in record:
+                    record = JournalRecord.skip(i, result.error.problem)
+                else:
+                    assert result.record is not None
+                    record = dataclasses.replace(result.record, i=i)
+                journal.append(record, sync=durable)  # after the worker's fsync of the shards: survives power loss
+                if publisher is not None and record.converted:
                     publisher.sample_done(samples[i].start, samples[i].num_tokens, info)
                 _count(report, record, result)
                 bar.update(1)
@@ -144,14 +139,15 @@ def convert_pending(
         raise failure
 
 
-def _count(report: ConvertReport, record: dict[str, Any], result: _Converted) -> None:
-    report.converted_now += "checksum" in record  # a skipped file is counted in skipped only
-    report.bytes_in += record.get("bytes_in", 0)
-    report.bytes_out += record.get("bytes_out", 0)
+def _count(report: ConvertReport, record: JournalRecord, result: _Converted) -> None:
+    bytes_in, bytes_out = record.bytes_in or 0, record.bytes_out or 0
+    report.converted_now += record.converted  # a skipped file is counted in skipped only
+    report.bytes_in += bytes_in
+    report.bytes_out += bytes_out
     worker = report.workers.setdefault(result.worker, WorkerStats())
-    worker.samples += "checksum" in record
-    worker.bytes_in += record.get("bytes_in", 0)
-    worker.bytes_out += record.get("bytes_out", 0)
+    worker.samples += record.converted
+    worker.bytes_in += bytes_in
+    worker.bytes_out += bytes_out
     worker.seconds += result.seconds
 
 
@@ -169,7 +165,7 @@ def convert_one(
     expected: SampleShape,
     info: StoreInfo,
     durable: bool,
-) -> dict[str, Any]:
+) -> JournalRecord:
     """Load one source file, check it against the plan (it may have changed since), write its shards into the store
     folder `dst`; in a worker.  `h5feed repair` re-encodes a damaged sample with it, so as the same bytes."""
     fmt = FORMATS[format_name]  # type: ignore[index]
@@ -185,4 +181,4 @@ def convert_one(
     if info.lossy:
         sample = with_fp8_scales(source.path, sample)
     record = write_sample(Path(dst), info, sample, start, durable)
-    return {**record, "bytes_in": fmt.source_nbytes(source)}
+    return dataclasses.replace(record, bytes_in=fmt.source_nbytes(source))

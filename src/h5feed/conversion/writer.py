@@ -28,8 +28,8 @@ store written by one process always had its journal, so such a store resumes as 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import json
 import logging
 import os
 import time
@@ -40,7 +40,7 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ from h5feed.formats import FORMATS, SampleShape, SourceSample
 from h5feed.formats.checks import check_token_values, refuse_unbacked_tensors
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
+from h5feed.store.journal import JournalRecord, JournalWriter, journal_records
 from h5feed.store.layout import (
     DEFAULT_CHUNK_TOKENS,
     MAX_DEFAULT_SHARD_TOKENS,
@@ -85,7 +86,6 @@ from h5feed.store.writer_state import (
     WRITER_ID,
     WRITER_SOURCE,
     WriterFiles,
-    journal_records,
 )
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -211,7 +211,7 @@ class StoreWriter:
         self._left_out = 0
         self._next_row: int | None = None  # where its next sample goes; None: no rows reserved
         self._block_end = 0  # the end of the rows it reserved
-        self._journal: IO[str] | None = None
+        self._journal: JournalWriter | None = None
         self._appended = 0  # samples given to append() (with write_behind, some may not be written yet)
         self._behind = _WriteBehind(write_behind) if write_behind else None
         self._locks = ExitStack()
@@ -231,19 +231,21 @@ class StoreWriter:
         self._adopt(read_info(self.path))
         records = journal_records(self.files.journal)
         for record in records:
-            if "i" in record:
-                self._rows.append(IndexRow(record["start"], record["num_tokens"], record.get("source_index", record["i"]),
-                                           record["name"], record["checksum"], record["has_loss_mask"]))
-                self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
-                self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
+            if record.i is not None:
+                source_index = record.i if record.source_index is None else record.source_index
+                self._rows.append(IndexRow(record.start, record.num_tokens, source_index, record.name, record.checksum,
+                                           record.has_loss_mask))
+                self._next_row = record.start + rows_taken(record.num_tokens, self.shard_tokens)
+                end = record.block_end
+                self._block_end = self._next_row if end is None else end  # an earlier h5feed noted no blocks
         self._appended = len(self._rows)
         self.site.remove_partial_writes(self.files.writer, self._own_partial_writes)
-        begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
+        begun = [r for r in records if r.begun == len(self._rows)]  # the one being written when it stopped
         if self._rows or begun:
             who = "" if self.files.writer is None else f" writer {self.files.writer!r}"
             kept = f"{len(self._rows)} samples kept, the last one {self._rows[-1].source_path!r}" if self._rows \
                 else "no sample kept"
-            lost = (f"{begun[-1]['name']!r}, being appended when the writer stopped, was lost: append it again"
+            lost = (f"{begun[-1].name!r}, being appended when the writer stopped, was lost: append it again"
                     if begun else "samples appended after it were lost")
             log.info("%s: resuming%s: %s; %s", self.location, who, kept, lost)
         self._publish()
@@ -354,13 +356,14 @@ class StoreWriter:
         at a time, in append order)."""
         assert self.info is not None
         try:
-            self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
+            self._write_journal(JournalRecord(begun=planned.index, name=planned.label, start=planned.start), sync=False)
             record = write_sample(self.path, self.info, planned.sample, planned.start, self.durable)
             num_tokens = planned.sample.shape.num_tokens
             self.site.sample_written(self.info, planned.start, num_tokens)  # in the store before it is journaled
-            self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
-                                 "num_tokens": num_tokens, "block_end": planned.block_end,
-                                 "source_index": planned.source_index, **record}, sync=self.durable)
+            record = dataclasses.replace(record, i=planned.index, name=planned.label, start=planned.start,
+                                         num_tokens=num_tokens, block_end=planned.block_end,
+                                         source_index=planned.source_index)
+            self._write_journal(record, sync=self.durable)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:  # the folder the writer works in: the store, or a bucket's staging folder
                 raise DiskFullError(self.path, f"disk full while writing {planned.label!r} ({os.strerror(exc.errno)}): "
@@ -368,8 +371,8 @@ class StoreWriter:
                                     ) from exc
             raise
         self._rows.append(IndexRow(planned.start, num_tokens, planned.source_index, planned.label,
-                                   record["checksum"], record["has_loss_mask"]))
-        self._bytes_out += record["bytes_out"]
+                                   record.checksum, record.has_loss_mask))
+        self._bytes_out += record.bytes_out
 
     def _publish_due(self, label: str) -> None:
         """Publish when `publish_every` samples are due.  A publication that fails leaves them kept (journaled,
@@ -416,14 +419,10 @@ class StoreWriter:
                               last_state_norm=self._norm(),
                               source_info={UNIQUE_SOURCE_INDEX: True} if self.unique_source_index else {})
 
-    def _write_journal(self, record: dict[str, Any], sync: bool) -> None:
-        if self._journal is None:
-            self.files.journal.parent.mkdir(parents=True, exist_ok=True)  # a bucket's writer: no lock made it
-            self._journal = open(self.files.journal, "a")  # noqa: SIM115 (for the writer's life: close() closes it)
-        self._journal.write(json.dumps(record) + "\n")
-        self._journal.flush()
-        if sync:  # after the shards' fsync: a journaled sample survives a power loss
-            os.fsync(self._journal.fileno())
+    def _write_journal(self, record: JournalRecord, sync: bool) -> None:
+        if self._journal is None:  # opened at the first sample, for the writer's life: close() closes it
+            self._journal = JournalWriter(self.files.journal, end_cut_line=False)
+        self._journal.append(record, sync=sync)  # after the shards' fsync: a journaled sample survives a power loss
 
     def publish(self) -> None:
         """Publish every sample appended so far (with write_behind, once written): a reader opening the store
