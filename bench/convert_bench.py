@@ -132,7 +132,7 @@ def codec_rates(store_path: Path) -> dict[str, float]:
     from numcodecs import blosc
 
     store = Store(store_path)
-    if store.info.codec["name"] != "blosc":
+    if store.info.codec.name != "blosc":
         return {}
     blosc.use_threads = False
     raw = store.read_sample(0)

@@ -240,8 +240,8 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
 
     report = convert(src, dst, workers=0, chunk_tokens=CHUNK, skip_bad=True, progress=False)
     assert (report.num_samples, report.converted_now) == (8, 4)
-    assert [s["path"] for s in report.skipped] == [f"{FIRST}/data_1.pt"]
-    assert report.skipped[0]["problem"].endswith("; the store keeps the samples converted before")
+    assert [s.path for s in report.skipped] == [f"{FIRST}/data_1.pt"]
+    assert report.skipped[0].problem.endswith("; the store keeps the samples converted before")
     store = Store(dst)
     assert store.info.skipped == report.skipped
     reader = HiddenStatesDataset(dst)

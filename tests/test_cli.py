@@ -156,7 +156,7 @@ def test_skip_bad_converts_the_rest_and_records_what_it_skipped(tmp_path, cli, a
     assert skipped[1]["problem"] == BAD["hidden-size"][1]
     assert skipped[2]["problem"].startswith(BAD["needs-code"][1])
     assert skipped[3]["problem"] == BAD["missing-key"][1]
-    assert store.info.skipped == skipped
+    assert [s.to_json() for s in store.info.skipped] == skipped
     for s in skipped:
         assert f"skipped {s['path']}: {s['problem']}" in r.output
 
@@ -335,7 +335,7 @@ def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupte
     assert r.status == 1
     assert f"h5feed convert: error: {dst}: is complete but was converted with codec zstd, not codec lz4: " in r.output
     assert "choose another DST or pass --overwrite" in r.output
-    assert Store(dst).info.codec == ZSTD
+    assert Store(dst).info.codec.to_json() == ZSTD
 
 
 # --------------------------------------------------------------------------- full disk
@@ -559,7 +559,7 @@ def test_a_file_skipped_while_converting_is_retried_once_repaired(tmp_path, cli,
     BAD["truncated-pt"][0](files[3])
     resumed = cli(*convert_args(src, dst, "--skip-bad"))
     assert resumed.status == 0, resumed.output
-    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name] and len(Store(dst)) == len(files) - 1
+    assert [s.path for s in Store(dst).info.skipped] == [files[3].name] and len(Store(dst)) == len(files) - 1
 
     files[3].write_bytes(good)
     retried = cli(*convert_args(src, dst, "--retry-skipped"))
@@ -583,11 +583,11 @@ def test_a_skipped_file_repaired_later_is_converted_by_retry_skipped(tmp_path, c
     damage(files[3])
     first = cli(*convert_args(src, dst, "--skip-bad"))
     assert first.status == 0 and len(Store(dst)) == len(files) - 1
-    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name]
+    assert [s.path for s in Store(dst).info.skipped] == [files[3].name]
 
     still_bad = cli(*convert_args(src, dst, "--skip-bad", "--retry-skipped"))  # not repaired yet: still skipped
     assert still_bad.status == 0 and len(Store(dst)) == len(files) - 1
-    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name]
+    assert [s.path for s in Store(dst).info.skipped] == [files[3].name]
 
     files[3].write_bytes(good)  # repaired
     rerun = cli(*convert_args(src, dst))  # a plain rerun leaves it, and says how to take it

@@ -26,6 +26,7 @@ import h5feed
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import open_url
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
+from h5feed.store.attributes import KeptCompanion
 from h5feed.store.layout import INDEX_COLUMNS, IndexDigest, crc32c, read_info, write_info
 from h5feed.synthetic import write_synthetic
 
@@ -134,7 +135,7 @@ def test_with_skip_bad_the_traversal_keys_are_recorded_skips_and_the_rest_conver
                  tmp_path / "staging", *storage_flags(s3))
     assert result.status == 0, result.output
     url = f"s3://{bucket}/runs"
-    assert h5feed.Store(tmp_path / "dst").info.skipped == [
+    assert [s.to_json() for s in h5feed.Store(tmp_path / "dst").info.skipped] == [
         {"path": "../../../elsewhere/x.txt", "problem": f"its key has a '..' segment, so it cannot be read as a file "
                                                         f"under {url}"},
         {"path": f"{tmp_path}/abs/y.pt", "problem": f"its key is an absolute path, so it cannot be read as a file "
@@ -260,6 +261,7 @@ def test_verify_refuses_companion_copies_outside_the_store_and_fifos(tmp_path):
     companions = {"vocab_mapping.pt": {"source": "vocab_mapping.pt", **record, "copy": "/etc/passwd"},
                   "up.pt": {"source": "up.pt", **record, "copy": "../../../../../../../../etc/passwd"},
                   "pipe.pt": {"source": "pipe.pt", **record, "copy": "companions.pipe"}}
+    companions = {name: KeptCompanion.from_json(record) for name, record in companions.items()}
     write_info(store, dataclasses.replace(read_info(store), companions=companions), durable=False)
     result = h5feed_cli("verify", store, timeout=120)
     assert result.returncode == 1

@@ -286,13 +286,13 @@ def test_a_skipped_file_that_vanished_is_named_as_gone_by_retry_skipped(tmp_path
     files = write_synthetic(src, "speculators-legacy-pt", 5, 16, lengths=(4, 9), seed=2)
     files[1].write_bytes(files[1].read_bytes()[:100])
     convert(src, dst, workers=0, progress=False, skip_bad=True)
-    assert [s["path"] for s in Store(dst).info.skipped] == ["data_1.pt"]
+    assert [s.path for s in Store(dst).info.skipped] == ["data_1.pt"]
     files[1].unlink()
     convert(src, dst, workers=0, progress=False, skip_bad=True, retry_skipped=True)
     skipped = Store(dst).info.skipped
-    assert [s["path"] for s in skipped] == ["data_1.pt"] and len(Store(dst)) == 4
-    assert skipped[0]["problem"].startswith("is gone: it was skipped (not a readable torch.save file")
-    assert skipped[0]["problem"].endswith("; --retry-skipped found no file to try again")
+    assert [s.path for s in skipped] == ["data_1.pt"] and len(Store(dst)) == 4
+    assert skipped[0].problem.startswith("is gone: it was skipped (not a readable torch.save file")
+    assert skipped[0].problem.endswith("; --retry-skipped found no file to try again")
 
 
 def test_a_file_skipped_while_converting_then_deleted_is_named_as_gone_by_retry_skipped(
@@ -302,11 +302,11 @@ def test_a_file_skipped_while_converting_then_deleted_is_named_as_gone_by_retry_
     assert sorted(interrupted_convert(src, dst, after=2)) == [0, 1]
     files[3].write_bytes(files[3].read_bytes()[:100])  # damaged after it was planned: skipped while converting
     convert(src, dst, workers=0, progress=False, skip_bad=True)
-    assert [s["path"] for s in Store(dst).info.skipped] == ["data_3.pt"]
+    assert [s.path for s in Store(dst).info.skipped] == ["data_3.pt"]
     files[3].unlink()
     for _ in range(2):  # and again: the record stays as it is
         convert(src, dst, workers=0, progress=False, skip_bad=True, retry_skipped=True)
         skipped = Store(dst).info.skipped
-        assert [s["path"] for s in skipped] == ["data_3.pt"] and len(Store(dst)) == 4
-        assert skipped[0]["problem"].startswith("is gone: it was skipped (not a readable torch.save file")
-        assert skipped[0]["problem"].endswith("; --retry-skipped found no file to try again")
+        assert [s.path for s in skipped] == ["data_3.pt"] and len(Store(dst)) == 4
+        assert skipped[0].problem.startswith("is gone: it was skipped (not a readable torch.save file")
+        assert skipped[0].problem.endswith("; --retry-skipped found no file to try again")

@@ -667,7 +667,7 @@ def test_a_token_holding_nan_or_inf_is_refused_by_an_fp8_conversion_and_kept_by_
                                             "FP8 every value of that token would be NaN")
     skipped = h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8",
                              skip_bad=True, overwrite=True)
-    assert (skipped.num_samples, Store(tmp_path / "fp8").info.skipped[0]["path"]) == (3, "data_2.pt")
+    assert (skipped.num_samples, Store(tmp_path / "fp8").info.skipped[0].path) == (3, "data_2.pt")
     h5feed.convert(tmp_path / "src", tmp_path / "exact", workers=0, progress=False)
     assert verify_store(tmp_path / "exact", tmp_path / "src", progress=False).ok
 

@@ -217,7 +217,7 @@ def test_drop_unrecoverable_drops_the_sample_records_why_and_convert_leaves_it(t
     assert cli("verify", dst).status == 0
     assert_samples_are(dst, ref, [0, 1, 3, 4, 5])  # the sound ones untouched, the repaired one as converted
     [skip] = Store(dst).info.skipped
-    assert skip["path"] == relpath and skip["problem"].startswith("dropped by `h5feed repair --drop-unrecoverable`: ")
+    assert skip.path == relpath and skip.problem.startswith("dropped by `h5feed repair --drop-unrecoverable`: ")
     inspected = cli("inspect", dst)
     assert f"  skipped {relpath}: dropped by `h5feed repair --drop-unrecoverable`" in inspected.stdout
     assert "samples            5" in inspected.stdout
@@ -238,8 +238,8 @@ def test_drop_unrecoverable_drops_the_sample_records_why_and_convert_leaves_it(t
     assert r.status == 0, r.output
     store = Store(dst)
     if change == "gone":  # still no file: still skipped, now saying so
-        assert len(store) == 5 and [s["path"] for s in store.info.skipped] == [relpath]
-        assert "--retry-skipped found no file to try again" in store.info.skipped[0]["problem"]
+        assert len(store) == 5 and [s.path for s in store.info.skipped] == [relpath]
+        assert "--retry-skipped found no file to try again" in store.info.skipped[0].problem
     else:  # the file as it is now, appended after the others
         assert len(store) == 6 and store.info.skipped == [] and store.source_paths[-1] == relpath
     assert h5feed.verify_store(dst, src, progress=False).ok
@@ -255,7 +255,7 @@ def test_the_python_api_drops_as_the_cli_does_and_reports_it(tmp_path, flip_byte
     report = h5feed.repair(dst, progress=False, drop_unrecoverable=True)
     assert report.ok and report.unrecoverable == [] and report.repaired == []
     assert [(m.sample, m.source_path) for m in report.dropped] == [(5, relpath)]
-    assert report.dropped[0].problem == Store(dst).info.skipped[0]["problem"]
+    assert report.dropped[0].problem == Store(dst).info.skipped[0].problem
     assert_samples_are(dst, ref, [0, 1, 2, 3, 4])
 
 

@@ -251,7 +251,8 @@ def test_each_pipeline_converts_bit_for_bit(made: Any, name: str) -> None:
     info = store.info
     nemo = fmt == "nemo-eagle3-cache"
     assert (info.source_format, info.hidden_size, info.num_aux_layers, info.last_state_norm) == (fmt, H, K, norm)
-    assert (info.has_last_state, info.ids_shifted, info.extra_arrays) == (not nemo, nemo, extras)
+    stored = {name: extra.record() for name, extra in info.extra_arrays.items()}
+    assert (info.has_last_state, info.ids_shifted, stored) == (not nemo, nemo, extras)
     assert info.format_version == (3 if extras or nemo or fmt == "angelslim-ckpt" else 2)
     # AngelSlim's two generator ranks took samples 0-2 and 3-5, each numbering its own from 0; NeMo keeps the
     # rows its attention_mask marks (the first of which holds token 1: the ids are shifted)
@@ -278,7 +279,7 @@ def test_angelslim_sample_order_and_kept_vocab_mapping(made: Any) -> None:
     assert store.source_indices.tolist() == [0, 0, 1, 1, 2, 2]
     kept = (dst / "companions" / "vocab_mapping.pt").read_bytes()
     assert kept == (src / "vocab_mapping.pt").read_bytes()
-    record = store.info.companions["vocab_mapping.pt"]
+    record = store.info.companions["vocab_mapping.pt"].to_json()
     assert record == {"source": "vocab_mapping.pt", "bytes": len(kept), "crc32c": h5feed.store.crc32c(kept),
                       "copy": "companions/vocab_mapping.pt"}
     (dst / "companions" / "vocab_mapping.pt").write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))
@@ -389,7 +390,7 @@ def test_angelslim_position_ids_come_back_in_their_own_shape(tmp_path: Path) -> 
         torch.save(d, path)
     h5feed.convert(src, tmp_path / "store", workers=0, chunk_tokens=CHUNK, progress=False, last_state_norm="post")
     store = tmp_path / "store"
-    assert Store(store).info.extra_arrays["position_ids"] == {"dtype": "int64", "width": 3}
+    assert Store(store).info.extra_arrays["position_ids"].record() == {"dtype": "int64", "width": 3}
     assert_same(items(store, "angelslim"), [angelslim_item(p) for p in sources(store, src)])
     none_src = tmp_path / "none"
     write_synthetic(none_src, "angelslim-ckpt", 2, H, K, lengths=[5, 9], seed=2, variant="vllm", ranks=1)

@@ -225,7 +225,7 @@ def test_a_resume_that_skips_every_remaining_sample_keeps_the_converted_ones(tmp
     report = convert(src, dst, workers=0, chunk_tokens=CHUNK, skip_bad=True, progress=False)
 
     assert (report.num_samples, report.converted_now, report.resumed) == (2, 0, 2)
-    assert [s["path"] for s in report.skipped] == ["data_2.pt", "data_3.pt", "data_4.pt"]
+    assert [s.path for s in report.skipped] == ["data_2.pt", "data_3.pt", "data_4.pt"]
     assert Store(dst).source_paths == ["data_0.pt", "data_1.pt"]
 
 

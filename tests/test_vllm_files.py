@@ -24,7 +24,7 @@ from h5feed import HiddenStatesDataset
 from h5feed.conversion import convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, detect_format
-from h5feed.store import Store
+from h5feed.store import SkippedFile, Store
 from h5feed.synthetic import column_scales, make_sample, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -237,7 +237,7 @@ def test_a_file_of_fewer_positions_than_tokens_names_prefix_caching(tmp_path: Pa
     assert result.status == 0, result.output
     store = Store(tmp_path / "c.zarr")
     [skipped] = store.info.skipped
-    assert skipped["path"] == "cmpl-b7.safetensors" and "prefix caching or chunked prefill" in skipped["problem"]
+    assert skipped.path == "cmpl-b7.safetensors" and "prefix caching or chunked prefill" in skipped.problem
     assert sorted(store.source_paths) == sorted(f"{r}.safetensors" for r in LENGTHS if r != "cmpl-b7")
     for i, relpath in enumerate(store.source_paths):
         assert_sample_is_file(store, i, files[relpath.removesuffix(".safetensors")])
@@ -297,8 +297,8 @@ def test_with_skip_bad_it_is_a_recorded_skip_that_a_rerun_appends(tmp_path: Path
         assert result.status == 0, result.output
         store = Store(dst)
         assert store.source_paths == sorted(f"{r}.safetensors" for r in LENGTHS)
-        assert [s["path"] for s in store.info.skipped] == ["cmpl-ff.safetensors"]
-        assert store.info.skipped[0]["problem"].startswith("is still being written: its lock cmpl-ff.safetensors.lock")
+        assert [s.path for s in store.info.skipped] == ["cmpl-ff.safetensors"]
+        assert store.info.skipped[0].problem.startswith("is still being written: its lock cmpl-ff.safetensors.lock")
         inspected = cli("inspect", dst)
         assert "skipped cmpl-ff.safetensors: is still being written" in inspected.output
         # nothing finished since: a rerun has nothing to do, and says the file is still skipped
@@ -333,7 +333,7 @@ def test_a_lock_alone_is_a_request_never_written(tmp_path: Path) -> None:
         convert(src, dst, workers=0, progress=False, last_state_norm="pre")
     assert (raised.value.path, raised.value.problem) == (str(src / "cmpl-dd.safetensors.lock"), problem)
     convert(src, dst, workers=0, progress=False, last_state_norm="pre", skip_bad=True)
-    assert Store(dst).info.skipped == [{"path": "cmpl-dd.safetensors.lock", "problem": problem}]
+    assert Store(dst).info.skipped == [SkippedFile("cmpl-dd.safetensors.lock", problem)]
     assert len(Store(dst)) == len(LENGTHS)
 
 

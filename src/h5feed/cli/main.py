@@ -62,7 +62,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                  worker, done.samples, done.bytes_in / 1e6, done.bytes_out / 1e6, done.seconds,
                  done.bytes_in / busy / 1e6, done.bytes_out / busy / 1e6)
     for skipped in report.skipped:
-        log.warning("skipped %s: %s", skipped["path"], skipped["problem"])
+        log.warning("skipped %s: %s", skipped.path, skipped.problem)
     if args.precision == "fp8":
         log.warning("%s: the hidden states were quantized to FP8 (lossy: float8_e4m3fn with one scale per token, "
                     "as hs-connectors' fp8 backend stores them); reads give them back in bfloat16, approximately",

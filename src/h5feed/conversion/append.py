@@ -25,6 +25,7 @@ from h5feed.conversion.pool import TaskPool
 from h5feed.conversion.samples import differing_settings
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import SampleShape, SourceFile, SourceFormat
+from h5feed.store.attributes import SkippedFile
 from h5feed.store.journal import JOURNAL_FILE, JournalRecord, read_journal
 from h5feed.store.layout import StoreInfo
 from h5feed.store.writer_state import PLAN_FILE
@@ -37,9 +38,9 @@ class Append:
     """What an append adds to the plan: files SRC has that the plan has not seen, and skips to record."""
 
     new: list[SourceFile]
-    skipped: list[dict[str, str]]
+    skipped: list[SkippedFile]
     published: int  # plan positions that a finished run published (an unfinished append's stay after it)
-    unfinished: list[dict[str, str]]  # what this run found still being written (replaces the plan's)
+    unfinished: list[SkippedFile]  # what this run found still being written (replaces the plan's)
     retried: list[int] = field(default_factory=list)  # positions whose conversion-time skip `new` supersedes
 
 
@@ -72,27 +73,27 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
     finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, published_skips(plan, done))
     out_of_store = _failed_while_converting(plan, done)  # skipped while converting, or dropped by `h5feed repair`
     failed = out_of_store if job.settings.retry_skipped else {}
-    gone: list[dict[str, str]] = []  # the records of the files skipped before that are no longer there
+    gone: list[SkippedFile] = []  # the records of the files skipped before that are no longer there
     if job.settings.retry_skipped and (plan.skipped or failed):
-        retried = [s for s in plan.skipped if s["path"] not in {p.relpath for p in samples}]
+        retried = [s for s in plan.skipped if s.path not in {p.relpath for p in samples}]
         log.info("%s: trying the %d file(s) skipped before again", dst, len(retried) + len(failed))
         plan = dataclasses.replace(plan, skipped=tuple(s for s in plan.skipped if s not in retried))
-        present = {f.relpath for f in listing.files} | {s["path"] for s in listing.unreadable + listing.unfinished}
-        gone = [_gone(s["path"], s["problem"]) for s in retried if s["path"] not in present] + \
+        present = {f.relpath for f in listing.files} | {s.path for s in listing.unreadable + listing.unfinished}
+        gone = [_gone(s.path, s.problem) for s in retried if s.path not in present] + \
             [_gone(relpath, done[found[0]].skipped) for relpath, found in failed.items() if relpath not in present]
         for record in gone:
-            log.warning("%s: %s %s", dst, record["path"], record["problem"])
+            log.warning("%s: %s %s", dst, record.path, record.problem)
     known = plan.known() - set(failed)
-    new_skips = [s for s in listing.unreadable if s["path"] not in known] + gone
+    new_skips = [s for s in listing.unreadable if s.path not in known] + gone
     for changed, problem in _changed_since_planned(src, plan):
         if changed in out_of_store:
             continue  # none of its samples is in the store: nothing to keep; --retry-skipped plans it again below
         if not job.settings.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
-        record = {"path": changed, "problem": f"{problem}; the store keeps the samples converted before"}
+        record = SkippedFile(changed, f"{problem}; the store keeps the samples converted before")
         if record not in plan.skipped and record not in new_skips:
-            log.warning("skipping %s: %s", src / changed, record["problem"])
+            log.warning("skipping %s: %s", src / changed, record.problem)
             new_skips.append(record)
     new = [s for s in listing.files if s.relpath not in known]
     unfinished_changed = listing.unfinished != list(plan.unfinished)
@@ -101,7 +102,7 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
             raise StoreError(dst, f"cannot append: its journal ({JOURNAL_FILE}) lacks samples converted before, and "
                              "an append rewrites the index from it; convert into another DST, or pass --overwrite")
         log.info("%s: appending %d new sample file(s) after its %d samples", dst, len(new), info.num_samples)
-        superseded = {f.relpath for f in new} | {record["path"] for record in gone}  # planned again, or gone
+        superseded = {f.relpath for f in new} | {record.path for record in gone}  # planned again, or gone
         retried_positions = sorted(i for relpath in failed for i in failed[relpath] if relpath in superseded)
         return plan, Append(new, new_skips, len(samples) if finished else published, listing.unfinished,
                             retried_positions)
@@ -110,12 +111,11 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
     return plan, None  # an append killed before it published its index: finish it
 
 
-def _gone(relpath: str, problem: str) -> dict[str, str]:
+def _gone(relpath: str, problem: str) -> SkippedFile:
     """The skipped record of a file skipped before (for `problem`) that --retry-skipped no longer finds in SRC."""
     if problem.startswith("is gone: "):
-        return {"path": relpath, "problem": problem}  # gone at an earlier retry already
-    return {"path": relpath, "problem": f"is gone: it was skipped ({problem}); --retry-skipped found no file to try "
-            "again"}
+        return SkippedFile(relpath, problem)  # gone at an earlier retry already
+    return SkippedFile(relpath, f"is gone: it was skipped ({problem}); --retry-skipped found no file to try again")
 
 
 def _failed_while_converting(plan: Plan, done: dict[int, JournalRecord]) -> dict[str, list[int]]:

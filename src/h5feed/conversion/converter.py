@@ -53,6 +53,7 @@ from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS, SourceFile, detect_f
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.paths import contained_path
 from h5feed.store import Store
+from h5feed.store.attributes import SkippedFile
 from h5feed.store.journal import JOURNAL_FILE, read_journal
 from h5feed.store.layout import DEFAULT_CHUNK_TOKENS, LastStateNorm, Precision, StoreInfo, chunk_codec, read_info
 from h5feed.store.reader import damaged_arrays, repair_hint
@@ -211,8 +212,8 @@ def _convert_locally(
               sources.fetcher if sources else None, publisher)
     created = not dst_path.exists()
     listing = Listing(found.files, [*(sources.skipped if sources else []),  # bad keys, bad files
-                                    *(e.record() for e in found.skipped if not e.unfinished)],
-                      [e.record() for e in found.skipped if e.unfinished])
+                                    *(SkippedFile(e.relpath, e.problem) for e in found.skipped if not e.unfinished)],
+                      [SkippedFile(e.relpath, e.problem) for e in found.skipped if e.unfinished])
     try:
         with WriterLock.acquire(dst_path) as lock, PoolMaker(s.workers, s.scheduler, lock.record_semaphores) as pool:
             return _convert(job, pool, listing)
@@ -276,7 +277,7 @@ def _convert(job: Job, pool: PoolMaker, listing: Listing) -> ConvertReport:
     skipped = published_skips(plan, done)
     if not any(r.converted for r in done.values()):
         raise SourceError(job.src, f"no sample could be converted: all {len(skipped)} were skipped "
-                          f"(first: {'; '.join(s['path'] + ': ' + s['problem'] for s in skipped[:3])})")
+                          f"(first: {'; '.join(s.path + ': ' + s.problem for s in skipped[:3])})")
     remove_partial_writes(dst_path)  # what a worker killed mid-write left (its sample was redone elsewhere)
     finalize(dst_path, samples, done, skipped, durable, rebuild=info is not None and _damaged(dst_path))
     info = read_info(dst_path)

@@ -15,14 +15,15 @@ from pathlib import Path
 from h5feed.conversion.plan import Plan, PlannedSample
 from h5feed.conversion.samples import IndexRow, publish_samples
 from h5feed.io.local import PARTIAL_SUFFIX
+from h5feed.store.attributes import SkippedFile
 from h5feed.store.journal import JOURNAL_FILE, JournalRecord, rewrite_journal
 
 
-def published_skips(plan: Plan, done: dict[int, JournalRecord]) -> list[dict[str, str]]:
+def published_skips(plan: Plan, done: dict[int, JournalRecord]) -> list[SkippedFile]:
     """The store's `skipped`: what planning skipped, then the files still being written, then the files that failed
     to convert (or that `h5feed repair` dropped), in plan order."""
     return list(plan.skipped) + list(plan.unfinished) + [
-        {"path": plan.samples[i].relpath, "problem": r.skipped} for i, r in sorted(done.items())
+        SkippedFile(plan.samples[i].relpath, r.skipped) for i, r in sorted(done.items())
         if r.skipped is not None and i not in plan.retried
     ]
 
@@ -41,7 +42,7 @@ def publish_journal(dst: Path, plan: Plan, done: dict[int, JournalRecord], durab
 
 
 def finalize(
-    dst: Path, samples: Sequence[PlannedSample], done: dict[int, JournalRecord], skipped: list[dict[str, str]],
+    dst: Path, samples: Sequence[PlannedSample], done: dict[int, JournalRecord], skipped: list[SkippedFile],
     durable: bool, rebuild: bool = False,
 ) -> None:
     """Rewrite the journal in plan order, then publish the samples it holds (index, then status)."""

@@ -15,6 +15,7 @@ from h5feed.conversion.bucket_sources import SourceFetcher
 from h5feed.conversion.plan import PlanOptions
 from h5feed.conversion.publish import BucketPublisher
 from h5feed.formats import SourceFile, SourceFormat
+from h5feed.store.attributes import SkippedFile
 from h5feed.store.layout import LastStateNorm, Precision
 
 
@@ -37,7 +38,7 @@ class ConvertReport:
     num_tokens: int
     converted_now: int
     resumed: int
-    skipped: list[dict[str, str]] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
@@ -71,8 +72,8 @@ class Listing:
     files their writer was still writing (recorded as skipped too, but tried again by the next run)."""
 
     files: list[SourceFile]
-    unreadable: list[dict[str, str]]
-    unfinished: list[dict[str, str]]
+    unreadable: list[SkippedFile]
+    unfinished: list[SkippedFile]
 
 
 @dataclass(frozen=True)

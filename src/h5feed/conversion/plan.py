@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from h5feed.io.local import write_atomically
+from h5feed.store.attributes import SkippedFile
 from h5feed.store.layout import LastStateNorm, Precision
 from h5feed.store.writer_state import PLAN_FILE
 
@@ -63,10 +64,10 @@ class Plan:
 
     options: PlanOptions
     samples: tuple[PlannedSample, ...]  # in plan order: a sample's journal records name its position here
-    skipped: tuple[dict[str, str], ...]  # the files planning skipped: {"path": relpath, "problem": why}
+    skipped: tuple[SkippedFile, ...]  # the files planning skipped
     total_rows: int  # the token arrays' rows, to the last sample's last shard
     append_from: int | None = None  # once an append extended the plan: the positions a finished run had published
-    unfinished: tuple[dict[str, str], ...] = ()  # skipped while their writer wrote them: the next run tries them again
+    unfinished: tuple[SkippedFile, ...] = ()  # skipped while their writer wrote them: the next run tries them again
     retried: tuple[int, ...] = ()  # positions skipped while converting whose files --retry-skipped planned again
     # The store's attributes as planned (before any sample was published): what `h5feed repair` writes a damaged
     # zarr.json again from.  None in plans written before it was kept.
@@ -77,18 +78,19 @@ class Plan:
         """The plan of the store `dst`; raises OSError, or ValueError, KeyError or TypeError for one not a plan."""
         plan = json.loads((dst / PLAN_FILE).read_text())
         return cls(PlanOptions(**plan["options"]), tuple(PlannedSample(**s) for s in plan["samples"]),
-                   tuple(plan["skipped"]), plan["total_rows"], plan.get("append_from"), tuple(plan.get("unfinished", ())),
-                   tuple(plan.get("retried", ())), plan.get("store"))
+                   tuple(map(SkippedFile.from_json, plan["skipped"])), plan["total_rows"], plan.get("append_from"),
+                   tuple(map(SkippedFile.from_json, plan.get("unfinished", ()))), tuple(plan.get("retried", ())),
+                   plan.get("store"))
 
     def write(self, dst: Path, durable: bool) -> None:
         plan = {"options": self.options.to_json(), "samples": [s.to_json() for s in self.samples],
-                "skipped": list(self.skipped), "total_rows": self.total_rows}
+                "skipped": [s.to_json() for s in self.skipped], "total_rows": self.total_rows}
         if self.store is not None:
             plan["store"] = self.store
         if self.append_from is not None:
             plan["append_from"] = self.append_from
         if self.unfinished:
-            plan["unfinished"] = list(self.unfinished)
+            plan["unfinished"] = [s.to_json() for s in self.unfinished]
         if self.retried:
             plan["retried"] = list(self.retried)
         write_atomically(dst / PLAN_FILE, json.dumps(plan).encode(), durable=durable)
@@ -100,7 +102,7 @@ class Plan:
 
     def known(self) -> set[str]:
         """The files the plan has seen: planned or skipped (but not those skipped unfinished)."""
-        return {s.relpath for s in self.samples} | {s["path"] for s in self.skipped}
+        return {s.relpath for s in self.samples} | {s.path for s in self.skipped}
 
 
 def planned_format(dst: Path) -> str | None:

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -27,6 +26,7 @@ from h5feed.conversion.samples import check_same_shape, fsync_tree, new_store_in
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, last_state_norm_of
 from h5feed.io.local import write_atomically
+from h5feed.store.attributes import KeptCompanion, SkippedFile
 from h5feed.store.layout import COMPANIONS_DIR, MAX_DEFAULT_SHARD_TOKENS, crc32c, create_arrays
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,10 @@ def make_plan(job: Job, pool: TaskPool, listing: Listing) -> Plan:
     return plan
 
 
-def _keep_companions(fmt: SourceFormat, src_root: Path, dst: Path, durable: bool) -> dict[str, dict[str, Any]]:
+def _keep_companions(fmt: SourceFormat, src_root: Path, dst: Path, durable: bool) -> dict[str, KeptCompanion]:
     """Copy the small files the trainer needs beside the samples into `companions/`, byte for byte, and record
     each one's size and crc32c (a large one, like NeMo's target embeddings, is recorded only)."""
-    kept: dict[str, dict[str, Any]] = {}
+    kept: dict[str, KeptCompanion] = {}
     for companion in fmt.companions(src_root):
         data = b""
         try:
@@ -74,11 +74,12 @@ def _keep_companions(fmt: SourceFormat, src_root: Path, dst: Path, durable: bool
                 crc, size = _file_crc32c(companion.path)
         except OSError as exc:
             raise SourceError(companion.path, f"cannot be read ({exc.strerror or exc})") from exc
-        kept[companion.relpath] = {"source": companion.relpath, "bytes": size, "crc32c": crc}
+        copy = None
         if companion.copy:
             (dst / COMPANIONS_DIR).mkdir(exist_ok=True)
             write_atomically(dst / COMPANIONS_DIR / companion.relpath, data, durable=durable)
-            kept[companion.relpath]["copy"] = f"{COMPANIONS_DIR}/{companion.relpath}"
+            copy = f"{COMPANIONS_DIR}/{companion.relpath}"
+        kept[companion.relpath] = KeptCompanion(companion.relpath, size, crc, copy)
     return kept
 
 
@@ -93,11 +94,11 @@ def _file_crc32c(path: Path) -> tuple[int, int]:
 
 def probe(
     job: Job, pool: TaskPool, sources: list[SourceFile], reference: SampleShape | None
-) -> tuple[list[Probed], list[dict[str, str]]]:
+) -> tuple[list[Probed], list[SkippedFile]]:
     """Shapes of the sources (each checked against `reference`, or the first one), with their stat
     as planned; and the skipped ones, with skip_bad."""
     probed: list[Probed] = []
-    skipped: list[dict[str, str]] = []
+    skipped: list[SkippedFile] = []
     results = pool.map(_probe_one, [job.fmt.name] * len(sources), sources, [job.fetcher] * len(sources), chunksize=16)
     progress = job.settings.progress
     for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
@@ -113,7 +114,7 @@ def probe(
             if not job.settings.skip_bad:
                 raise
             log.warning("skipping %s", exc)
-            skipped.append({"path": source.relpath, "problem": exc.problem})
+            skipped.append(SkippedFile(source.relpath, exc.problem))
     return probed, skipped
 
 

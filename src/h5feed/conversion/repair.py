@@ -43,7 +43,6 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -171,8 +170,9 @@ def _expected_info(plan: Plan, done: dict[int, JournalRecord]) -> StoreInfo | No
     if plan.store is None:
         return None
     rows = journaled_rows(plan.samples, done)
+    skipped = [s.to_json() for s in published_skips(plan, done)]
     return StoreInfo.from_json({**plan.store, "status": "complete", "num_samples": len(rows),
-                                "num_tokens": sum(r.num_tokens for r in rows), "skipped": published_skips(plan, done)})
+                                "num_tokens": sum(r.num_tokens for r in rows), "skipped": skipped})
 
 
 def _sound_attributes(dst: Path, plan: Plan, done: dict[int, JournalRecord], unfinished: int, report: RepairReport,
@@ -401,22 +401,20 @@ def _repair_store_file(dst: Path, src: Path, info: StoreInfo, mismatch: Mismatch
                        durable: bool) -> None:
     """A damaged companion copy copied again from the source folder, if the file there is the one recorded;
     anything else is reported."""
-    record: dict[str, Any] | None = next((r for r in info.companions.values() if r.get("copy") == mismatch.source_path),
-                                         None)
-    if record is None:
+    record = next((r for r in info.companions.values() if r.copy == mismatch.source_path), None)
+    if record is None or record.copy is None:
         report.unrecoverable.append(Mismatch(-1, mismatch.source_path, f"{mismatch.problem}; repair cannot rebuild it"))
         return
     try:
-        data = regular_file(contained_path(src, record["source"])).read_bytes()
+        data = regular_file(contained_path(src, record.source)).read_bytes()
     except (UnsafeName, SourceError) as exc:
         problem = exc.problem
     except OSError as exc:
         problem = f"cannot be read ({exc.strerror or exc})"
     else:
-        if (len(data), crc32c(data)) == (record["bytes"], record["crc32c"]):
-            write_atomically(contained_path(dst, record["copy"]), data, durable=durable)
-            report.rebuilt.append(record["copy"])
+        if (len(data), crc32c(data)) == (record.nbytes, record.crc32c):
+            write_atomically(contained_path(dst, record.copy), data, durable=durable)
+            report.rebuilt.append(record.copy)
             return
         problem = "differs from the file recorded at conversion"
-    report.unrecoverable.append(Mismatch(-1, record["copy"],
-                                         f"its source {record['source']} {problem}: left as it was"))
+    report.unrecoverable.append(Mismatch(-1, record.copy, f"its source {record.source} {problem}: left as it was"))

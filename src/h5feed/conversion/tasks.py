@@ -175,7 +175,7 @@ def convert_one(
         raise SourceError(source.path, f"has {sample.shape.num_tokens} tokens now, {num_tokens} when conversion started")
     check_same_shape(source.path, sample.shape, expected, "the first sample")
     check_token_values(source.path, sample)
-    if {e.name: e.record() for e in sample.shape.extras} != info.extra_arrays:
+    if {e.name: e for e in sample.shape.extras} != info.extra_arrays:
         raise SourceError(source.path, f"holds the optional arrays {[e.name for e in sample.shape.extras]} now, "
                           f"{list(info.extra_arrays)} when conversion started")
     if info.lossy:

@@ -335,7 +335,7 @@ class StoreWriter:
             self._reserve(shape, taken)
         assert self.info is not None and self._reference is not None and self._next_row is not None
         check_same_shape(where, shape, self._reference, "the store's samples")
-        if {e.name: e.record() for e in shape.extras} != self.info.extra_arrays:
+        if {e.name: e for e in shape.extras} != self.info.extra_arrays:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
         planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end,

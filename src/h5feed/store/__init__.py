@@ -1,5 +1,6 @@
 """The h5feed store: its on-disk layout, the checked reader of one sample, and decode buffers."""
 
+from h5feed.store.attributes import ChunkCodec, KeptCompanion, SkippedFile
 from h5feed.store.buffers import Allocator, BufferPool, plain_allocator, shared_allocator
 from h5feed.store.layout import (
     ATTRS_KEY,
@@ -31,9 +32,12 @@ __all__ = [
     "TOKEN_ARRAYS",
     "Allocator",
     "BufferPool",
+    "ChunkCodec",
+    "KeptCompanion",
     "LastStateNorm",
     "RawSample",
     "ReadStats",
+    "SkippedFile",
     "Store",
     "StoreInfo",
     "checksums",

@@ -55,8 +55,10 @@ import torch
 
 from h5feed.errors import SourceError, StoreError
 from h5feed.io.local import write_atomically
+from h5feed.store.attributes import ChunkCodec, KeptCompanion, SkippedFile
 
 if TYPE_CHECKING:
+    from h5feed.formats.base import ExtraArray
     from h5feed.io import ObjectStore
 
 STORE_FORMAT_VERSION = 2
@@ -127,21 +129,21 @@ class StoreInfo:
     num_aux_layers: int
     dtype: str  # logical torch dtype name, e.g. "bfloat16"
     last_state_norm: LastStateNorm | None  # None: the store holds no last state (`has_last_state` false)
-    codec: dict[str, Any]
+    codec: ChunkCodec
     chunk_tokens: int
     shard_tokens: int = 0  # 0: format 1, one object per chunk
     status: Literal["converting", "complete"] = "converting"
     source_root: str = ""
     num_samples: int = 0
     num_tokens: int = 0
-    skipped: list[dict[str, str]] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
     format_version: int = STORE_FORMAT_VERSION
     # Format 3 (see the module docstring); the defaults are a format-2 store's, and are left out of its attributes.
     has_last_state: bool = True  # False: no `last_hidden_states` array (a NeMo cache stores none)
     ids_shifted: bool = False  # True: input_ids and loss_mask are stored shifted left by one (token 0 is gone)
-    extra_arrays: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dtype", "width"}
+    extra_arrays: dict[str, ExtraArray] = field(default_factory=dict)  # by name, in the order of their arrays
     source_info: dict[str, Any] = field(default_factory=dict)  # what the source format says beyond the arrays
-    companions: dict[str, dict[str, Any]] = field(default_factory=dict)  # files kept beside the samples
+    companions: dict[str, KeptCompanion] = field(default_factory=dict)  # files kept beside the samples, by source
     # Format 4 (see the module docstring); the defaults are an exact store's, and are left out of its attributes.
     precision: Precision = "exact"
     quantized_from: str = ""  # fp8 quantized at conversion: the source's dtype name; "": the source held FP8
@@ -202,7 +204,7 @@ class StoreInfo:
     def width(self, name: str) -> int:
         """Values per row of array `name` (1 for the per-token arrays)."""
         if name in self.extra_arrays:
-            return int(self.extra_arrays[name]["width"])
+            return int(self.extra_arrays[name].width)
         return {"aux_hidden_states": self.num_aux_layers * self.hidden_size, "last_hidden_states": self.hidden_size}.get(
             name, 1
         )
@@ -214,7 +216,7 @@ class StoreInfo:
     def logical_dtype(self, name: str) -> torch.dtype:
         """The dtype array `name` holds as stored (an FP8 store's hidden arrays: float8_e4m3fn)."""
         if name in self.extra_arrays:
-            return dtype_from_name(self.extra_arrays[name]["dtype"])
+            return dtype_from_name(self.extra_arrays[name].dtype)
         if name == HIDDEN_SCALES:
             return torch.float32
         if name in HIDDEN_ARRAYS:
@@ -236,8 +238,7 @@ class StoreInfo:
         sized from it, so a damaged or hostile store is refused instead of dividing by zero or allocating."""
         sizes = {"hidden_size": self.hidden_size, "num_aux_layers": self.num_aux_layers,
                  "chunk_tokens": self.chunk_tokens}
-        sizes.update({f"extra_arrays.{name}.width": spec.get("width") if isinstance(spec, dict) else spec
-                      for name, spec in self.extra_arrays.items()})
+        sizes.update({f"extra_arrays.{name}.width": extra.width for name, extra in self.extra_arrays.items()})
         for name, value in sizes.items():
             if not _is_int(value) or value <= 0:
                 return f"{name} is {value!r}, not a positive whole number"
@@ -280,11 +281,31 @@ class StoreInfo:
 
     def to_json(self) -> dict[str, Any]:
         """The attributes; a format-2 store's are exactly what format 2 wrote (no format-3 or format-4 keys)."""
-        return {k: v for k, v in self.__dict__.items() if k not in _LATER_DEFAULTS or v != _LATER_DEFAULTS[k]}
+        attrs = {k: v for k, v in self.__dict__.items() if k not in _LATER_DEFAULTS or v != _LATER_DEFAULTS[k]}
+        attrs["codec"] = self.codec.to_json()
+        attrs["skipped"] = [skipped.to_json() for skipped in self.skipped]
+        if "extra_arrays" in attrs:
+            attrs["extra_arrays"] = {name: extra.record() for name, extra in self.extra_arrays.items()}
+        if "companions" in attrs:
+            attrs["companions"] = {name: kept.to_json() for name, kept in self.companions.items()}
+        return attrs
 
     @classmethod
     def from_json(cls, attrs: dict[str, Any]) -> StoreInfo:
-        return cls(**attrs)
+        """The attributes as they are stored, their parts typed; TypeError for attributes that are not a store's
+        (`problem` then says what is impossible in those that are)."""
+        parts: dict[str, Any] = {}
+        if "codec" in attrs:
+            parts["codec"] = ChunkCodec.from_json(attrs["codec"])
+        if "skipped" in attrs:
+            parts["skipped"] = [SkippedFile.from_json(s) for s in _of_type(attrs["skipped"], list, "skipped")]
+        if "extra_arrays" in attrs:
+            parts["extra_arrays"] = {name: _extra_array(name, spec) for name, spec in
+                                     _of_type(attrs["extra_arrays"], dict, "extra_arrays").items()}
+        if "companions" in attrs:
+            parts["companions"] = {name: KeptCompanion.from_json(record) for name, record in
+                                   _of_type(attrs["companions"], dict, "companions").items()}
+        return cls(**{**attrs, **parts})
 
 
 _FORMAT_3_DEFAULTS: dict[str, Any] = {"has_last_state": True, "ids_shifted": False, "extra_arrays": {},
@@ -296,14 +317,30 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def chunk_codec(codec: str) -> dict[str, Any]:
+def _of_type(value: Any, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} is {value!r}, not a {kind.__name__}")
+    return value
+
+
+def _extra_array(name: str, spec: Any) -> ExtraArray:
+    """An optional array as `extra_arrays` records it ({"dtype", "width"}); its sizes and dtype are checked by
+    `StoreInfo.problem`, which says what is wrong with them."""
+    from h5feed.formats.base import ExtraArray  # the record a format describes its optional arrays with
+
+    if not isinstance(spec, dict):
+        raise TypeError(f"extra_arrays.{name} is {spec!r}, not its dtype and width")
+    return ExtraArray(name, spec.get("dtype"), spec.get("width"))
+
+
+def chunk_codec(codec: str) -> ChunkCodec:
     """The Blosc configuration (zarr v3 names) of a `--codec` name."""
     if codec == "zstd":
-        return {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+        return ChunkCodec("blosc", cname="zstd", clevel=1, shuffle="shuffle", blocksize=1 << 20)
     if codec == "lz4":
-        return {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20}
+        return ChunkCodec("blosc", cname="lz4", clevel=5, shuffle="bitshuffle", blocksize=1 << 20)
     if codec == "none":
-        return {"name": "none"}
+        return ChunkCodec("none")
     raise ValueError(f"unknown codec {codec!r}: choose zstd, lz4 or none")
 
 
@@ -330,27 +367,27 @@ def create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
                            compressors=_zarr_compressors(info.codec, dtype.itemsize), fill_value=0)
 
 
-def _zarr_compressors(codec: dict[str, Any], itemsize: int) -> list[Any]:
+def _zarr_compressors(codec: ChunkCodec, itemsize: int) -> list[Any]:
     from zarr.codecs import BloscCodec, Crc32cCodec
 
-    config = dict(codec)
+    config = codec.to_json()
     blosc = [BloscCodec(typesize=itemsize, **config)] if config.pop("name") == "blosc" else []
     return [*blosc, Crc32cCodec()]
 
 
-def frame_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+def frame_encoder(codec: ChunkCodec, itemsize: int) -> Callable[[np.ndarray], bytes]:
     """Encode one inner chunk's rows as zarr's pipeline does before the checksum: little-endian bytes, then Blosc."""
-    if codec["name"] == "none":
+    if codec.name == "none":
         return lambda chunk: chunk.tobytes()
     shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
     from numcodecs import Blosc
 
-    blosc_codec = Blosc.from_config({"cname": codec["cname"], "clevel": codec["clevel"], "blocksize": codec["blocksize"],
-                                     "shuffle": shuffles[codec["shuffle"]], "typesize": itemsize})
+    blosc_codec = Blosc.from_config({"cname": codec.cname, "clevel": codec.clevel, "blocksize": codec.blocksize,
+                                     "shuffle": shuffles[codec.shuffle], "typesize": itemsize})
     return lambda chunk: bytes(blosc_codec.encode(chunk))
 
 
-def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+def chunk_encoder(codec: ChunkCodec, itemsize: int) -> Callable[[np.ndarray], bytes]:
     """Encode one inner chunk exactly as zarr's pipeline does: the frame, then its crc32c."""
     encode = frame_encoder(codec, itemsize)
     return lambda chunk: with_crc32c(encode(chunk))
