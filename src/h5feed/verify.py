@@ -22,8 +22,9 @@ from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import cache_state
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store, StoreInfo, checksums
+from h5feed.store.format import HIDDEN_SCALES, INDEX_COLUMNS
 from h5feed.store.fp8 import quantize, token_scales
-from h5feed.store.layout import HIDDEN_SCALES, INDEX_COLUMNS, Commit, crc32c
+from h5feed.store.layout import Commit, crc32c
 
 
 @dataclass

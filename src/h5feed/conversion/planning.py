@@ -27,7 +27,8 @@ from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, SampleShape, SourceFile, SourceFormat, last_state_norm_of
 from h5feed.io.local import write_atomically
 from h5feed.store.attributes import KeptCompanion, SkippedFile
-from h5feed.store.layout import COMPANIONS_DIR, MAX_DEFAULT_SHARD_TOKENS, crc32c, create_arrays
+from h5feed.store.format import COMPANIONS_DIR
+from h5feed.store.layout import MAX_DEFAULT_SHARD_TOKENS, crc32c, create_arrays
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from h5feed.errors import SourceError
 from h5feed.formats import SampleShape, SourceFormat, SourceSample
 from h5feed.io.local import fsync_dir, write_atomically
 from h5feed.store.attributes import SkippedFile
+from h5feed.store.format import HIDDEN_SCALES
 from h5feed.store.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, quantize, token_scales
 from h5feed.store.journal import JournalRecord
 from h5feed.store.layout import (
-    HIDDEN_SCALES,
     IndexDigest,
     LastStateNorm,
     Precision,

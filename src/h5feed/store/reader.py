@@ -34,13 +34,9 @@ from numcodecs import blosc
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.io import CachedStore, FsspecStore, IOCounters, ObjectError, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
+from h5feed.store.format import CRC_BYTES, EMPTY, HIDDEN_SCALES, INDEX_COLUMNS, TOKEN_ARRAYS
 from h5feed.store.layout import (
-    CRC_BYTES,
     Commit,
-    EMPTY,
-    HIDDEN_SCALES,
-    INDEX_COLUMNS,
-    TOKEN_ARRAYS,
     IndexDigest,
     StoreInfo,
     crc32c,
