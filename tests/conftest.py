@@ -210,8 +210,8 @@ def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., S
         if name not in made:
             root = tmp_path_factory.mktemp(name)
             files = write_synthetic(root / "src", fmt, n, hidden_size, lengths=lengths, seed=seed, **write_kwargs)
-            h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=chunk_tokens, codec=codec,
-                           progress=False)
+            h5feed.convert(root / "src", root / "store", workers=0, progress=False,
+                           settings=h5feed.StoreSettings(chunk_tokens=chunk_tokens, codec=codec))
             made[name] = SyntheticStore(root / "src", files, root / "store", sample_lengths(n, lengths, seed))
         return made[name]
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import inner_chunk_span
 
+from h5feed import StoreSettings
 from h5feed.conversion.converter import convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
@@ -113,8 +114,8 @@ def test_bad_file_met_while_resuming_keeps_what_was_converted(
 ):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     files = make_source(src, kind)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
     good = files[3].read_bytes()
     damage, problem = BAD[kind]
     damage(files[3])  # changed after it was probed and planned
@@ -173,7 +174,7 @@ def test_skip_bad_on_resume_records_a_file_that_went_bad(
 ):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     BAD["hidden-size"][0](files[3])
 
     r = cli(*convert_args(src, dst, "--skip-bad"))
@@ -319,7 +320,7 @@ def test_skip_bad_with_nothing_readable_and_no_format_given(tmp_path, cli):
 def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     r = cli(*convert_args(src, dst, "--codec", "lz4"))
     assert r.status == 1
     assert (f"h5feed convert: error: {dst}: was started with codec zstd, not codec lz4: "
@@ -360,7 +361,7 @@ def small_disk(tmp_path):
 def test_disk_full_names_the_sample_and_the_same_command_resumes(tmp_path, small_disk, cli, assert_same_tree):
     src, ref, dst = tmp_path / "src", tmp_path / "ref", small_disk / "store"
     write_synthetic(src, LEGACY, 20, 64, lengths=(150, 250), seed=4)  # ~3 MB uncompressed: does not fit in 2 MiB
-    convert(src, ref, workers=0, codec="none", chunk_tokens=64, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(codec="none", chunk_tokens=64))
     args = ("convert", src, dst, "--workers", 0, "--codec", "none", "--chunk-tokens", 64)
 
     r = cli(*args)
@@ -389,7 +390,7 @@ def test_disk_full_names_the_sample_and_the_same_command_resumes(tmp_path, small
 def converted(tmp_path: Path, codec: str = "zstd") -> tuple[Path, Path]:
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    convert(src, dst, workers=0, codec=codec, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(codec=codec, chunk_tokens=CHUNK))
     return src, dst
 
 
@@ -501,7 +502,7 @@ def test_inspect_prints_what_the_store_holds(tmp_path, cli):
 def test_inspect_and_verify_refuse_what_is_not_a_finished_store(tmp_path, cli, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     for command in ("inspect", "verify"):
         r = cli(command, dst)
         assert r.status == 1
@@ -554,7 +555,7 @@ def test_a_file_skipped_while_converting_is_retried_once_repaired(tmp_path, cli,
     reported as skipped."""
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)
-    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
     good = files[3].read_bytes()
     BAD["truncated-pt"][0](files[3])
     resumed = cli(*convert_args(src, dst, "--skip-bad"))

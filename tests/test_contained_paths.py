@@ -166,7 +166,7 @@ def test_folder_markers_in_a_source_bucket_are_passed_over(s3, bucket, tmp_path)
     for marker in ("runs/", "runs/sub/"):  # what an S3 console's "Create folder" leaves
         s3.client.put_object(Bucket=bucket, Key=marker, Body=b"")
     report = h5feed.convert(f"s3://{bucket}/runs", tmp_path / "dst", workers=0, progress=False,
-                            storage_options=s3.storage_options, staging_dir=tmp_path / "staging")
+                            bucket=h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging"))
     assert (report.num_samples, report.skipped) == (2, [])
     assert h5feed.Store(tmp_path / "dst").source_paths == ["sub/data_0.pt", "sub/data_1.pt"]
 
@@ -179,7 +179,8 @@ def test_a_destination_bucket_with_traversal_keys_is_refused_when_rebuilt_into_s
     write_synthetic(source, "speculators-legacy-pt", 2, H, lengths=(10, 30), seed=4)
     dst = f"s3://{bucket}/hs.zarr"
     options = s3.storage_options
-    h5feed.convert(source, dst, workers=0, progress=False, storage_options=options, staging_dir=tmp_path / "first")
+    h5feed.convert(source, dst, workers=0, progress=False,
+                   bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "first"))
     targets = {"hs.zarr/../evil": tmp_path / "second" / "evil",  # beside the staging store
                "hs.zarr/../../planted/evil": tmp_path / "planted" / "evil",
                f"hs.zarr/{tmp_path}/abs/evil": tmp_path / "abs" / "evil"}
@@ -187,7 +188,8 @@ def test_a_destination_bucket_with_traversal_keys_is_refused_when_rebuilt_into_s
         s3.client.put_object(Bucket=bucket, Key=key, Body=b"planted by the bucket")
     before = tree(tmp_path)
     with pytest.raises(StoreError) as err:
-        h5feed.convert(source, dst, workers=0, progress=False, storage_options=options, staging_dir=tmp_path / "second")
+        h5feed.convert(source, dst, workers=0, progress=False,
+                       bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "second"))
     assert str(err.value) == (
         f"{dst}/../../planted/evil: its key has a '..' segment, so it is not an object of the store {dst}: delete that "
         "object from the bucket, or pass --overwrite to convert the store again from scratch")
@@ -206,7 +208,7 @@ def test_a_resumed_plan_naming_a_file_out_of_src_is_refused(tmp_path, interrupte
     plan["samples"][3]["relpath"] = "../outside.pt"
     plan_file.write_text(json.dumps(plan))
     with pytest.raises(UnsafeName, match=f"^'../outside.pt' has a '..' segment: refused as a path inside {src}$"):
-        h5feed.convert(src, dst, workers=0, progress=False, skip_bad=True)
+        h5feed.convert(src, dst, workers=0, progress=False, skips=h5feed.SkipPolicy(skip_bad=True))
     assert read_info(dst).status != "complete"
 
 

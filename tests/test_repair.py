@@ -33,7 +33,7 @@ def converted(tmp_path: Path, num: int = 6, hidden: int = 32, lengths=(20, 60)) 
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, "speculators-legacy-pt", num, hidden, lengths=lengths, seed=3)
     for store in (dst, ref):
-        h5feed.convert(src, store, workers=0, chunk_tokens=CHUNK, progress=False)
+        h5feed.convert(src, store, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK))
     return src, dst, ref
 
 
@@ -128,7 +128,7 @@ def test_damaged_array_metadata_is_a_short_error_then_rebuilt(tmp_path, cli, ass
 
 def test_a_store_written_by_open_writer_cannot_be_repaired_from_sources(tmp_path, cli):
     dst = tmp_path / "written"
-    with h5feed.open_writer(dst, chunk_tokens=CHUNK, shard_tokens=64) as writer:
+    with h5feed.open_writer(dst, settings=h5feed.StoreSettings(chunk_tokens=CHUNK, shard_tokens=64)) as writer:
         writer.append({"input_ids": torch.arange(20), "hidden_states": [torch.randn(20, 8, dtype=torch.bfloat16)
                                                                          for _ in range(4)]})
     r = cli("repair", dst)

@@ -79,7 +79,7 @@ def write_capture(root: Path, algorithm: str, lengths=LENGTHS, compress: bool = 
 
 
 def convert(src: Path, dst: Path) -> h5feed.Store:
-    h5feed.convert(src, dst, workers=0, chunk_tokens=8, progress=False)
+    h5feed.convert(src, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=8))
     return h5feed.Store(dst)
 
 

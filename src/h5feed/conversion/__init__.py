@@ -1,5 +1,6 @@
 """`h5feed convert` (`h5feed.convert`): per-sample source files into one store, bit for bit, crash-safe and resumable.
 
+- `options`: the typed, frozen groups `convert` and `open_writer` take beyond their common arguments;
 - `converter`: `convert` itself, the driver that runs the steps below in order (`job`: what they share);
 - `plan` and `planning`: the plan file's contents, and the step that probes the sources and writes it;
 - `append`: a rerun on a complete store, and the plan an append extends;
@@ -16,7 +17,9 @@
 """
 
 from h5feed.conversion.converter import ConvertReport, convert
+from h5feed.conversion.options import BucketOptions, RunOptions, SkipPolicy, StoreSettings, WriteOptions
 from h5feed.conversion.repair import RepairReport, repair
 from h5feed.conversion.writer import StoreWriter, WriterReport, open_writer
 
-__all__ = ["ConvertReport", "RepairReport", "StoreWriter", "WriterReport", "convert", "open_writer", "repair"]
+__all__ = ["BucketOptions", "ConvertReport", "RepairReport", "RunOptions", "SkipPolicy", "StoreSettings", "StoreWriter",
+           "WriteOptions", "WriterReport", "convert", "open_writer", "repair"]

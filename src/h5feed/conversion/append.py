@@ -72,9 +72,9 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
     kept = sum(r.converted for r in done.values())
     finished = len(done) == len(samples) and (info.num_samples, info.skipped) == (kept, published_skips(plan, done))
     out_of_store = _failed_while_converting(plan, done)  # skipped while converting, or dropped by `h5feed repair`
-    failed = out_of_store if job.settings.retry_skipped else {}
+    failed = out_of_store if job.request.skips.retry_skipped else {}
     gone: list[SkippedFile] = []  # the records of the files skipped before that are no longer there
-    if job.settings.retry_skipped and (plan.skipped or failed):
+    if job.request.skips.retry_skipped and (plan.skipped or failed):
         retried = [s for s in plan.skipped if s.path not in {p.relpath for p in samples}]
         log.info("%s: trying the %d file(s) skipped before again", dst, len(retried) + len(failed))
         plan = dataclasses.replace(plan, skipped=tuple(s for s in plan.skipped if s not in retried))
@@ -88,7 +88,7 @@ def plan_of_complete(job: Job, info: StoreInfo, listing: Listing) -> tuple[Plan,
     for changed, problem in _changed_since_planned(src, plan):
         if changed in out_of_store:
             continue  # none of its samples is in the store: nothing to keep; --retry-skipped plans it again below
-        if not job.settings.skip_bad:
+        if not job.request.skips.skip_bad:
             raise SourceError(src / changed, f"{problem}; convert into another DST to take the new content, or pass "
                               "--skip-bad to record it as skipped and keep the samples converted before")
         record = SkippedFile(changed, f"{problem}; the store keeps the samples converted before")
@@ -162,5 +162,5 @@ def extend_plan(job: Job, pool: TaskPool, plan: Plan, append: Append, info: Stor
                                skipped=plan.skipped + tuple(append.skipped + skipped), total_rows=row,
                                append_from=append.published, unfinished=tuple(append.unfinished),
                                retried=plan.retried + tuple(append.retried))
-    plan.write(job.dst, job.settings.durable)  # from here a rerun resumes it
+    plan.write(job.dst, job.request.run.durable)  # from here a rerun resumes it
     return plan

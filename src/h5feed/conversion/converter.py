@@ -20,7 +20,7 @@ them (`append`); see `h5feed.conversion.samples.publish_index` for why a reader 
 the middle of an append sees the samples before it, consistently.
 
 This module is the driver: it checks the caller's choices, sets up a bucket SRC or DST, takes the
-lock, and runs the steps in order (`Job`, `Settings` and the report are `job`'s).
+lock, and runs the steps in order (`Job`, `Request` and the report are `job`'s).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from h5feed.conversion.append import Append, check_complete_matches, extend_plan, plan_of_complete
 from h5feed.conversion.bucket_sources import BucketSources, naming
 from h5feed.conversion.finalize import finalize, published_skips, remove_partial_writes
-from h5feed.conversion.job import ConvertReport, Job, Listing, Settings
+from h5feed.conversion.job import ConvertReport, Job, Listing, Request
 from h5feed.conversion.lock import WriterLock
+from h5feed.conversion.options import BucketOptions, RunOptions, SkipPolicy, StoreSettings
 from h5feed.conversion.plan import Plan, PlanOptions, planned_format
 from h5feed.conversion.planning import make_plan, read_plan
 from h5feed.conversion.pool import PoolMaker
@@ -49,13 +49,13 @@ from h5feed.conversion.publish import BucketPublisher
 from h5feed.conversion.samples import grow_arrays
 from h5feed.conversion.tasks import convert_pending
 from h5feed.errors import H5feedError, SourceError, StoreError
-from h5feed.formats import DEFAULT_LOCK_TIMEOUT_S, FORMATS, SourceFile, detect_format
+from h5feed.formats import FORMATS, SourceFile, detect_format
 from h5feed.io import ObjectError, is_remote
 from h5feed.io.paths import contained_path
 from h5feed.store import Store
 from h5feed.store.attributes import SkippedFile
 from h5feed.store.journal import JOURNAL_FILE, read_journal
-from h5feed.store.layout import DEFAULT_CHUNK_TOKENS, LastStateNorm, Precision, StoreInfo, chunk_codec, read_info
+from h5feed.store.layout import StoreInfo, chunk_codec, read_info
 from h5feed.store.reader import damaged_arrays, repair_hint
 from h5feed.store.writer_state import LOCK_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, holds_no_samples
 
@@ -70,20 +70,12 @@ def convert(
     *,
     format: str | None = None,
     workers: int | None = None,
-    scheduler: str | None = None,
-    codec: str = "zstd",
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    shard_tokens: int | None = None,
-    skip_bad: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-    durable: bool = True,
-    last_state_norm: LastStateNorm | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    staging_dir: str | os.PathLike[str] | None = None,
-    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
-    precision: Precision = "exact",
-    retry_skipped: bool = False,
+    settings: StoreSettings | None = None,
+    run: RunOptions | None = None,
+    skips: SkipPolicy | None = None,
+    bucket: BucketOptions | None = None,
 ) -> ConvertReport:
     """Convert every sample file under `src` into the store `dst`, or append the new ones (see the module docstring).
 
@@ -92,29 +84,19 @@ def convert(
     and published object by object, its completion marker last (`h5feed.conversion.publish`).
 
     Args:
+        format: the source format (default: detected; a resume reads what the plan read).
         workers: worker processes (default: the machine's cores); 0 converts in this process.
-        last_state_norm: "pre" or "post": whether the files' last hidden state is taken before or after the
-            verifier's final norm, for formats whose files may not say it (Model-Optimizer, AngelSlim's vLLM
-            backend); required there, refused where it contradicts the files or the format.
-        scheduler: run the per-sample work on Dask (`pip install h5feed[dask]`): "local" starts a
-            `distributed.LocalCluster` of `workers` processes; "tcp://HOST:PORT" uses the cluster of that
-            scheduler, whose workers must reach `src` and `dst` by the same paths as this process.
-        shard_tokens: rows per shard, a multiple of `chunk_tokens` (default: the longest sample,
-            rounded up, at most 8192), so that a sample is one object per array.
-        durable: fsync each shard before its journal line, and the index before the status flip,
-            so that a power loss loses no journaled sample (`--no-fsync` turns it off).
-        storage_options: fsspec options of a bucket SRC and DST (credentials, endpoint_url, ...).
-        staging_dir: local folder of a bucket DST's conversion (default: one per DST under
-            ~/.cache/h5feed/staging; keep it to resume), and of the sample files workers fetch from a bucket SRC.
-        lock_timeout: seconds to wait for files their writer still holds locked (vLLM's): one still locked then is
-            an error, or with skip_bad a recorded skip that the next run appends once it is written.
-        precision: "exact" keeps the source's hidden states bit for bit; "fp8" quantizes them (lossy) as
-            hs-connectors' fp8 backend does (float8_e4m3fn, one float32 scale per token; `h5feed.store.fp8`),
-            about half the size, read back in bfloat16 as its FP8Transfer returns them.
-        retry_skipped: on a complete store, try the files it skipped (planning or converting) again (repaired
-            since): those that load now are appended, the others stay recorded as skipped (with skip_bad; else
-            the first is an error).  Without it, a rerun leaves them as they were.
+        overwrite: delete `dst` first.
+        settings: what the store is written with (codec, chunking, precision, the last state's norm): see
+            `StoreSettings` (None: its defaults); a resume or an append must give the same.
+        run: where the tasks run (a Dask scheduler) and whether the conversion fsyncs: see `RunOptions`.
+        skips: what a file that cannot be converted does (an error, or a recorded skip), and what a rerun retries:
+            see `SkipPolicy`.
+        bucket: how a bucket SRC or DST is reached, and where its work is staged: see `BucketOptions`.
     """
+    settings, run, skips, bucket = settings or StoreSettings(), run or RunOptions(), skips or SkipPolicy(), \
+        bucket or BucketOptions()
+    s, scheduler = settings, run.scheduler
     _refuse_a_worker_rerun()
     if scheduler is not None and scheduler != "local" and workers is not None:
         raise ValueError(f"workers sets the size of the local pool or of scheduler='local'; the cluster at "
@@ -126,21 +108,20 @@ def convert(
 
         require_distributed()  # before anything is read or written
     workers = os.cpu_count() or 1 if workers is None else workers
-    if chunk_tokens < 1:
+    if s.chunk_tokens < 1:
         raise ValueError("chunk_tokens must be at least 1")
-    if shard_tokens is not None and (shard_tokens < chunk_tokens or shard_tokens % chunk_tokens):
-        raise ValueError(f"shard_tokens must be a multiple of chunk_tokens ({chunk_tokens}), not {shard_tokens}")
-    chunk_codec(codec)  # validates the name before anything is written
-    if last_state_norm not in (None, "pre", "post"):
-        raise ValueError(f"last_state_norm must be 'pre' or 'post', not {last_state_norm!r}")
-    if precision not in ("exact", "fp8"):
-        raise ValueError(f"precision must be 'exact' or 'fp8', not {precision!r}")
-    if not lock_timeout >= 0:
-        raise ValueError(f"lock_timeout must be 0 or more seconds, not {lock_timeout!r}")
-    settings = Settings(format, workers, scheduler, codec, chunk_tokens, shard_tokens, skip_bad, overwrite, progress,
-                        durable, last_state_norm, lock_timeout, precision, retry_skipped)
+    if s.shard_tokens is not None and (s.shard_tokens < s.chunk_tokens or s.shard_tokens % s.chunk_tokens):
+        raise ValueError(f"shard_tokens must be a multiple of chunk_tokens ({s.chunk_tokens}), not {s.shard_tokens}")
+    chunk_codec(s.codec)  # validates the name before anything is written
+    if s.last_state_norm not in (None, "pre", "post"):
+        raise ValueError(f"last_state_norm must be 'pre' or 'post', not {s.last_state_norm!r}")
+    if s.precision not in ("exact", "fp8"):
+        raise ValueError(f"precision must be 'exact' or 'fp8', not {s.precision!r}")
+    if not skips.lock_timeout >= 0:
+        raise ValueError(f"lock_timeout must be 0 or more seconds, not {skips.lock_timeout!r}")
+    request = Request(format, workers, overwrite, progress, settings, run, skips)
     try:
-        return _convert_anywhere(src, dst, settings, dict(storage_options or {}), staging_dir)
+        return _convert_anywhere(src, dst, request, dict(bucket.storage_options or {}), bucket.staging_dir)
     except ObjectError as exc:  # a bucket that failed mid-run: what was converted and published is kept
         raise type(exc)(exc.path, f"{exc.problem}; then run the same command again to resume") from exc
 
@@ -163,7 +144,7 @@ def _refuse_a_worker_rerun() -> None:
 def _convert_anywhere(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
-    settings: Settings,
+    request: Request,
     options: dict[str, Any],
     staging_dir: str | os.PathLike[str] | None,
 ) -> ConvertReport:
@@ -172,15 +153,16 @@ def _convert_anywhere(
         publisher: BucketPublisher | None = None
         if is_remote(dst):
             publisher = stack.enter_context(BucketPublisher.open(os.fspath(dst).rstrip("/"), options, staging_dir,
-                                                                 settings.overwrite))
+                                                                 request.overwrite))
             stack.enter_context(naming(StoreError, {str(publisher.store): publisher.objects.url}))
             dst, staging_dir = publisher.store, publisher.root
-            settings = dataclasses.replace(settings, overwrite=False)  # the publisher started over
+            request = dataclasses.replace(request, overwrite=False)  # the publisher started over
         sources: BucketSources | None = None
         if is_remote(src):
-            sources = stack.enter_context(BucketSources.open(os.fspath(src), options, staging_dir, settings.skip_bad))
+            sources = stack.enter_context(BucketSources.open(os.fspath(src), options, staging_dir,
+                                                             request.skips.skip_bad))
         report = _convert_locally(sources.shadow if sources else Path(src).resolve(), Path(dst), sources, publisher,
-                                  settings)
+                                  request)
         if publisher is not None:
             publisher.publish_end()
             report.store = publisher.objects.url
@@ -192,30 +174,31 @@ def _convert_locally(
     dst_path: Path,
     sources: BucketSources | None,
     publisher: BucketPublisher | None,
-    s: Settings,
+    r: Request,
 ) -> ConvertReport:
     """The conversion into a local folder (a bucket DST's staging store); SRC local or a bucket's shadow."""
-    format = s.format or (None if s.overwrite else planned_format(dst_path))  # a resume reads what the plan read
+    format = r.format or (None if r.overwrite else planned_format(dst_path))  # a resume reads what the plan read
     if sources is not None and not format:
         sources.materialize_first()  # detection reads the keys of a file
-    fmt = FORMATS[format] if format else detect_format(src_path, s.skip_bad)  # type: ignore[index]
+    fmt = FORMATS[format] if format else detect_format(src_path, r.skips.skip_bad)  # type: ignore[index]
     if sources is not None:
         sources.check_format(fmt)
-    found = fmt.scan(src_path, s.skip_bad, s.lock_timeout)  # with skip_bad, unreadable entries come back as skips
+    found = fmt.scan(src_path, r.skips.skip_bad, r.skips.lock_timeout)  # with skip_bad, unreadable entries: skips
     for entry in found.skipped:
         log.warning("skipping %s: %s", entry.path, entry.problem)
+    s = r.settings
     options = PlanOptions(fmt.name, s.codec, s.chunk_tokens, s.shard_tokens, s.last_state_norm, s.precision)
-    if dst_path.exists() and not s.overwrite and not holds_no_samples(dst_path) and \
+    if dst_path.exists() and not r.overwrite and not holds_no_samples(dst_path) and \
             not (dst_path / "zarr.json").exists():  # an open_writer that appended nothing leaves only its locks
         raise StoreError(dst_path, "exists and is not an h5feed store; choose another DST or pass --overwrite")
-    job = Job(src_path, sources.url if sources else str(src_path), dst_path, fmt, options, s,
+    job = Job(src_path, sources.url if sources else str(src_path), dst_path, fmt, options, r,
               sources.fetcher if sources else None, publisher)
     created = not dst_path.exists()
     listing = Listing(found.files, [*(sources.skipped if sources else []),  # bad keys, bad files
                                     *(SkippedFile(e.relpath, e.problem) for e in found.skipped if not e.unfinished)],
                       [SkippedFile(e.relpath, e.problem) for e in found.skipped if e.unfinished])
     try:
-        with WriterLock.acquire(dst_path) as lock, PoolMaker(s.workers, s.scheduler, lock.record_semaphores) as pool:
+        with WriterLock.acquire(dst_path) as lock, PoolMaker(r.workers, r.run.scheduler, lock.record_semaphores) as pool:
             return _convert(job, pool, listing)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -230,8 +213,8 @@ def _convert_locally(
 def _convert(job: Job, pool: PoolMaker, listing: Listing) -> ConvertReport:
     """Plan (or resume, or extend the plan of an append), convert what the journal lacks, finalize."""
     started = time.perf_counter()
-    dst_path, durable = job.dst, job.settings.durable
-    if job.settings.overwrite:
+    dst_path, durable = job.dst, job.request.run.durable
+    if job.request.overwrite:
         _clear(dst_path)
     info = read_info(dst_path) if (dst_path / "zarr.json").exists() else None
     if info is not None and info.status != "complete" and not (dst_path / PLAN_FILE).exists():

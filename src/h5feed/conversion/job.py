@@ -1,6 +1,6 @@
 """What one run of `h5feed convert` works with, handed from step to step whole; and what it reports.
 
-`convert` checks the caller's choices once (`Settings`), lists SRC (`Listing`), and sets up one
+`convert` checks the caller's choices once (`Request`), lists SRC (`Listing`), and sets up one
 conversion into a local folder (`Job`): a bucket SRC is read through its shadow folder and a
 fetcher, a bucket DST is converted in its staging folder and published.  The steps (planning,
 appending, converting, finalizing: one module each) take these whole instead of a dozen arguments.
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h5feed.conversion.bucket_sources import SourceFetcher
+from h5feed.conversion.options import RunOptions, SkipPolicy, StoreSettings
 from h5feed.conversion.plan import PlanOptions
 from h5feed.conversion.publish import BucketPublisher
 from h5feed.formats import SourceFile, SourceFormat
 from h5feed.store.attributes import SkippedFile
-from h5feed.store.layout import LastStateNorm, Precision
 
 
 @dataclass
@@ -47,23 +47,16 @@ class ConvertReport:
 
 
 @dataclass(frozen=True)
-class Settings:
+class Request:
     """The caller's choices, as `convert` checked them, handed down whole."""
 
     format: str | None
     workers: int
-    scheduler: str | None
-    codec: str
-    chunk_tokens: int
-    shard_tokens: int | None
-    skip_bad: bool
     overwrite: bool
     progress: bool
-    durable: bool
-    last_state_norm: LastStateNorm | None
-    lock_timeout: float
-    precision: Precision
-    retry_skipped: bool
+    settings: StoreSettings
+    run: RunOptions
+    skips: SkipPolicy
 
 
 @dataclass(frozen=True)
@@ -85,6 +78,6 @@ class Job:
     dst: Path
     fmt: SourceFormat
     options: PlanOptions
-    settings: Settings
+    request: Request
     fetcher: SourceFetcher | None  # a bucket SRC's: fetches each sample file for the worker that reads it
     publisher: BucketPublisher | None  # a bucket DST's: uploads each journaled sample

@@ -37,7 +37,7 @@ Probed = tuple[SourceFile, SampleShape, os.stat_result]  # a file, its shape, an
 
 def make_plan(job: Job, pool: TaskPool, listing: Listing) -> Plan:
     """Probe every file, check they agree on H, K and dtype, and lay the samples out."""
-    fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.settings.durable
+    fmt, src_root, dst, options, durable = job.fmt, job.src, job.dst, job.options, job.request.run.durable
     probed, skipped = probe(job, pool, listing.files, None)
     shapes = [(source, shape) for source, shape, _ in probed]
     if not probed:
@@ -101,7 +101,7 @@ def probe(
     probed: list[Probed] = []
     skipped: list[SkippedFile] = []
     results = pool.map(_probe_one, [job.fmt.name] * len(sources), sources, [job.fetcher] * len(sources), chunksize=16)
-    progress = job.settings.progress
+    progress = job.request.progress
     for source, result in tqdm(zip(sources, results), total=len(sources), desc="probing", disable=not progress):
         try:
             if isinstance(result, SourceError):
@@ -112,7 +112,7 @@ def probe(
             _check_same_layout(source, shape, reference)
             probed.append((source, shape, stat))
         except SourceError as exc:
-            if not job.settings.skip_bad:
+            if not job.request.skips.skip_bad:
                 raise
             log.warning("skipping %s", exc)
             skipped.append(SkippedFile(source.relpath, exc.problem))
@@ -178,7 +178,7 @@ def read_plan(job: Job, sources: list[SourceFile]) -> Plan:
         raise StoreError(dst, f"was started with {differ[0]}, not {differ[1]}: repeat that command to resume, "
                          "or pass --overwrite")
     missing = plan.known() - {s.relpath for s in sources}
-    if missing and not job.settings.skip_bad:
+    if missing and not job.request.skips.skip_bad:
         raise StoreError(
             dst, f"source files of the unfinished conversion are gone: {sorted(missing)[:5]}; pass --skip-bad to skip them"
         )

@@ -79,10 +79,10 @@ def convert_pending(
 ) -> None:
     """Convert the samples not yet in the journal, twice as many in flight as the pool runs at once;
     each journaled sample is handed to the publisher of a bucket DST."""
-    dst, fetcher, publisher, durable = job.dst, job.fetcher, job.publisher, job.settings.durable
+    dst, fetcher, publisher, durable = job.dst, job.fetcher, job.publisher, job.request.run.durable
     info = read_info(dst)
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), desc="converting", unit="sample",
-               disable=not job.settings.progress, smoothing=0.1)
+               disable=not job.request.progress, smoothing=0.1)
     failure: BaseException | None = None
     todo = iter(pending)
     in_flight: dict[Future[_Converted], int] = {}
@@ -117,7 +117,7 @@ def convert_pending(
                     failure = failure or H5feedError(f"converting {samples[i].relpath} failed: {exc!r}")
                     continue
                 if result.error is not None:
-                    if not job.settings.skip_bad:
+                    if not job.request.skips.skip_bad:
                         failure = failure or result.error
                         continue
                     log.warning("skipping %s", result.error)
