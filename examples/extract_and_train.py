@@ -109,8 +109,9 @@ def run(store: Path, prompts: int = 16, tokens: tuple[int, int] = (32, 128), hid
 
     def extraction() -> None:
         try:
-            result["done"] = extract(model, store, prompts, tokens, seed, chunk_tokens=64, shard_tokens=512,
-                                     publish_every=1, write_behind=2)
+            result["done"] = extract(model, store, prompts, tokens, seed,
+                                     settings=h5feed.StoreSettings(chunk_tokens=64, shard_tokens=512),
+                                     writing=h5feed.WriteOptions(publish_every=1, write_behind=2))
         except BaseException as exc:  # noqa: BLE001 (re-raised on the trainer's thread)
             result["error"] = exc
 

@@ -20,10 +20,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from h5feed.store.journal import JournalRecord
 
 
 def _source_sample(fmt: str, root: Path, relpath: str, index: int) -> dict[str, Any]:
@@ -150,14 +153,17 @@ def chromium(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
 
 
 @pytest.fixture
-def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[int, dict[str, Any]]]:
+def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[int, JournalRecord]]:
     """Convert in this process and stop like Ctrl-C after `after` samples; returns the journal.
 
     With workers=0 and after=2 the journal holds exactly samples 0 and 1.
     """
-    module = sys.modules["h5feed.conversion.converter"]
+    from h5feed.conversion.converter import convert
+    from h5feed.store.journal import read_journal
 
-    def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, dict[str, Any]]:
+    module = sys.modules["h5feed.conversion.tasks"]  # where the convert step looks convert_one up
+
+    def run(src: Path, dst: Path, after: int = 2, **kwargs: Any) -> dict[int, JournalRecord]:
         original = module.convert_one
         calls = []
 
@@ -170,10 +176,10 @@ def interrupted_convert(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[i
         monkeypatch.setattr(module, "convert_one", convert_one)
         try:
             with pytest.raises(KeyboardInterrupt):
-                module.convert(src, dst, workers=0, progress=False, **kwargs)
+                convert(src, dst, workers=0, progress=False, **kwargs)
         finally:
             monkeypatch.setattr(module, "convert_one", original)
-        return module.read_journal(Path(dst))
+        return read_journal(Path(dst))
 
     return run
 
@@ -204,8 +210,8 @@ def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., S
         if name not in made:
             root = tmp_path_factory.mktemp(name)
             files = write_synthetic(root / "src", fmt, n, hidden_size, lengths=lengths, seed=seed, **write_kwargs)
-            h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=chunk_tokens, codec=codec,
-                           progress=False)
+            h5feed.convert(root / "src", root / "store", workers=0, progress=False,
+                           settings=h5feed.StoreSettings(chunk_tokens=chunk_tokens, codec=codec))
             made[name] = SyntheticStore(root / "src", files, root / "store", sample_lengths(n, lengths, seed))
         return made[name]
 

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from h5feed import HiddenStatesDataset
+from h5feed import HiddenStatesDataset, SkipPolicy, StoreSettings
 from h5feed.conversion.converter import convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.store import Store
-from h5feed.store.writer_state import PLAN_FILE, read_journal
+from h5feed.store.journal import read_journal
+from h5feed.store.writer_state import PLAN_FILE
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import verify_store
 
@@ -71,13 +72,13 @@ def arrive(staged: Path, src: Path, folder: str) -> None:
 def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     before = Store(dst)
     assert before.sample_starts.tolist() == [0, 48, 96, 144] and before.info.shard_tokens == 48
     shards_before = {k: v for k, v in tree(dst).items() if "/c/" in k and not k.startswith("index/")}
 
     arrive(staged, src, SECOND)
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed) == (8, sum(LENGTHS), 4, 4)
     store = Store(dst)
@@ -96,7 +97,7 @@ def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_p
     fresh_src, fresh = tmp_path / "fresh-src", tmp_path / "fresh"
     arrive(staged, fresh_src, FIRST)
     arrive(staged, fresh_src, SECOND)
-    convert(fresh_src, fresh, workers=0, chunk_tokens=CHUNK, shard_tokens=48, progress=False)
+    convert(fresh_src, fresh, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=48))
     a, b = tree(dst), tree(fresh)
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k][0] != b[k][0]] == [PLAN_FILE, "zarr.json"]  # the plan, and source_root
@@ -105,7 +106,7 @@ def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_p
     assert plan["append_from"] == 4
 
     # nothing new: a no-op that touches no file
-    again = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    again = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert (again.num_samples, again.converted_now, again.resumed) == (8, 0, 8)
     assert tree(dst) == after
 
@@ -113,13 +114,13 @@ def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_p
 def test_readers_open_across_an_append_keep_their_samples_and_new_readers_see_all(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     old = HiddenStatesDataset(dst)
     old_items = [old[i] for i in range(4)]
     pickled = pickle.dumps(old.store)  # what a DataLoader worker started later receives
 
     arrive(staged, src, SECOND)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     assert len(old) == 4 and all(same_item(old[i], old_items[i]) for i in range(4))
     assert len(pickle.loads(pickled)) == 4  # re-opened after the append: the same snapshot
@@ -140,14 +141,15 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     arrive(staged, src, FIRST)
     for store in (dst, ref):
-        convert(src, store, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     old_items = [HiddenStatesDataset(dst)[i] for i in range(4)]
     arrive(staged, src, SECOND)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)  # an uninterrupted append
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # an uninterrupted append
     module = sys.modules["h5feed.conversion.converter"]
     if where == "planned":  # the plan holds the new samples; the arrays are not resized yet
         monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)
     elif where == "converting":  # two of the four new samples converted
+        module = sys.modules["h5feed.conversion.tasks"]
         original, calls = module.convert_one, []
 
         def convert_one(*args):
@@ -169,7 +171,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     else:  # index and journal written: the status and sample count not flipped yet
         monkeypatch.setattr(sys.modules["h5feed.conversion.samples"], "write_info", _raise_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     monkeypatch.undo()
 
     reader = HiddenStatesDataset(dst)  # opened in the middle of the append: the samples before it
@@ -180,7 +182,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
 
         assert zarr.open_group(dst, mode="r")["index"]["sample_start"].shape == (8,)  # longer than published
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)  # the same command again
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # the same command again
     assert report.num_samples == 8
     assert_same_tree(dst, ref)
 
@@ -190,10 +192,10 @@ def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_
     write_synthetic(staging, LEGACY, 24, 128, lengths=(200, 400), seed=2, layout="rows", rows_per_folder=8)
     shutil.copytree(staging / "rows_0-8", src / "rows_0-8")
     for store in (dst, ref):
-        convert(src, store, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     for folder in ("rows_8-16", "rows_16-24"):
         shutil.copytree(staging / folder, src / folder)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)  # uninterrupted
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # uninterrupted
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(dst), "--workers", "0",
                "--chunk-tokens", str(CHUNK)]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -219,7 +221,7 @@ def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_
 def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     old_items = [HiddenStatesDataset(dst)[i] for i in range(4)]
     arrive(staged, src, SECOND)
     changed = src / FIRST / "data_1.pt"
@@ -227,7 +229,7 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
     before = tree(dst)
 
     with pytest.raises(SourceError) as err:
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     problem = err.value.problem
     assert err.value.path == str(changed)
     assert problem.startswith(f"changed since it was converted (size {(staged / FIRST / 'data_1.pt').stat().st_size} "
@@ -236,25 +238,27 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
                             "as skipped and keep the samples converted before")
     assert tree(dst) == before  # nothing appended, nothing rewritten
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, skip_bad=True, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+                     skips=SkipPolicy(skip_bad=True))
     assert (report.num_samples, report.converted_now) == (8, 4)
-    assert [s["path"] for s in report.skipped] == [f"{FIRST}/data_1.pt"]
-    assert report.skipped[0]["problem"].endswith("; the store keeps the samples converted before")
+    assert [s.path for s in report.skipped] == [f"{FIRST}/data_1.pt"]
+    assert report.skipped[0].problem.endswith("; the store keeps the samples converted before")
     store = Store(dst)
     assert store.info.skipped == report.skipped
     reader = HiddenStatesDataset(dst)
     assert all(same_item(reader[i], old_items[i]) for i in range(4))  # sample 1 is what it was
-    again = convert(src, dst, workers=0, chunk_tokens=CHUNK, skip_bad=True, progress=False)  # recorded once
+    again = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+                    skips=SkipPolicy(skip_bad=True))  # recorded once
     assert again.converted_now == 0 and Store(dst).info.skipped == report.skipped
 
 
 def test_appending_from_another_folder_is_refused(tmp_path, staged):
     src, dst, other = tmp_path / "src", tmp_path / "store", tmp_path / "other"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     arrive(staged, other, SECOND)
     with pytest.raises(StoreError) as err:
-        convert(other, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(other, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert str(err.value) == (f"{dst}: was converted from {src.resolve()}, not {other.resolve()}: run the command with "
                               "that SRC (new files there are appended), or convert into another DST")
     assert len(Store(dst)) == 4
@@ -265,18 +269,18 @@ def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypa
     write_synthetic(staging, LEGACY, 12, H, lengths=(5, 40), seed=3, layout="rows", rows_per_folder=4)
     shutil.copytree(staging / "rows_0-4", src / "rows_0-4")
     for store in (dst, ref):
-        convert(src, store, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     shutil.copytree(staging / "rows_4-8", src / "rows_4-8")
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     module = sys.modules["h5feed.conversion.converter"]
     monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)  # planned, then killed
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     monkeypatch.undo()
     shutil.copytree(staging / "rows_8-12", src / "rows_8-12")  # more files arrive before the rerun
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     assert (report.num_samples, report.converted_now, report.resumed) == (12, 8, 4)
     a, b = tree(dst), tree(ref)
@@ -288,10 +292,10 @@ def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypa
 def test_a_store_whose_journal_is_gone_is_not_appended_to(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     (dst / "h5feed-journal.jsonl").unlink()
     arrive(staged, src, SECOND)
     with pytest.raises(StoreError, match=r"cannot append: its journal \(h5feed-journal.jsonl\) lacks samples converted "
                                          "before, and an append rewrites the index from it"):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert len(Store(dst)) == 4

@@ -56,8 +56,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Any:
             fmt, variant, norm = STORES[name]
             root = tmp_path_factory.mktemp(name)
             write_synthetic(root / "src", fmt, len(LENGTHS), H, K, lengths=LENGTHS, seed=11, variant=variant)
-            h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=CHUNK, progress=False,
-                           last_state_norm=norm)
+            h5feed.convert(root / "src", root / "store", workers=0, progress=False,
+                           settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm=norm))
             made[name] = root / "store"
         return made[name]
 

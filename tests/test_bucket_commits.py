@@ -17,15 +17,16 @@ import pytest
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from test_multi_writer import CHUNK, SHARD, SPAWN, check_sample, make_sample, name_of
 
-from h5feed import StoreError, open_writer
+from h5feed import BucketOptions, StoreError, StoreSettings, WriteOptions, open_writer
 from h5feed.store import Store
 from h5feed.store.writer_state import bucket_writers
 
 FAST_BY_S = 90.0  # a client clock this far ahead of the bucket's (S3 accepts clients 15 minutes off)
 
 
-def options(**more: Any) -> dict[str, Any]:
-    return {"chunk_tokens": CHUNK, "shard_tokens": SHARD, "block_shards": 1, "publish_every": 1, **more}
+def options() -> dict[str, Any]:
+    return {"settings": StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+            "writing": WriteOptions(block_shards=1, publish_every=1)}
 
 
 def stopped(pid: int) -> bool:
@@ -59,7 +60,8 @@ def freezing_writer(url: str, storage_options: dict, staging: str, step: str, co
 
     setattr(StoreWriter, method, step_marked)
     BucketSite._fetch = fetch_then_freeze
-    with open_writer(url, writer="a", storage_options=storage_options, staging_dir=staging, **options()) as writer:
+    with open_writer(url, writer="a", **options(),
+                     bucket=BucketOptions(storage_options=storage_options, staging_dir=staging)) as writer:
         for i in range(count):
             writer.append(make_sample(0, i), name=name_of(0, i))
     assert writer.report.published == count
@@ -82,7 +84,8 @@ def read_meanwhile(url: str, s3: S3, done: threading.Event, failures: list[BaseE
 def test_a_bucket_writer_frozen_inside_a_step_while_another_commits_loses_and_damages_nothing(
         s3, bucket, tmp_path, step, monkeypatch):
     url, mine, theirs = f"s3://{bucket}/hs.zarr", 3, 6
-    other = open_writer(url, writer="b", storage_options=s3.storage_options, staging_dir=tmp_path / "b", **options())
+    other = open_writer(url, writer="b", **options(),
+                        bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "b"))
     other.append(make_sample(1, 0), name=name_of(1, 0))  # the store exists, one sample published
     frozen = SPAWN.Process(target=freezing_writer, args=(url, s3.storage_options, str(tmp_path / "a"), step, mine))
     frozen.start()
@@ -120,7 +123,8 @@ def clock_fast_writer(url: str, storage_options: dict, staging: str, writer: str
     real_time, real_time_ns = time.time, time.time_ns
     time.time = lambda: real_time() + FAST_BY_S  # type: ignore[assignment]
     time.time_ns = lambda: real_time_ns() + int(FAST_BY_S * 1e9)  # type: ignore[assignment]
-    with open_writer(url, writer=writer, storage_options=storage_options, staging_dir=staging, **options()) as out:
+    with open_writer(url, writer=writer, **options(),
+                     bucket=BucketOptions(storage_options=storage_options, staging_dir=staging)) as out:
         opened.wait(120)
         for i in range(count):
             out.append(make_sample(w, i), name=name_of(w, i))
@@ -135,8 +139,8 @@ def test_a_writer_whose_clock_is_fast_takes_over_no_live_lock_and_loses_nothing(
                                                          counts[1], opened))
     fast.start()
     caplog.set_level("WARNING", logger="h5feed")
-    with open_writer(url, writer="slow", storage_options=s3.storage_options, staging_dir=tmp_path / "slow",
-                     **options()) as slow:
+    with open_writer(url, writer="slow", **options(),
+                     bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "slow")) as slow:
         opened.wait(120)
         for i in range(counts[0]):
             slow.append(make_sample(0, i), name=name_of(0, i))
@@ -151,27 +155,28 @@ def test_a_writer_whose_clock_is_fast_takes_over_no_live_lock_and_loses_nothing(
 
 def test_a_live_writer_is_live_to_an_observer_whose_clock_is_minutes_fast(s3, bucket, tmp_path, monkeypatch):
     url = f"s3://{bucket}/hs.zarr"
-    with open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "a",
-                     **options()) as writer:
+    with open_writer(url, writer="a", **options(),
+                     bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "a")) as writer:
         writer.append(make_sample(0, 0), name=name_of(0, 0))
         real_time, real_time_ns = time.time, time.time_ns
         monkeypatch.setattr(time, "time", lambda: real_time() + 400)
         monkeypatch.setattr(time, "time_ns", lambda: real_time_ns() + 400_000_000_000)
         assert [holder["writer"] for holder in bucket_writers(writer.site.objects)] == ["a"]
         with pytest.raises(StoreError, match="is writing this store as writer 'a'"):
-            open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "a2", **options())
+            open_writer(url, writer="a", **options(),
+                        bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "a2"))
 
 
 def test_a_second_bucket_writer_on_one_staging_folder_is_refused_naming_the_first(s3, bucket, tmp_path):
     url = f"s3://{bucket}/hs.zarr"
-    with open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "staging",
-                     **options()) as first:
+    with open_writer(url, writer="a", **options(),
+                     bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging")) as first:
         first.append(make_sample(0, 0), name=name_of(0, 0))
         with pytest.raises(StoreError, match=r"staging: is the staging folder of writer 'a' \(host [^,]+, pid "
                                              rf"{os.getpid()}, started at [^)]+\), which is writing now: give each "
                                              "writer its own staging_dir"):
-            open_writer(url, writer="b", storage_options=s3.storage_options, staging_dir=tmp_path / "staging",
-                        **options())
+            open_writer(url, writer="b", **options(),
+                        bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging"))
         first.append(make_sample(0, 1), name=name_of(0, 1))
     store = Store(url, storage_options=s3.storage_options)
     assert [check_sample(store, j) for j in range(len(store))] == [name_of(0, 0), name_of(0, 1)]
@@ -181,8 +186,8 @@ def test_verify_opens_the_index_the_root_of_a_bucket_writers_store_names(s3, buc
     from h5feed.verify import verify_store
 
     url = f"s3://{bucket}/hs.zarr"
-    with open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "a",
-                     **options()) as writer:
+    with open_writer(url, writer="a", **options(),
+                     bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "a")) as writer:
         for i in range(3):
             writer.append(make_sample(0, i), name=name_of(0, i))
     report = verify_store(url, progress=False, storage_options=s3.storage_options)
@@ -195,8 +200,8 @@ def test_index_versions_superseded_long_enough_are_deleted_and_the_store_reads_o
 
     monkeypatch.setattr(bucket_site, "OLD_INDEX_AFTER_S", 0.0)  # "long enough": at once, for the test
     url = f"s3://{bucket}/hs.zarr"
-    with open_writer(url, writer="a", storage_options=s3.storage_options, staging_dir=tmp_path / "a",
-                     **options()) as writer:
+    with open_writer(url, writer="a", **options(),
+                     bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "a")) as writer:
         for i in range(5):
             writer.append(make_sample(0, i), name=name_of(0, i))
     versions = {key.split("/")[1] for key in bucket_objects(s3, bucket, "hs.zarr") if key.startswith("index-v/")}

@@ -33,12 +33,23 @@ from test_multi_writer import (
 )
 
 import h5feed
-from h5feed import Follow, HiddenStatesDataset, HiddenStatesStream, StoreError, StreamLoader, open_writer
+from h5feed import (
+    BucketOptions,
+    Follow,
+    HiddenStatesDataset,
+    HiddenStatesStream,
+    StoreError,
+    StoreSettings,
+    StreamLoader,
+    WriteOptions,
+    open_writer,
+)
 from h5feed.conversion.publish import is_shard
 from h5feed.conversion.writer_sites.bucket import BucketSite
 from h5feed.store import Store
+from h5feed.store.journal import JOURNAL_FILE, read_journal
 from h5feed.store.layout import COMMIT_KEY, Commit
-from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, WRITERS_DIR, bucket_writers, read_journal
+from h5feed.store.writer_state import LOCK_FILE, WRITERS_DIR, bucket_writers
 from h5feed.synthetic import write_synthetic
 
 
@@ -65,15 +76,15 @@ def as_one_writers_layout(objects: dict[str, bytes]) -> dict[str, bytes]:
 
 
 def bucket_writer(url: str, s3: S3, staging: Path, **options: Any) -> h5feed.StoreWriter:
-    return open_writer(url, storage_options=s3.storage_options, staging_dir=staging, chunk_tokens=CHUNK,
-                       shard_tokens=SHARD, **options)
+    return open_writer(url, **options, bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=staging),
+                       settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
 
 
 def append_into_bucket(url: str, storage_options: dict, staging: str, w: int, count: int, pause: float,
                        opened: multiprocessing.synchronize.Barrier) -> None:
     """A writer process: writer `w{w}` appends its samples into the bucket store, once every writer has opened it."""
-    with open_writer(url, writer=f"w{w}", storage_options=storage_options, staging_dir=staging,
-                     **writer_options(w)) as writer:
+    with open_writer(url, writer=f"w{w}", **writer_options(w),
+                     bucket=BucketOptions(storage_options=storage_options, staging_dir=staging)) as writer:
         opened.wait(120)
         for i in range(count):
             assert writer.append(make_sample(w, i), name=name_of(w, i)) == i
@@ -101,8 +112,9 @@ def check_bucket_store(url: str, s3: S3, counts: dict[int, int]) -> Store:
 
 def test_a_bucket_store_holds_the_objects_a_local_writer_writes_and_reads_back_exactly(s3, bucket, tmp_path):
     url, local = f"s3://{bucket}/hs.zarr", tmp_path / "local"
-    with bucket_writer(url, s3, tmp_path / "staging", publish_every=3) as remote, \
-            open_writer(local, chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=3) as here:
+    with bucket_writer(url, s3, tmp_path / "staging", writing=WriteOptions(publish_every=3)) as remote, \
+            open_writer(local, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                        writing=WriteOptions(publish_every=3)) as here:
         for i in range(7):
             sample = make_sample(1, i)  # 60-140 tokens: some span two or three shards
             assert remote.append(sample, name=name_of(1, i)) == here.append(sample, name=name_of(1, i)) == i
@@ -183,8 +195,8 @@ def test_kill_9_of_a_bucket_writer_loses_only_unjournaled_samples_and_its_stagin
     assert published == [name_of(1, i) for i in range(len(published))] and len(published) <= kept
 
     caplog.set_level("INFO", logger="h5feed")
-    with open_writer(url, writer="w1", storage_options=s3.storage_options, staging_dir=tmp_path / "staging-w1",
-                     **writer_options(1)) as resumed:  # the same pid is gone: its lock object is taken over
+    with open_writer(url, writer="w1", **writer_options(1),
+                     bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging-w1")) as resumed:  # the same pid is gone: its lock object is taken over
         assert f"resuming writer 'w1': {kept} samples kept, the last one {name_of(1, kept - 1)!r}" in caplog.text
         for i in range(kept, counts[1]):
             assert resumed.append(make_sample(1, i), name=name_of(1, i)) == i
@@ -193,7 +205,7 @@ def test_kill_9_of_a_bucket_writer_loses_only_unjournaled_samples_and_its_stagin
 
 def test_a_writer_without_its_staging_folder_keeps_what_it_published_and_appends_after_it(s3, bucket, tmp_path):
     url = f"s3://{bucket}/hs.zarr"
-    with bucket_writer(url, s3, tmp_path / "first", writer="a", publish_every=2) as writer:
+    with bucket_writer(url, s3, tmp_path / "first", writer="a", writing=WriteOptions(publish_every=2)) as writer:
         for i in range(5):
             writer.append(make_sample(0, i), name=name_of(0, i))
     with bucket_writer(url, s3, tmp_path / "elsewhere", writer="a") as writer:  # another machine, say
@@ -226,8 +238,8 @@ def test_bucket_writers_refuse_what_they_must_and_name_it(s3, bucket, tmp_path):
         write_synthetic(src, "speculators-legacy-pt", 2, 32, lengths=(4, 8), seed=1)
         with pytest.raises(StoreError, match=r"another `h5feed.open_writer` \(writer 'a', host .*\) is writing this "
                                              "store; wait for it to finish"):
-            h5feed.convert(src, url, workers=0, progress=False, storage_options=s3.storage_options,
-                           staging_dir=tmp_path / "convert")
+            h5feed.convert(src, url, workers=0, progress=False,
+                           bucket=h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "convert"))
     finally:
         first.close()
     assert len(Store(url, storage_options=s3.storage_options)) == 1

@@ -4,6 +4,7 @@ import torch
 
 from h5feed.store import BufferPool
 import h5feed
+from h5feed import StoreSettings
 
 MB = 1 << 20
 
@@ -53,7 +54,7 @@ def test_items_through_dataloader_workers_stay_intact_with_big_buffers(tmp_path)
     from h5feed.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 8, 1024, lengths=(300, 400), seed=3)
-    convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=128, progress=False)
+    convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, settings=StoreSettings(chunk_tokens=128))
     store = Store(tmp_path / "store")
     expected = [store.read_sample(i).aux_hidden_states[:-1].clone() for i in range(len(store))]
     assert expected[0].nbytes > BufferPool.MIN_BYTES
@@ -79,7 +80,7 @@ def test_worker_learns_that_items_leave_uncollated_and_decodes_into_shared_memor
     from h5feed.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 10, 1024, lengths=(300, 400), seed=5)
-    convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=128, progress=False)
+    convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, settings=StoreSettings(chunk_tokens=128))
     store = Store(tmp_path / "store")
     expected = [store.read_sample(i).aux_hidden_states[:-1].clone() for i in range(len(store))]
     dataset = HiddenStatesDataset(store, hidden_states_dtype=torch.bfloat16)

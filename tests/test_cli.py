@@ -19,10 +19,11 @@ import pytest
 import torch
 from conftest import inner_chunk_span
 
+from h5feed import StoreSettings
 from h5feed.conversion.converter import convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
-from h5feed.store.writer_state import read_journal
+from h5feed.store.journal import read_journal
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -113,8 +114,8 @@ def test_bad_file_met_while_resuming_keeps_what_was_converted(
 ):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     files = make_source(src, kind)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
     good = files[3].read_bytes()
     damage, problem = BAD[kind]
     damage(files[3])  # changed after it was probed and planned
@@ -156,7 +157,7 @@ def test_skip_bad_converts_the_rest_and_records_what_it_skipped(tmp_path, cli, a
     assert skipped[1]["problem"] == BAD["hidden-size"][1]
     assert skipped[2]["problem"].startswith(BAD["needs-code"][1])
     assert skipped[3]["problem"] == BAD["missing-key"][1]
-    assert store.info.skipped == skipped
+    assert [s.to_json() for s in store.info.skipped] == skipped
     for s in skipped:
         assert f"skipped {s['path']}: {s['problem']}" in r.output
 
@@ -173,7 +174,7 @@ def test_skip_bad_on_resume_records_a_file_that_went_bad(
 ):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     BAD["hidden-size"][0](files[3])
 
     r = cli(*convert_args(src, dst, "--skip-bad"))
@@ -319,7 +320,7 @@ def test_skip_bad_with_nothing_readable_and_no_format_given(tmp_path, cli):
 def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     r = cli(*convert_args(src, dst, "--codec", "lz4"))
     assert r.status == 1
     assert (f"h5feed convert: error: {dst}: was started with codec zstd, not codec lz4: "
@@ -335,7 +336,7 @@ def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupte
     assert r.status == 1
     assert f"h5feed convert: error: {dst}: is complete but was converted with codec zstd, not codec lz4: " in r.output
     assert "choose another DST or pass --overwrite" in r.output
-    assert Store(dst).info.codec == ZSTD
+    assert Store(dst).info.codec.to_json() == ZSTD
 
 
 # --------------------------------------------------------------------------- full disk
@@ -360,7 +361,7 @@ def small_disk(tmp_path):
 def test_disk_full_names_the_sample_and_the_same_command_resumes(tmp_path, small_disk, cli, assert_same_tree):
     src, ref, dst = tmp_path / "src", tmp_path / "ref", small_disk / "store"
     write_synthetic(src, LEGACY, 20, 64, lengths=(150, 250), seed=4)  # ~3 MB uncompressed: does not fit in 2 MiB
-    convert(src, ref, workers=0, codec="none", chunk_tokens=64, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(codec="none", chunk_tokens=64))
     args = ("convert", src, dst, "--workers", 0, "--codec", "none", "--chunk-tokens", 64)
 
     r = cli(*args)
@@ -389,7 +390,7 @@ def test_disk_full_names_the_sample_and_the_same_command_resumes(tmp_path, small
 def converted(tmp_path: Path, codec: str = "zstd") -> tuple[Path, Path]:
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    convert(src, dst, workers=0, codec=codec, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(codec=codec, chunk_tokens=CHUNK))
     return src, dst
 
 
@@ -501,7 +502,7 @@ def test_inspect_prints_what_the_store_holds(tmp_path, cli):
 def test_inspect_and_verify_refuse_what_is_not_a_finished_store(tmp_path, cli, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     for command in ("inspect", "verify"):
         r = cli(command, dst)
         assert r.status == 1
@@ -554,12 +555,12 @@ def test_a_file_skipped_while_converting_is_retried_once_repaired(tmp_path, cli,
     reported as skipped."""
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)
-    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
     good = files[3].read_bytes()
     BAD["truncated-pt"][0](files[3])
     resumed = cli(*convert_args(src, dst, "--skip-bad"))
     assert resumed.status == 0, resumed.output
-    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name] and len(Store(dst)) == len(files) - 1
+    assert [s.path for s in Store(dst).info.skipped] == [files[3].name] and len(Store(dst)) == len(files) - 1
 
     files[3].write_bytes(good)
     retried = cli(*convert_args(src, dst, "--retry-skipped"))
@@ -583,11 +584,11 @@ def test_a_skipped_file_repaired_later_is_converted_by_retry_skipped(tmp_path, c
     damage(files[3])
     first = cli(*convert_args(src, dst, "--skip-bad"))
     assert first.status == 0 and len(Store(dst)) == len(files) - 1
-    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name]
+    assert [s.path for s in Store(dst).info.skipped] == [files[3].name]
 
     still_bad = cli(*convert_args(src, dst, "--skip-bad", "--retry-skipped"))  # not repaired yet: still skipped
     assert still_bad.status == 0 and len(Store(dst)) == len(files) - 1
-    assert [s["path"] for s in Store(dst).info.skipped] == [files[3].name]
+    assert [s.path for s in Store(dst).info.skipped] == [files[3].name]
 
     files[3].write_bytes(good)  # repaired
     rerun = cli(*convert_args(src, dst))  # a plain rerun leaves it, and says how to take it

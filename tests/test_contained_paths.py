@@ -26,6 +26,7 @@ import h5feed
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import open_url
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
+from h5feed.store.attributes import KeptCompanion
 from h5feed.store.layout import INDEX_COLUMNS, IndexDigest, crc32c, read_info, write_info
 from h5feed.synthetic import write_synthetic
 
@@ -134,7 +135,7 @@ def test_with_skip_bad_the_traversal_keys_are_recorded_skips_and_the_rest_conver
                  tmp_path / "staging", *storage_flags(s3))
     assert result.status == 0, result.output
     url = f"s3://{bucket}/runs"
-    assert h5feed.Store(tmp_path / "dst").info.skipped == [
+    assert [s.to_json() for s in h5feed.Store(tmp_path / "dst").info.skipped] == [
         {"path": "../../../elsewhere/x.txt", "problem": f"its key has a '..' segment, so it cannot be read as a file "
                                                         f"under {url}"},
         {"path": f"{tmp_path}/abs/y.pt", "problem": f"its key is an absolute path, so it cannot be read as a file "
@@ -165,7 +166,7 @@ def test_folder_markers_in_a_source_bucket_are_passed_over(s3, bucket, tmp_path)
     for marker in ("runs/", "runs/sub/"):  # what an S3 console's "Create folder" leaves
         s3.client.put_object(Bucket=bucket, Key=marker, Body=b"")
     report = h5feed.convert(f"s3://{bucket}/runs", tmp_path / "dst", workers=0, progress=False,
-                            storage_options=s3.storage_options, staging_dir=tmp_path / "staging")
+                            bucket=h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging"))
     assert (report.num_samples, report.skipped) == (2, [])
     assert h5feed.Store(tmp_path / "dst").source_paths == ["sub/data_0.pt", "sub/data_1.pt"]
 
@@ -178,7 +179,8 @@ def test_a_destination_bucket_with_traversal_keys_is_refused_when_rebuilt_into_s
     write_synthetic(source, "speculators-legacy-pt", 2, H, lengths=(10, 30), seed=4)
     dst = f"s3://{bucket}/hs.zarr"
     options = s3.storage_options
-    h5feed.convert(source, dst, workers=0, progress=False, storage_options=options, staging_dir=tmp_path / "first")
+    h5feed.convert(source, dst, workers=0, progress=False,
+                   bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "first"))
     targets = {"hs.zarr/../evil": tmp_path / "second" / "evil",  # beside the staging store
                "hs.zarr/../../planted/evil": tmp_path / "planted" / "evil",
                f"hs.zarr/{tmp_path}/abs/evil": tmp_path / "abs" / "evil"}
@@ -186,7 +188,8 @@ def test_a_destination_bucket_with_traversal_keys_is_refused_when_rebuilt_into_s
         s3.client.put_object(Bucket=bucket, Key=key, Body=b"planted by the bucket")
     before = tree(tmp_path)
     with pytest.raises(StoreError) as err:
-        h5feed.convert(source, dst, workers=0, progress=False, storage_options=options, staging_dir=tmp_path / "second")
+        h5feed.convert(source, dst, workers=0, progress=False,
+                       bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "second"))
     assert str(err.value) == (
         f"{dst}/../../planted/evil: its key has a '..' segment, so it is not an object of the store {dst}: delete that "
         "object from the bucket, or pass --overwrite to convert the store again from scratch")
@@ -205,7 +208,7 @@ def test_a_resumed_plan_naming_a_file_out_of_src_is_refused(tmp_path, interrupte
     plan["samples"][3]["relpath"] = "../outside.pt"
     plan_file.write_text(json.dumps(plan))
     with pytest.raises(UnsafeName, match=f"^'../outside.pt' has a '..' segment: refused as a path inside {src}$"):
-        h5feed.convert(src, dst, workers=0, progress=False, skip_bad=True)
+        h5feed.convert(src, dst, workers=0, progress=False, skips=h5feed.SkipPolicy(skip_bad=True))
     assert read_info(dst).status != "complete"
 
 
@@ -260,6 +263,7 @@ def test_verify_refuses_companion_copies_outside_the_store_and_fifos(tmp_path):
     companions = {"vocab_mapping.pt": {"source": "vocab_mapping.pt", **record, "copy": "/etc/passwd"},
                   "up.pt": {"source": "up.pt", **record, "copy": "../../../../../../../../etc/passwd"},
                   "pipe.pt": {"source": "pipe.pt", **record, "copy": "companions.pipe"}}
+    companions = {name: KeptCompanion.from_json(record) for name, record in companions.items()}
     write_info(store, dataclasses.replace(read_info(store), companions=companions), durable=False)
     result = h5feed_cli("verify", store, timeout=120)
     assert result.returncode == 1

@@ -22,6 +22,7 @@ import pytest
 import torch
 from test_formats import RunsEval, RunsShell  # payloads that run code when unpickled
 
+from h5feed import SkipPolicy, StoreSettings
 from h5feed.conversion.converter import PLAN_FILE, convert
 from h5feed.errors import SourceError
 from h5feed.formats import FORMATS
@@ -80,7 +81,7 @@ KILL_AFTER_S = (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.25, 1.5)
 def test_a_sigkill_while_workers_start_leaves_no_process_and_no_semaphore(tmp_path: Path, assert_same_tree) -> None:
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, "speculators-legacy-pt", 24, H, lengths=(20, 60), seed=6)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     args = ["-q", "convert", str(src), str(dst), "--workers", "2", "--chunk-tokens", str(CHUNK)]
     script = Path(sys.executable).with_name("h5feed")  # the `h5feed` command: its workers re-run it before h5feed's code
     commands = [[sys.executable, "-m", "h5feed", *args], [sys.executable, str(script), *args]]
@@ -206,7 +207,7 @@ def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as
     src.mkdir()
     for name in ("data_0.pt", "data_1.pt", "data_2.pt"):
         shutil.copy2(staged / name, src / name)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     old = json.loads((dst / PLAN_FILE).read_text())
     del old["store"]  # nor a copy of the store's attributes
     for entry in old["samples"]:
@@ -214,7 +215,7 @@ def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as
     (dst / PLAN_FILE).write_text(json.dumps(old))
     for name in ("data_3.pt", "data_4.pt"):
         shutil.copy2(staged / name, src / name)
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert (report.num_samples, report.converted_now, report.resumed) == (5, 2, 3)
     plan = json.loads((dst / PLAN_FILE).read_text())
     assert list(plan) == ["options", "samples", "skipped", "total_rows", "append_from"]
@@ -285,14 +286,14 @@ def test_a_skipped_file_that_vanished_is_named_as_gone_by_retry_skipped(tmp_path
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, "speculators-legacy-pt", 5, 16, lengths=(4, 9), seed=2)
     files[1].write_bytes(files[1].read_bytes()[:100])
-    convert(src, dst, workers=0, progress=False, skip_bad=True)
-    assert [s["path"] for s in Store(dst).info.skipped] == ["data_1.pt"]
+    convert(src, dst, workers=0, progress=False, skips=SkipPolicy(skip_bad=True))
+    assert [s.path for s in Store(dst).info.skipped] == ["data_1.pt"]
     files[1].unlink()
-    convert(src, dst, workers=0, progress=False, skip_bad=True, retry_skipped=True)
+    convert(src, dst, workers=0, progress=False, skips=SkipPolicy(skip_bad=True, retry_skipped=True))
     skipped = Store(dst).info.skipped
-    assert [s["path"] for s in skipped] == ["data_1.pt"] and len(Store(dst)) == 4
-    assert skipped[0]["problem"].startswith("is gone: it was skipped (not a readable torch.save file")
-    assert skipped[0]["problem"].endswith("; --retry-skipped found no file to try again")
+    assert [s.path for s in skipped] == ["data_1.pt"] and len(Store(dst)) == 4
+    assert skipped[0].problem.startswith("is gone: it was skipped (not a readable torch.save file")
+    assert skipped[0].problem.endswith("; --retry-skipped found no file to try again")
 
 
 def test_a_file_skipped_while_converting_then_deleted_is_named_as_gone_by_retry_skipped(
@@ -301,12 +302,12 @@ def test_a_file_skipped_while_converting_then_deleted_is_named_as_gone_by_retry_
     files = write_synthetic(src, "speculators-legacy-pt", 5, 16, lengths=(4, 9), seed=2)
     assert sorted(interrupted_convert(src, dst, after=2)) == [0, 1]
     files[3].write_bytes(files[3].read_bytes()[:100])  # damaged after it was planned: skipped while converting
-    convert(src, dst, workers=0, progress=False, skip_bad=True)
-    assert [s["path"] for s in Store(dst).info.skipped] == ["data_3.pt"]
+    convert(src, dst, workers=0, progress=False, skips=SkipPolicy(skip_bad=True))
+    assert [s.path for s in Store(dst).info.skipped] == ["data_3.pt"]
     files[3].unlink()
     for _ in range(2):  # and again: the record stays as it is
-        convert(src, dst, workers=0, progress=False, skip_bad=True, retry_skipped=True)
+        convert(src, dst, workers=0, progress=False, skips=SkipPolicy(skip_bad=True, retry_skipped=True))
         skipped = Store(dst).info.skipped
-        assert [s["path"] for s in skipped] == ["data_3.pt"] and len(Store(dst)) == 4
-        assert skipped[0]["problem"].startswith("is gone: it was skipped (not a readable torch.save file")
-        assert skipped[0]["problem"].endswith("; --retry-skipped found no file to try again")
+        assert [s.path for s in skipped] == ["data_3.pt"] and len(Store(dst)) == 4
+        assert skipped[0].problem.startswith("is gone: it was skipped (not a readable torch.save file")
+        assert skipped[0].problem.endswith("; --retry-skipped found no file to try again")

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from h5feed import StoreSettings
 from h5feed.conversion.converter import convert
 from h5feed.errors import StoreError
 from h5feed.store import ReadStats, Store
+from h5feed.store.journal import JOURNAL_FILE, read_journal
 from h5feed.store.layout import EMPTY, decode_shard_index
-from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, read_journal
+from h5feed.store.writer_state import PLAN_FILE
 from h5feed.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -65,7 +67,7 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, fmt, len(LENGTHS), H, lengths=LENGTHS, seed=3, **layout)
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed, report.skipped) == (
         6, sum(LENGTHS), 6, 0, [])
@@ -77,7 +79,7 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
     info = store.info
     assert (info.source_format, info.hidden_size, info.num_aux_layers, info.dtype, info.last_state_norm) == (
         fmt, H, K, "bfloat16", norm)
-    assert (info.codec, info.chunk_tokens, info.shard_tokens, info.status) == (ZSTD, CHUNK, SHARD, "complete")
+    assert (info.codec.to_json(), info.chunk_tokens, info.shard_tokens, info.status) == (ZSTD, CHUNK, SHARD, "complete")
     assert info.format_version == 2
     assert info.source_root == str(src.resolve())
     assert (info.num_samples, info.num_tokens, info.skipped) == (6, sum(LENGTHS), [])
@@ -99,7 +101,7 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
 def test_missing_loss_mask_is_stored_as_ones_and_flagged(tmp_path, assert_sample_matches_source, fmt):
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, fmt, 3, H, lengths=[1, 20, 7], loss_mask=False)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     store = Store(dst)
     assert store.has_loss_mask.tolist() == [False] * 3
     for i in range(3):
@@ -111,7 +113,7 @@ def test_missing_loss_mask_is_stored_as_ones_and_flagged(tmp_path, assert_sample
 def test_other_float_dtypes_round_trip(tmp_path, assert_sample_matches_source, dtype, name):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src, dtype=dtype)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     store = Store(dst)
     assert store.info.dtype == name
     for i in range(len(LENGTHS)):
@@ -122,9 +124,9 @@ def test_other_float_dtypes_round_trip(tmp_path, assert_sample_matches_source, d
 def test_every_codec_round_trips(tmp_path, assert_sample_matches_source, codec, config):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    convert(src, dst, workers=0, codec=codec, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(codec=codec, chunk_tokens=CHUNK))
     store = Store(dst)
-    assert store.info.codec == config
+    assert store.info.codec.to_json() == config
     for i in range(len(LENGTHS)):
         assert_sample_matches_source(store, i, LEGACY, src)
     # each sample is one shard of 7 inner chunks; those holding its rows are written: 1 + 1 + 2 + 1 + 7 + 3
@@ -144,7 +146,7 @@ def shard_index(path: Path, chunks_per_shard: int):
 def test_samples_longer_than_a_shard_span_several(tmp_path, assert_sample_matches_source):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, shard_tokens=32, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=32))
     store = Store(dst)
     assert store.info.shard_tokens == 32
     assert store.sample_starts.tolist() == [0, 32, 64, 96, 128, 256]  # 100 tokens: 4 shards; 33: 2
@@ -154,13 +156,14 @@ def test_samples_longer_than_a_shard_span_several(tmp_path, assert_sample_matche
         assert_sample_matches_source(store, i, LEGACY, src)
     assert torch.equal(store.read_sample(4, 70).input_ids, store.read_sample(4).input_ids[:70])
     with pytest.raises(ValueError, match="shard_tokens must be a multiple of chunk_tokens"):
-        convert(src, tmp_path / "other", workers=0, chunk_tokens=CHUNK, shard_tokens=40, progress=False)
+        convert(src, tmp_path / "other", workers=0, progress=False,
+                settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=40))
 
 
 def test_read_sample_max_tokens_truncates_and_reads_only_the_chunks_it_needs(tmp_path, source_sample):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    convert(src, dst, workers=0, codec="none", chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(codec="none", chunk_tokens=CHUNK))
     store = Store(dst)
     want = source_sample(LEGACY, src, "data_4.pt", 4)  # 100 tokens, 7 chunks
     row_bytes = K * H * 2 + H * 2 + 8 + 8
@@ -187,10 +190,10 @@ def test_read_sample_max_tokens_truncates_and_reads_only_the_chunks_it_needs(tmp
 def test_rerun_of_a_complete_store_is_a_no_op(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in dst.rglob("*") if p.is_file()}
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed) == (6, sum(LENGTHS), 0, 6)
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in dst.rglob("*") if p.is_file()} == before
@@ -199,20 +202,20 @@ def test_rerun_of_a_complete_store_is_a_no_op(tmp_path):
 def test_rerun_with_other_options_is_refused(tmp_path, interrupted_convert, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
     journal = (dst / JOURNAL_FILE).read_bytes()
 
     with pytest.raises(StoreError) as err:
-        convert(src, dst, workers=0, codec="lz4", chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(codec="lz4", chunk_tokens=CHUNK))
     assert str(err.value) == (
         f"{dst}: was started with codec zstd, not codec lz4: repeat that command to resume, or pass --overwrite"
     )
     with pytest.raises(StoreError, match="was started with chunk tokens 16, not chunk tokens 32: repeat"):
-        convert(src, dst, workers=0, chunk_tokens=32, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=32))
     assert (dst / JOURNAL_FILE).read_bytes() == journal
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert (report.converted_now, report.resumed) == (4, 2)
     assert_same_tree(dst, ref)
 
@@ -220,10 +223,11 @@ def test_rerun_with_other_options_is_refused(tmp_path, interrupted_convert, asse
     refused = (r"is complete but was converted with codec zstd, not codec lz4: run the command with the store's "
                r"settings to append to it, or choose another DST or pass --overwrite")
     with pytest.raises(StoreError, match=refused):
-        convert(src, dst, workers=0, codec="lz4", chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(codec="lz4", chunk_tokens=CHUNK))
     assert_same_tree(dst, ref)
-    report = convert(src, dst, workers=0, codec="lz4", chunk_tokens=CHUNK, overwrite=True, progress=False)
-    assert (report.num_samples, report.converted_now) == (6, 6) and Store(dst).info.codec == LZ4
+    report = convert(src, dst, workers=0, overwrite=True, progress=False,
+                     settings=StoreSettings(codec="lz4", chunk_tokens=CHUNK))
+    assert (report.num_samples, report.converted_now) == (6, 6) and Store(dst).info.codec.to_json() == LZ4
 
 
 def test_a_folder_that_is_not_a_store_is_left_alone(tmp_path):
@@ -232,7 +236,7 @@ def test_a_folder_that_is_not_a_store_is_left_alone(tmp_path):
     dst.mkdir()
     (dst / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="exists and is not an h5feed store; choose another DST or pass --overwrite"):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert [p.name for p in dst.iterdir()] == ["notes.txt"]
 
 
@@ -242,7 +246,7 @@ def test_a_folder_that_is_not_a_store_is_left_alone(tmp_path):
 def test_unfinished_store_is_refused_by_every_reader(tmp_path, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     for read in (Store, verify_store, describe_store):
         with pytest.raises(StoreError) as err:
             read(dst)
@@ -255,21 +259,21 @@ def test_unfinished_store_is_refused_by_every_reader(tmp_path, interrupted_conve
 def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    module = sys.modules["h5feed.conversion.converter"]
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    module = sys.modules["h5feed.conversion.plan"]
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(module, "write_atomically", killed)  # arrays created, plan not yet written
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     monkeypatch.undo()
     assert (dst / "zarr.json").exists() and not (dst / PLAN_FILE).exists()
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert (report.converted_now, report.resumed) == (6, 0)
     assert_same_tree(dst, ref)
 
@@ -277,19 +281,19 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
 def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sys.modules["h5feed.conversion.samples"], "write_info", killed)  # index and journal written, status still "converting"
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     monkeypatch.undo()
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert (report.converted_now, report.resumed) == (0, 6)
     assert_same_tree(dst, ref)
 
@@ -297,26 +301,26 @@ def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, asser
 def test_a_partial_write_left_by_a_kill_is_removed_on_resume(tmp_path, interrupted_convert, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     # chunk files are written as NAME.<id>.partial, then renamed; a SIGKILL in between leaves one behind
     (dst / "aux_hidden_states" / "c" / "5").mkdir(parents=True, exist_ok=True)
     (dst / "aux_hidden_states" / "c" / "5" / "0.0123456789abcdef0123456789abcdef.partial").write_bytes(b"half a chunk")
     (dst / "input_ids" / "c" / "5.fedcba9876543210fedcba9876543210.partial").write_bytes(b"half")
 
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert_same_tree(dst, ref)
 
 
 def test_a_journal_line_cut_short_loses_no_sample(tmp_path, interrupted_convert, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
-    interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
     with open(dst / JOURNAL_FILE, "a") as journal:  # killed (or out of disk) in the middle of a line
         journal.write('{"i": 2, "checksum": [1234')
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     assert (report.num_samples, report.converted_now, report.resumed) == (6, 4, 2)
     assert_same_tree(dst, ref)
 
@@ -343,7 +347,7 @@ def test_sigkill_at_several_moments_then_the_same_command_gives_the_same_bytes(t
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     num = 30
     legacy_source(src, (150, 300), num_samples=num, seed=5)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(dst), "--workers", "2",
                "--chunk-tokens", str(CHUNK)]
 
@@ -385,7 +389,8 @@ def test_chunks_are_the_bytes_zarr_itself_writes(tmp_path, codec):
     import zarr
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, 32, lengths=[5, 64, 70], seed=4)
-    convert(tmp_path / "src", tmp_path / "dst", workers=0, chunk_tokens=32, codec=codec, progress=False)
+    convert(tmp_path / "src", tmp_path / "dst", workers=0, progress=False,
+            settings=StoreSettings(chunk_tokens=32, codec=codec))
     group = zarr.open_group(tmp_path / "dst", mode="r")
     for name in ("aux_hidden_states", "last_hidden_states", "input_ids", "loss_mask"):
         original = group[name]

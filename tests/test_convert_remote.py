@@ -95,20 +95,22 @@ def test_a_bucket_of_pt_files_converts_to_a_folder_and_to_a_bucket_holding_the_s
         source, src_url, s3, bucket, tmp_path, cli):
     options = s3.storage_options
     local = tmp_path / "local"
-    report = h5feed.convert(src_url, local, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                            staging_dir=tmp_path / "fetch")
+    report = h5feed.convert(src_url, local, workers=0, progress=False,
+                            settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                            bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "fetch"))
     assert (report.num_samples, report.converted_now) == (N, N)
     store = h5feed.Store(local)
     assert store.info.source_root == src_url
     assert store.source_paths[:2] == ["rows_0-3/data_0.pt", "rows_0-3/data_1.pt"]
-    h5feed.convert(source, tmp_path / "from-folder", workers=0, chunk_tokens=CHUNK, progress=False)
+    h5feed.convert(source, tmp_path / "from-folder", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=CHUNK))
     assert_same_samples(store, h5feed.Store(tmp_path / "from-folder"))  # the bucket's files are the folder's
     assert not list((tmp_path / "fetch").iterdir())  # the fetched source files are gone
 
     dst, staging = f"s3://{bucket}/store", tmp_path / "staging"
     s3.proxy.reset()
-    report = h5feed.convert(src_url, dst, workers=1, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                            staging_dir=staging)
+    report = h5feed.convert(src_url, dst, workers=1, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                            bucket=h5feed.BucketOptions(storage_options=options, staging_dir=staging))
     assert (report.store, report.num_samples, report.converted_now) == (dst, N, N)
     published = bucket_objects(s3, bucket, "store")
     assert published == local_files(local)  # object for object, byte for byte: the folder's store
@@ -122,8 +124,8 @@ def test_a_bucket_of_pt_files_converts_to_a_folder_and_to_a_bucket_holding_the_s
     assert_same_samples(h5feed.Store(dst, storage_options=options), store)
 
     s3.proxy.reset()  # the same command again: nothing to do, nothing sent
-    report = h5feed.convert(src_url, dst, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                            staging_dir=staging)
+    report = h5feed.convert(src_url, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                            bucket=h5feed.BucketOptions(storage_options=options, staging_dir=staging))
     assert (report.converted_now, report.resumed) == (0, N)
     assert [r.path for r in s3.proxy.requests("PUT") if LOCK_FILE not in r.path] == []
 
@@ -132,20 +134,21 @@ def test_a_new_staging_folder_is_rebuilt_from_the_bucket_and_appends(source, src
     """Another machine (an empty staging folder) appends a new source file to a complete bucket store."""
     options = s3.storage_options
     dst = f"s3://{bucket}/store"
-    h5feed.convert(src_url, dst, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                   staging_dir=tmp_path / "first")
+    h5feed.convert(src_url, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                   bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "first"))
     extra = tmp_path / "extra"
     write_synthetic(extra, "speculators-legacy-pt", N + 1, 32, lengths=(10, 60), seed=7, layout="rows",
                     rows_per_folder=3)
     new = extra / "rows_6-9" / "data_8.pt"
     s3.client.put_object(Bucket=bucket, Key="src/rows_6-9/data_8.pt", Body=new.read_bytes())
     s3.proxy.reset()
-    report = h5feed.convert(src_url, dst, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                            staging_dir=tmp_path / "second")
+    report = h5feed.convert(src_url, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                            bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "second"))
     assert (report.num_samples, report.converted_now, report.resumed) == (N + 1, 1, N)
     assert not any(is_shard(r.path.split("/store/", 1)[1]) for r in s3.proxy.requests("GET") if "/store/" in r.path)
     whole = tmp_path / "whole"
-    h5feed.convert(src_url, whole, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options)
+    h5feed.convert(src_url, whole, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                   bucket=h5feed.BucketOptions(storage_options=options))
     appended = h5feed.Store(dst, storage_options=options)
     assert appended.source_paths[-1] == "rows_6-9/data_8.pt"
     assert_same_samples(appended, h5feed.Store(whole))
@@ -155,8 +158,8 @@ def test_a_new_staging_folder_is_rebuilt_from_the_bucket_and_appends(source, src
     s3.client.put_object(Bucket=bucket, Key="src/rows_0-3/data_1.pt", Body=(source / "rows_0-3/data_1.pt").read_bytes())
     with pytest.raises(SourceError, match=f"^{src_url}/rows_0-3/data_1.pt: changed since it was converted "
                                           r"\(size (\d+) -> \1 bytes, modified "):
-        h5feed.convert(src_url, dst, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                       staging_dir=tmp_path / "second")
+        h5feed.convert(src_url, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                       bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "second"))
 
 
 # =========================================================================== SIGKILL, one writer, not readable early
@@ -164,8 +167,9 @@ def test_a_new_staging_folder_is_rebuilt_from_the_bucket_and_appends(source, src
 
 def test_a_killed_converter_resumes_to_the_objects_of_an_uninterrupted_run(src_url, s3, bucket, tmp_path):
     options = s3.storage_options
-    h5feed.convert(src_url, f"s3://{bucket}/whole", workers=0, chunk_tokens=CHUNK, progress=False,
-                   storage_options=options, staging_dir=tmp_path / "whole-staging")
+    h5feed.convert(src_url, f"s3://{bucket}/whole", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                   bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "whole-staging"))
     dst = f"s3://{bucket}/killed"
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", src_url, dst, "--workers", "0", "--chunk-tokens",
                str(CHUNK), "--staging-dir", str(tmp_path / "staging"), *cli_options(s3)]
@@ -189,8 +193,8 @@ def test_a_killed_converter_resumes_to_the_objects_of_an_uninterrupted_run(src_u
 
     wait_for("the lock was taken", lambda: LOCK_FILE in keys())
     with pytest.raises(StoreError) as err:  # a second converter, while the first runs
-        h5feed.convert(src_url, dst, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=options,
-                       staging_dir=tmp_path / "second")
+        h5feed.convert(src_url, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                       bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "second"))
     assert err.value.path == dst
     assert f"another `h5feed convert` (host {socket.gethostname()}, pid {proc.pid}, started at " in err.value.problem
     wait_for("4 shards were published", lambda: sum(is_shard(k) for k in keys()) >= 4)
@@ -218,8 +222,8 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(src_url, s3, bucket, 
     dst = f"s3://{bucket}/store"
     holder = {"host": "trainer-7", "pid": 4242, "started_at": "2026-11-30T08:00:00+00:00", "token": "x"}
     s3.client.put_object(Bucket=bucket, Key=f"store/{LOCK_FILE}", Body=json.dumps(holder).encode())
-    kwargs = {"workers": 0, "chunk_tokens": CHUNK, "progress": False, "storage_options": s3.storage_options,
-                  "staging_dir": tmp_path / "staging"}
+    kwargs = {"workers": 0, "progress": False, "settings": h5feed.StoreSettings(chunk_tokens=CHUNK),
+              "bucket": h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging")}
     with pytest.raises(StoreError, match=r"another `h5feed convert` \(host trainer-7, pid 4242, started at "
                                          r"2026-11-30T08:00:00\+00:00, last heartbeat 20"):
         h5feed.convert(src_url, dst, **kwargs)
@@ -250,7 +254,8 @@ def test_a_holder_whose_lock_was_taken_over_learns_it_from_its_heartbeat(s3, buc
 
 
 def test_a_missing_bucket_or_prefix_and_a_foreign_folder_are_clear_errors(src_url, s3, bucket, tmp_path):
-    kwargs = {"workers": 0, "progress": False, "storage_options": s3.storage_options, "staging_dir": tmp_path / "s"}
+    kwargs = {"workers": 0, "progress": False,
+              "bucket": h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "s")}
     with pytest.raises(StoreError) as err:
         h5feed.convert(src_url, "s3://no-such-bucket-h5feed/store", **kwargs)
     assert err.value.path == "s3://no-such-bucket-h5feed/store"
@@ -264,8 +269,8 @@ def test_a_missing_bucket_or_prefix_and_a_foreign_folder_are_clear_errors(src_ur
 
 
 def test_denied_uploads_stop_naming_the_object_and_transient_faults_are_retried(src_url, s3, bucket, tmp_path):
-    kwargs = {"workers": 0, "chunk_tokens": CHUNK, "progress": False, "storage_options": s3.storage_options,
-                  "staging_dir": tmp_path / "staging"}
+    kwargs = {"workers": 0, "progress": False, "settings": h5feed.StoreSettings(chunk_tokens=CHUNK),
+              "bucket": h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging")}
     dst = f"s3://{bucket}/store"
     s3.proxy.add(Fault(status=403, code="AccessDenied", method="PUT", path="/store/last_hidden_states/c/", times=None))
     with pytest.raises(AccessDenied, match=f"^{dst}/last_hidden_states/c/\\d+/0: access denied; check the credentials"):
@@ -279,5 +284,6 @@ def test_denied_uploads_stop_naming_the_object_and_transient_faults_are_retried(
     assert h5feed.convert(src_url, dst, **kwargs).num_samples == N
     assert sorted(r.fault for r in s3.proxy.requests() if r.fault) == ["drop", "drop", "status", "status", "status"]
     whole = tmp_path / "whole"
-    h5feed.convert(src_url, whole, workers=0, chunk_tokens=CHUNK, progress=False, storage_options=s3.storage_options)
+    h5feed.convert(src_url, whole, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
+                   bucket=h5feed.BucketOptions(storage_options=s3.storage_options))
     assert bucket_objects(s3, bucket, "store") == local_files(whole)

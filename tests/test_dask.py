@@ -17,10 +17,11 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
+from h5feed import RunOptions, StoreSettings
 from h5feed.conversion.converter import convert
 from h5feed.errors import H5feedError, StoreError
 from h5feed.store import Store
-from h5feed.store.writer_state import read_journal
+from h5feed.store.journal import read_journal
 from h5feed.synthetic import write_synthetic
 
 H = 64
@@ -67,9 +68,10 @@ class KillOnce(distributed.WorkerPlugin):
 
 def test_conversion_on_a_cluster_equals_the_local_pool_byte_for_byte(tmp_path, source, cluster, assert_same_tree):
     dst, ref = tmp_path / "store", tmp_path / "ref"
-    convert(source, ref, workers=2, chunk_tokens=CHUNK, progress=False)
+    convert(source, ref, workers=2, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
-    report = convert(source, dst, scheduler=cluster.scheduler_address, chunk_tokens=CHUNK, progress=False)
+    report = convert(source, dst, progress=False, run=RunOptions(scheduler=cluster.scheduler_address),
+                     settings=StoreSettings(chunk_tokens=CHUNK))
 
     assert (report.num_samples, report.converted_now, report.resumed, report.skipped) == (12, 12, 0, [])
     assert_same_tree(dst, ref)  # shards, index, plan, journal, attributes: every file
@@ -82,12 +84,13 @@ def test_conversion_on_a_cluster_equals_the_local_pool_byte_for_byte(tmp_path, s
 
 def test_a_worker_killed_while_it_converts_has_its_sample_redone_elsewhere(tmp_path, source, cluster, assert_same_tree):
     dst, ref = tmp_path / "store", tmp_path / "ref"
-    convert(source, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(source, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     marker = tmp_path / "killed"
     with distributed.Client(cluster) as client:
         client.register_plugin(KillOnce(marker))
         try:
-            report = convert(source, dst, scheduler=cluster.scheduler_address, chunk_tokens=CHUNK, progress=False)
+            report = convert(source, dst, progress=False, run=RunOptions(scheduler=cluster.scheduler_address),
+                             settings=StoreSettings(chunk_tokens=CHUNK))
         finally:
             client.unregister_worker_plugin(KillOnce.name)
         key, pid = marker.read_text().split()
@@ -102,7 +105,7 @@ def test_a_worker_killed_while_it_converts_has_its_sample_redone_elsewhere(tmp_p
 
 def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluster, assert_same_tree):
     dst, ref = tmp_path / "store", tmp_path / "ref"
-    convert(source, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(source, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     command = [sys.executable, "-m", "h5feed.cli", "convert", str(source), str(dst), "--scheduler",
                cluster.scheduler_address, "--chunk-tokens", str(CHUNK)]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -132,7 +135,7 @@ def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluste
 def test_dask_flag_starts_a_local_cluster(tmp_path, cli, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, LEGACY, 4, H, lengths=(20, 60), seed=1)
-    convert(src, ref, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
     r = cli("convert", src, dst, "--dask", "--workers", 1, "--chunk-tokens", CHUNK)
 
@@ -147,7 +150,7 @@ def test_without_dask_the_error_says_what_to_install(tmp_path, monkeypatch):
     write_synthetic(src, LEGACY, 2, H, lengths=[5, 9])
     monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` raises ImportError
     with pytest.raises(H5feedError) as err:
-        convert(src, dst, scheduler="local", progress=False)
+        convert(src, dst, progress=False, run=RunOptions(scheduler="local"))
     assert str(err.value) == ("converting on Dask needs Dask distributed, which is not installed: "
                               "pip install 'h5feed[dask]'")
     assert not dst.exists()
@@ -155,9 +158,9 @@ def test_without_dask_the_error_says_what_to_install(tmp_path, monkeypatch):
 
 def test_workers_are_the_clusters_own(tmp_path):
     with pytest.raises(ValueError, match="the cluster at tcp://127.0.0.1:8786 has the workers it has"):
-        convert(tmp_path, tmp_path / "store", scheduler="tcp://127.0.0.1:8786", workers=4)
+        convert(tmp_path, tmp_path / "store", workers=4, run=RunOptions(scheduler="tcp://127.0.0.1:8786"))
     with pytest.raises(ValueError, match="workers=0 converts in this process; with a scheduler, give 1 or more"):
-        convert(tmp_path, tmp_path / "store", scheduler="local", workers=0)
+        convert(tmp_path, tmp_path / "store", workers=0, run=RunOptions(scheduler="local"))
 
 
 def test_the_cli_refuses_workers_with_a_scheduler_without_a_traceback(tmp_path, capsys):

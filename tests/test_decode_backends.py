@@ -21,7 +21,15 @@ from test_batching import H as BATCHING_H
 from test_loader_trust import assert_a_killed_worker_is_named, stores  # noqa: F401 (stores: fixture)
 from test_trainers import assert_same
 
-from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, ThreadsOptions, trainer_collate
+from h5feed import (
+    BatchLoader,
+    HiddenStatesDataset,
+    HiddenStatesStream,
+    StoreSettings,
+    StreamLoader,
+    ThreadsOptions,
+    trainer_collate,
+)
 from h5feed.gpu import why_unavailable
 from h5feed.loading.backends import BACKENDS, DecodeBackend
 from h5feed.loading.backends.cuda import CudaOptions, store_refusal
@@ -289,7 +297,8 @@ def test_auto_stays_on_the_cpu_for_a_store_the_gpu_cannot_decode(tmp_path: Path,
     from h5feed.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, 32, lengths=[5, 9, 3], seed=1)
-    convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=16, codec="none", progress=False)
+    convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False,
+            settings=StoreSettings(chunk_tokens=16, codec="none"))
     assert store_refusal(Store(tmp_path / "store")) is not None
     monkeypatch.setitem(BACKENDS, "cuda", _GpuStandIn)
     monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: 1.0)

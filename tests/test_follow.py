@@ -8,6 +8,7 @@ published when is decided by the test, not by timing.  Samples are told apart by
 from __future__ import annotations
 
 import json
+import os
 import logging
 import re
 import signal
@@ -22,7 +23,16 @@ import torch
 from conftest import make_stream, torchrun
 
 import h5feed
-from h5feed import Follow, HiddenStatesDataset, HiddenStatesStream, StoreError, StreamLoader, open_writer
+from h5feed import (
+    Follow,
+    HiddenStatesDataset,
+    HiddenStatesStream,
+    StoreError,
+    StoreSettings,
+    StreamLoader,
+    WriteOptions,
+    open_writer,
+)
 from h5feed.loading import follow as follow_module
 from h5feed.loading.follow import FollowedPositions, FollowedShare
 from h5feed.metrics import LoaderCounters
@@ -31,6 +41,7 @@ from h5feed.synthetic import write_synthetic
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # the writers run this checkout's h5feed
 SAFETY_S = 60.0  # an idle bound so that a regression ends a test instead of hanging it; no test waits for it
 
 
@@ -44,7 +55,8 @@ def samples(tmp_path_factory) -> list[dict]:
 
 
 def writer_for(dst: Path) -> h5feed.StoreWriter:
-    return open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=N)
+    return open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                       writing=WriteOptions(publish_every=N))
 
 
 def published(writer, samples: list[dict], first: int, last: int) -> None:
@@ -285,7 +297,8 @@ def test_a_follower_opens_a_store_whose_writer_has_published_nothing_yet(samples
                                                                           before_first):
     dst = tmp_path / "store"
     looked = looked_at_by_the_follower(monkeypatch)
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=2) as writer:
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                     writing=WriteOptions(publish_every=2)) as writer:
         if before_first == "appended unpublished":
             writer.append(samples[0], name="data_0.pt")
             with pytest.raises(StoreError, match=r"conversion has not finished \(status 'converting'\); it is being "
@@ -316,18 +329,19 @@ def test_a_store_whose_writer_let_it_go_with_nothing_published_is_refused_saying
                        "no sample leaves an empty folder\\) and no writer holds it"):
         follower(empty)
     killed = tmp_path / "killed"  # a writer that journaled a sample and died before it published one
-    script = ("import sys, torch, os, h5feed\nw = h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64,"
-              " publish_every=5)\nw.append(torch.load(sys.argv[2], weights_only=True))\nos._exit(0)\n")
+    script = ("import sys, torch, os, h5feed\nw = h5feed.open_writer(sys.argv[1], settings=h5feed.StoreSettings("
+              "chunk_tokens=16, shard_tokens=64), writing=h5feed.WriteOptions(publish_every=5))\n"
+              "w.append(torch.load(sys.argv[2], weights_only=True))\nos._exit(0)\n")
     source = tmp_path / "one.pt"
     torch.save(samples[0], source)
-    subprocess.run([sys.executable, "-c", script, str(killed), str(source)], check=True)
+    subprocess.run([sys.executable, "-c", script, str(killed), str(source)], check=True, env=ENV)
     with pytest.raises(StoreError, match=r"killed: no writer holds it and it has no published sample: its writer "
                        r"\(`h5feed.open_writer`\) let it go before publishing one"):
         follower(killed)
     with pytest.raises(StoreError, match=r"conversion has not finished \(status 'converting'\); its writer "
                        r"\(`h5feed.open_writer`\) let it go before publishing a sample: open_writer on it again"):
         h5feed.Store(killed)
-    with open_writer(killed, chunk_tokens=CHUNK, shard_tokens=SHARD):  # which publishes the journaled sample
+    with open_writer(killed, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)):  # which publishes the journaled sample
         pass
     assert ids_of(list(follower(killed)), samples) == ids_of(list(follower(f"file://{killed}")), samples) == [0]
 
@@ -355,7 +369,8 @@ CRASHING_WRITER = """
 import json, sys, time, torch, h5feed
 store, source, options, ready, upto, unpublished, end = sys.argv[1:]
 samples = torch.load(source, weights_only=True)
-w = h5feed.open_writer(store, writer="w0", chunk_tokens=16, shard_tokens=64, publish_every=1000, **json.loads(options))
+w = h5feed.open_writer(store, writer="w0", settings=h5feed.StoreSettings(chunk_tokens=16, shard_tokens=64),
+                      writing=h5feed.WriteOptions(publish_every=1000), bucket=h5feed.BucketOptions(**json.loads(options)))
 for i in range(w.report.samples, int(upto)):  # a restarted writer resumes after what it journaled
     w.append(samples[i], name=f"data_{i}.pt")
     if i + 1 == int(upto) - int(unpublished):
@@ -371,12 +386,13 @@ else:
 def writer_process(store: str | Path, tmp_path: Path, samples: list[dict], upto: int, unpublished: int = 0,
                    end: str = "hang", options: dict | None = None) -> subprocess.Popen:
     """Writer 'w0' in a process of its own: appends samples up to `upto` (after what it journaled before), the last
-    `unpublished` of them journaled but not published, then hangs until killed (or, `end="close"`, closes)."""
+    `unpublished` of them journaled but not published, then hangs until killed (or, `end="close"`, closes).
+    `options`: its `BucketOptions` (storage_options, staging_dir), for a store in a bucket."""
     source, ready = tmp_path / "samples.pt", tmp_path / f"ready-{time.monotonic_ns()}"
     if not source.exists():
         torch.save(samples, source)
     process = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(store), str(source),
-                                json.dumps(options or {}), str(ready), str(upto), str(unpublished), end])
+                                json.dumps(options or {}), str(ready), str(upto), str(unpublished), end], env=ENV)
     deadline = time.monotonic() + SAFETY_S
     while not ready.exists():
         assert process.poll() is None and time.monotonic() < deadline
@@ -520,7 +536,7 @@ def rank_main(argv: list[str]) -> None:
 SLOW_WRITER = """
 import sys, time, torch, h5feed
 samples = torch.load(sys.argv[2], weights_only=True)
-with h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64, publish_every=1) as w:
+with h5feed.open_writer(sys.argv[1], settings=h5feed.StoreSettings(chunk_tokens=16, shard_tokens=64), writing=h5feed.WriteOptions(publish_every=1)) as w:
     open(sys.argv[3], "w").close()  # holds the store now
     for i, sample in enumerate(samples):
         w.append(sample, name=f"data_{i}.pt")
@@ -534,7 +550,7 @@ def test_two_gloo_ranks_following_a_writer_take_the_same_number_of_steps(samples
     torch.save(samples[:11], tmp_path / "samples.pt")  # 11: the last round of 2 ranks is short
     holding = tmp_path / "holding"
     writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(dst), str(tmp_path / "samples.pt"),
-                               str(holding)])
+                               str(holding)], env=ENV)
     try:
         while not holding.exists():
             assert writer.poll() is None

@@ -21,7 +21,7 @@ from s3_server import bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, buc
 from safetensors.torch import save_file
 
 import h5feed
-from h5feed import BatchLoader, HiddenStatesDataset, StoreError
+from h5feed import BatchLoader, HiddenStatesDataset, StoreError, StoreSettings
 from conftest import make_batch_loader
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
@@ -82,8 +82,8 @@ def pairs(tmp_path_factory):
             root = tmp_path_factory.mktemp(fmt)
             write_synthetic(root / "src", fmt, N, H, K, lengths=LENGTHS, seed=11)
             for name, precision in (("exact", "exact"), ("fp8", "fp8")):
-                h5feed.convert(root / "src", root / name, workers=0, chunk_tokens=16, progress=False,
-                               precision=precision)
+                h5feed.convert(root / "src", root / name, workers=0, progress=False,
+                               settings=h5feed.StoreSettings(chunk_tokens=16, precision=precision))
             _write_fp8_files(Store(root / "exact"), root / "fp8_files")
             made[fmt] = Pair(root / "src", root / "exact", root / "fp8", root / "fp8_files")
         return made[fmt]
@@ -441,7 +441,8 @@ def test_bench_runs_no_baseline_on_a_lossy_store(tmp_path):
     from h5feed.bench.loaders import BASELINE
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, K, lengths=(20, 40), seed=5)
-    h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(precision="fp8"))
     result = run_bench(tmp_path / "fp8", workers=0, max_len=32, cold=False,
                        loaders=[BASELINE, "BatchLoader-threads", "StreamLoader"], progress=False)
     assert result.checks == {"BatchLoader-threads": "reference", "StreamLoader": "equal"}
@@ -455,14 +456,15 @@ def test_a_rerun_must_ask_for_the_same_precision_and_an_append_is_quantized_too(
     (tmp_path / "later").mkdir()
     for i in (4, 5):  # files SRC gets after the first conversion
         (src / f"data_{i}.pt").rename(tmp_path / "later" / f"data_{i}.pt")
-    h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, settings=h5feed.StoreSettings(precision="fp8"))
     with pytest.raises(StoreError) as refused:
         h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False)
     assert "converted with precision fp8, not precision exact: " in refused.value.problem
     assert "pass --overwrite" in refused.value.problem
     for i in (4, 5):
         (tmp_path / "later" / f"data_{i}.pt").rename(src / f"data_{i}.pt")
-    report = h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+    report = h5feed.convert(src, tmp_path / "fp8", workers=0, progress=False,
+                            settings=h5feed.StoreSettings(precision="fp8"))
     assert (report.num_samples, report.converted_now) == (6, 2)
     assert verify_store(tmp_path / "fp8", src, progress=False).ok
 
@@ -470,13 +472,13 @@ def test_a_rerun_must_ask_for_the_same_precision_and_an_append_is_quantized_too(
 def test_an_interrupted_fp8_conversion_resumes_to_the_same_bytes(tmp_path, interrupted_convert, assert_same_tree):
     src = tmp_path / "src"
     write_synthetic(src, "speculators-safetensors", 5, H, K, lengths=(4, 40), seed=4)
-    h5feed.convert(src, tmp_path / "ref", workers=0, progress=False, precision="fp8")
-    assert sorted(interrupted_convert(src, tmp_path / "store", after=2, precision="fp8")) == [0, 1]
+    h5feed.convert(src, tmp_path / "ref", workers=0, progress=False, settings=h5feed.StoreSettings(precision="fp8"))
+    assert sorted(interrupted_convert(src, tmp_path / "store", after=2, settings=StoreSettings(precision="fp8"))) == [0, 1]
     with pytest.raises(StoreError) as refused:  # resuming asks for the same precision
         h5feed.convert(src, tmp_path / "store", workers=0, progress=False)
     assert refused.value.problem == ("was started with precision fp8, not precision exact: repeat that command to "
                                      "resume, or pass --overwrite")
-    h5feed.convert(src, tmp_path / "store", workers=0, progress=False, precision="fp8")
+    h5feed.convert(src, tmp_path / "store", workers=0, progress=False, settings=h5feed.StoreSettings(precision="fp8"))
     assert_same_tree(tmp_path / "ref", tmp_path / "store")
 
 
@@ -485,8 +487,9 @@ def test_an_fp8_store_in_a_bucket_reads_as_the_local_one(pairs, s3, bucket, tmp_
     and through the node cache: the batches of the local FP8 store, which equal FP8Transfer's."""
     pair = pairs("speculators-safetensors")
     url = f"s3://{bucket}/fp8.zarr"
-    h5feed.convert(pair.src, url, workers=0, chunk_tokens=16, progress=False, precision="fp8",
-                   storage_options=s3.storage_options, staging_dir=tmp_path / "staging")
+    h5feed.convert(pair.src, url, workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16, precision="fp8"),
+                   bucket=h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging"))
     want = [flat(b) for b in BatchLoader(pair.fp8, flavor="speculators", max_len=64, batch_size=2, schedule=h5feed.ScheduleOptions(shuffle=False))]
     for cache in (None, tmp_path / "cache"):
         loader = BatchLoader(h5feed.StoreOptions(url, storage_options=s3.storage_options, cache_dir=cache),
@@ -515,8 +518,10 @@ def fp8_files(tmp_path_factory):
         tensors = load_file(str(path))
         fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
         save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(path))
-    h5feed.convert(root / "bf16", root / "from_bf16", workers=0, chunk_tokens=16, progress=False, precision="fp8")
-    h5feed.convert(root / "fp8", root / "from_fp8", workers=0, chunk_tokens=16, progress=False)
+    h5feed.convert(root / "bf16", root / "from_bf16", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16, precision="fp8"))
+    h5feed.convert(root / "fp8", root / "from_fp8", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16))
     return root
 
 
@@ -532,8 +537,8 @@ def test_fp8_files_convert_to_the_store_a_bf16_conversion_to_fp8_makes(fp8_files
     report = verify_store(store.path, fp8_files / "fp8", progress=False)
     assert report.ok and report.samples_checked == N, report.mismatches
     for precision in ("exact", "fp8"):  # an FP8 source's store is FP8 whichever was asked: a rerun has nothing to do
-        rerun = h5feed.convert(fp8_files / "fp8", store.path, workers=0, chunk_tokens=16, progress=False,
-                               precision=precision)
+        rerun = h5feed.convert(fp8_files / "fp8", store.path, workers=0, progress=False,
+                               settings=h5feed.StoreSettings(chunk_tokens=16, precision=precision))
         assert (rerun.num_samples, rerun.converted_now) == (N, 0)
 
 
@@ -596,8 +601,8 @@ def test_vllm_files_of_the_fp8_connector_convert_to_an_fp8_store(tmp_path, asser
         tensors = load_file(str(path))
         fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
         save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(path))
-    h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, chunk_tokens=16, progress=False,
-                   last_state_norm="pre")
+    h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16, last_state_norm="pre"))
     store = Store(tmp_path / "store")
     assert (store.info.source_format, store.info.num_aux_layers, store.info.precision, store.info.lossy) == (
         "vllm-safetensors", K, "fp8", False)
@@ -646,7 +651,8 @@ def test_the_extreme_scales_an_fp8_writer_makes_are_accepted(tmp_path):
     fp8, scales = quantize_tensor_to_fp8(layers)
     assert scales[0].item() == np.float32(1e-12) and scales[1].item() == np.float32(3.4028234663852886e38 / 448)
     save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, str(files[0]))
-    h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, last_state_norm="pre")
+    h5feed.convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(last_state_norm="pre"))
     assert verify_store(tmp_path / "store", tmp_path / "src", progress=False).ok
 
 
@@ -661,13 +667,14 @@ def test_a_token_holding_nan_or_inf_is_refused_by_an_fp8_conversion_and_kept_by_
     d["hidden_states"][layer][3, 5] = value
     torch.save(d, files[2])
     with pytest.raises(h5feed.SourceError) as refused:
-        h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8")
+        h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False,
+                       settings=h5feed.StoreSettings(precision="fp8"))
     assert refused.value.path == str(files[2])
     assert refused.value.problem.startswith(f"token 3 holds {value} in {place} (value 5 of {H}), and quantized to "
                                             "FP8 every value of that token would be NaN")
-    skipped = h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8",
-                             skip_bad=True, overwrite=True)
-    assert (skipped.num_samples, Store(tmp_path / "fp8").info.skipped[0]["path"]) == (3, "data_2.pt")
+    skipped = h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, overwrite=True,
+                             settings=h5feed.StoreSettings(precision="fp8"), skips=h5feed.SkipPolicy(skip_bad=True))
+    assert (skipped.num_samples, Store(tmp_path / "fp8").info.skipped[0].path) == (3, "data_2.pt")
     h5feed.convert(tmp_path / "src", tmp_path / "exact", workers=0, progress=False)
     assert verify_store(tmp_path / "exact", tmp_path / "src", progress=False).ok
 
@@ -677,7 +684,8 @@ def test_an_fp8_writer_refuses_a_token_holding_nan_or_inf_and_keeps_the_others(t
     files = write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, K, lengths=(8, 20), seed=6)
     samples = [torch.load(f, weights_only=True) for f in files]
     samples[1]["hidden_states"][0][2, 7] = float("-inf")
-    with h5feed.open_writer(tmp_path / "w", precision="fp8", chunk_tokens=16, write_behind=write_behind) as writer:
+    with h5feed.open_writer(tmp_path / "w", settings=h5feed.StoreSettings(precision="fp8", chunk_tokens=16),
+                            writing=h5feed.WriteOptions(write_behind=write_behind)) as writer:
         writer.append(samples[0], name="data_0.pt")
         with pytest.raises(h5feed.SourceError) as refused:
             writer.append(samples[1], name="data_1.pt")

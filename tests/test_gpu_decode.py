@@ -9,6 +9,7 @@ producing it fails here rather than silently covering less.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import subprocess
@@ -163,7 +164,7 @@ def pack(frames: list[bytes], gap: int = 3) -> tuple[np.ndarray, list[tuple[int,
 def store_frames() -> list[bytes]:
     """Frames as the store writes them: bf16-like activations of odd token counts (leftover blocks), token ids."""
     rng = np.random.default_rng(3)
-    encode_hidden = frame_encoder(chunk_codec("zstd") | {"blocksize": 1 << 14}, 2)
+    encode_hidden = frame_encoder(dataclasses.replace(chunk_codec("zstd"), blocksize=1 << 14), 2)
     frames = [encode_hidden(activations(t, 48, index=t).view(torch.uint16).numpy()) for t in (256, 255, 77, 3, 1)]
     frames += [encode(rng.integers(0, 32000, n).astype(np.int64), blocksize=1 << 12) for n in (256, 1000, 7)]
     frames += [encode(rng.normal(size=n).astype(np.float32)) for n in (10, 70_001)]
@@ -244,7 +245,7 @@ def test_placements_write_row_ranges_of_a_batch():
     """Chunks of two samples placed into rows of one batch with the first row dropped (a shifted key) and the
     last chunk cut at the sample's end; blocks of 16 KiB, so placements start and end inside blocks."""
     width, c = 3 * 48, 256
-    encode_hidden = frame_encoder(chunk_codec("zstd") | {"blocksize": 1 << 14}, 2)
+    encode_hidden = frame_encoder(dataclasses.replace(chunk_codec("zstd"), blocksize=1 << 14), 2)
     samples = [activations(3 * c, 48, index=0), activations(2 * c, 48, index=1)]
     lengths = [700, 300]
     frames = [encode_hidden(s[k * c : (k + 1) * c].view(torch.uint16).numpy()) for s in samples

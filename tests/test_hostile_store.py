@@ -25,7 +25,7 @@ import torch
 import zarr
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
-from h5feed import BatchLoader, HiddenStatesDataset, convert
+from h5feed import BatchLoader, HiddenStatesDataset, StoreSettings, convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.io import open_url
 from h5feed.store import Store
@@ -47,7 +47,7 @@ MAX_SECONDS = 10.0
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hostile")
     write_synthetic(root / "src", "speculators-legacy-pt", len(LENGTHS), H, lengths=LENGTHS, seed=2)
-    convert(root / "src", root / "store", workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(root / "src", root / "store", workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     return root / "store"
 
 

@@ -204,12 +204,12 @@ def test_a_store_converted_through_garbled_uploads_holds_the_bytes_of_a_clean_ru
     from h5feed.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 4, 32, lengths=(10, 40), seed=3)
-    kwargs = {"workers": 0, "chunk_tokens": 16, "progress": False}
+    kwargs = {"workers": 0, "progress": False, "settings": h5feed.StoreSettings(chunk_tokens=16)}
     h5feed.convert(tmp_path / "src", tmp_path / "clean", **kwargs)
     for part in ("/aux_hidden_states/c/", "/index/", "/zarr.json"):
         s3.proxy.add(Fault(flip_request_byte=5, method="PUT", path=f"/store{part}", times=2))
-    report = h5feed.convert(tmp_path / "src", f"s3://{bucket}/store", storage_options=s3.storage_options,
-                            staging_dir=tmp_path / "staging", **kwargs)
+    report = h5feed.convert(tmp_path / "src", f"s3://{bucket}/store", **kwargs,
+                            bucket=h5feed.BucketOptions(storage_options=s3.storage_options, staging_dir=tmp_path / "staging"))
     assert report.num_samples == 4
     assert [r.fault for r in s3.proxy.requests("PUT")].count("flip") == 6
     keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket=bucket, Prefix="store/")["Contents"]]

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, convert, trainer_collate
+from h5feed import (
+    BatchLoader,
+    HiddenStatesDataset,
+    HiddenStatesStream,
+    StoreSettings,
+    StreamLoader,
+    convert,
+    trainer_collate,
+)
 from h5feed.errors import WorkerDiedError
 from h5feed.gpu import why_unavailable
 from h5feed.store import Store
@@ -39,7 +47,7 @@ def make_store(root: Path, name: str) -> Path:
     src = root / "src"
     if not src.exists():
         write_synthetic(src, "speculators-legacy-pt", N, H, lengths=LENGTHS, seed=5)
-    convert(src, root / name, workers=0, chunk_tokens=CHUNK, progress=False)
+    convert(src, root / name, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     return root / name
 
 

@@ -5,6 +5,7 @@ h5feed left resumes, and `h5feed convert` and the writers keep excluding each ot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import multiprocessing.synchronize
@@ -20,20 +21,18 @@ import pytest
 import torch
 
 import h5feed
-from h5feed import Follow, HiddenStatesStream, StoreError, convert, open_writer
+from h5feed import Follow, HiddenStatesStream, StoreError, StoreSettings, WriteOptions, convert, open_writer
 from h5feed.conversion.lock import WriterLock
 from h5feed.conversion.samples import array_rows, grow_arrays, rows_taken
 from h5feed.store import Store
+from h5feed.store.journal import JOURNAL_FILE, journal_records, read_journal
 from h5feed.store.layout import object_key
 from h5feed.store.writer_state import (
-    JOURNAL_FILE,
     LOCK_FILE,
     WRITERS_DIR,
     WriterFiles,
     being_converted,
     current_writer,
-    journal_records,
-    read_journal,
 )
 from h5feed.synthetic import write_synthetic
 
@@ -58,7 +57,8 @@ def make_sample(w: int, i: int) -> dict:
 
 
 def writer_options(w: int) -> dict:
-    return {"chunk_tokens": CHUNK, "shard_tokens": SHARD, "block_shards": BLOCK, "publish_every": PUBLISH_EVERY[w]}
+    return {"settings": StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+            "writing": WriteOptions(block_shards=BLOCK, publish_every=PUBLISH_EVERY[w])}
 
 
 def append_samples(store: str, w: int, count: int, pause: float, opened: multiprocessing.synchronize.Barrier) -> None:
@@ -148,7 +148,7 @@ class Reader(threading.Thread):
 
 
 def single_writer_store(dst: Path, counts: dict[int, int]) -> Store:
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         for w, n in counts.items():
             for i in range(n):
                 writer.append(make_sample(w, i), name=name_of(w, i))
@@ -258,11 +258,12 @@ def legacy_store(tmp_path: Path, n: int, published: int) -> Path:
     """A store as one writer of an earlier h5feed leaves it when killed: its journal at the top in that writer's
     records, no writers' folder, `published` of the n journaled samples in the index, the arrays grown past them."""
     work = tmp_path / "work"
-    with open_writer(work, chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=published) as writer:
+    with open_writer(work, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                     writing=WriteOptions(publish_every=published)) as writer:
         for i in range(published):
             writer.append(make_sample(0, i), name=name_of(0, i))
     shutil.copytree(work, tmp_path / "published")  # its index then
-    with open_writer(work, chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(work, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         for i in range(published, n):
             writer.append(make_sample(0, i), name=name_of(0, i))
     dst = tmp_path / "legacy"
@@ -271,9 +272,9 @@ def legacy_store(tmp_path: Path, n: int, published: int) -> Path:
     shutil.copytree(tmp_path / "published" / "index", dst / "index")
     shutil.copy(tmp_path / "published" / "zarr.json", dst / "zarr.json")
     shutil.rmtree(dst / WRITERS_DIR)
-    records = [{k: v for k, v in r.items() if k != "block_end"}
-               for r in journal_records(dst / JOURNAL_FILE) if "i" in r]  # an earlier writer's: samples only
-    (dst / JOURNAL_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = [dataclasses.replace(r, block_end=None)
+               for r in journal_records(dst / JOURNAL_FILE) if r.i is not None]  # an earlier writer's: samples only
+    (dst / JOURNAL_FILE).write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     grow_arrays(dst, 2 * array_rows(dst), durable=False)  # it doubled them when outgrown
     (dst / LOCK_FILE).write_text(json.dumps({"by": "`h5feed.open_writer`", "host": "gone", "pid": 1,
                                              "started_at": "then", "semaphores": []}))  # its kill left the lock file
@@ -284,7 +285,7 @@ def test_a_store_one_writer_of_an_earlier_h5feed_left_resumes_and_takes_new_writ
     dst = legacy_store(tmp_path, 7, published=4)
     assert len(Store(dst)) == 4
     caplog.set_level("INFO", logger="h5feed")
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD) as old, \
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as old, \
             open_writer(dst, writer="w1", **writer_options(1)) as new:
         assert f"resuming: 7 samples kept, the last one {name_of(0, 6)!r}; samples appended after it were lost" \
             in caplog.text
@@ -298,11 +299,13 @@ def test_a_store_one_writer_of_an_earlier_h5feed_left_resumes_and_takes_new_writ
 def test_convert_and_the_writers_exclude_each_other_and_readers_are_told_who_writes(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, "speculators-legacy-pt", 2, H, lengths=(4, 8), seed=1)
-    a = open_writer(dst, writer="a", chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=100)
+    a = open_writer(dst, writer="a", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                    writing=WriteOptions(publish_every=100))
     assert being_converted(dst) == (f"it is being written now by `h5feed.open_writer` (writer 'a', host "
                                     f"{os.uname().nodename}, pid {os.getpid()}, started at "
                                     f"{current_writer(dst)['started_at']}): no sample written yet; wait for it to finish")
-    b = open_writer(dst, writer="b", chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=100)
+    b = open_writer(dst, writer="b", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                    writing=WriteOptions(publish_every=100))
     a.append(make_sample(0, 0), name="a0")
     b.append(make_sample(0, 1), name="b0")
     b.append(make_sample(0, 2), name="b1")
@@ -320,7 +323,7 @@ def test_convert_and_the_writers_exclude_each_other_and_readers_are_told_who_wri
         open_writer(dst, writer="a")
     with pytest.raises(StoreError, match=r"was written with shard tokens 64, not shard tokens 128: open every writer "
                                          "of a store with its settings"):
-        open_writer(dst, writer="c", chunk_tokens=CHUNK, shard_tokens=128)
+        open_writer(dst, writer="c", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=128))
     assert [w["writer"] for w in current_writer(dst)["writers"]] == ["a", "b"]
     a.close()
     assert current_writer(dst)["writer"] == "b" and "writers" not in current_writer(dst)
@@ -332,5 +335,5 @@ def test_convert_and_the_writers_exclude_each_other_and_readers_are_told_who_wri
         for refused in (lambda: open_writer(dst, writer="a"), lambda: WriterLock.acquire(dst)):
             with pytest.raises(StoreError, match=rf"another `h5feed convert` \({host}\) is writing this store"):
                 refused()
-    with open_writer(dst, writer="a", chunk_tokens=CHUNK, shard_tokens=SHARD):  # let go: writers may take it
+    with open_writer(dst, writer="a", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)):  # let go: writers may take it
         pass

@@ -23,7 +23,8 @@ import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, Store, StreamLoader
 from h5feed.errors import CorruptSampleError
 from h5feed.io import AccessDenied, IOStats, ObjectNotFound, cache_state, open_url
-from h5feed.store.layout import CHECKSUMMED, TOKEN_ARRAYS, object_key, shard_index_nbytes
+from h5feed.store.format import CHECKSUMMED, TOKEN_ARRAYS
+from h5feed.store.layout import object_key, shard_index_nbytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

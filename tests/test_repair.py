@@ -33,7 +33,7 @@ def converted(tmp_path: Path, num: int = 6, hidden: int = 32, lengths=(20, 60)) 
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, "speculators-legacy-pt", num, hidden, lengths=lengths, seed=3)
     for store in (dst, ref):
-        h5feed.convert(src, store, workers=0, chunk_tokens=CHUNK, progress=False)
+        h5feed.convert(src, store, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK))
     return src, dst, ref
 
 
@@ -128,7 +128,7 @@ def test_damaged_array_metadata_is_a_short_error_then_rebuilt(tmp_path, cli, ass
 
 def test_a_store_written_by_open_writer_cannot_be_repaired_from_sources(tmp_path, cli):
     dst = tmp_path / "written"
-    with h5feed.open_writer(dst, chunk_tokens=CHUNK, shard_tokens=64) as writer:
+    with h5feed.open_writer(dst, settings=h5feed.StoreSettings(chunk_tokens=CHUNK, shard_tokens=64)) as writer:
         writer.append({"input_ids": torch.arange(20), "hidden_states": [torch.randn(20, 8, dtype=torch.bfloat16)
                                                                          for _ in range(4)]})
     r = cli("repair", dst)
@@ -217,7 +217,7 @@ def test_drop_unrecoverable_drops_the_sample_records_why_and_convert_leaves_it(t
     assert cli("verify", dst).status == 0
     assert_samples_are(dst, ref, [0, 1, 3, 4, 5])  # the sound ones untouched, the repaired one as converted
     [skip] = Store(dst).info.skipped
-    assert skip["path"] == relpath and skip["problem"].startswith("dropped by `h5feed repair --drop-unrecoverable`: ")
+    assert skip.path == relpath and skip.problem.startswith("dropped by `h5feed repair --drop-unrecoverable`: ")
     inspected = cli("inspect", dst)
     assert f"  skipped {relpath}: dropped by `h5feed repair --drop-unrecoverable`" in inspected.stdout
     assert "samples            5" in inspected.stdout
@@ -238,8 +238,8 @@ def test_drop_unrecoverable_drops_the_sample_records_why_and_convert_leaves_it(t
     assert r.status == 0, r.output
     store = Store(dst)
     if change == "gone":  # still no file: still skipped, now saying so
-        assert len(store) == 5 and [s["path"] for s in store.info.skipped] == [relpath]
-        assert "--retry-skipped found no file to try again" in store.info.skipped[0]["problem"]
+        assert len(store) == 5 and [s.path for s in store.info.skipped] == [relpath]
+        assert "--retry-skipped found no file to try again" in store.info.skipped[0].problem
     else:  # the file as it is now, appended after the others
         assert len(store) == 6 and store.info.skipped == [] and store.source_paths[-1] == relpath
     assert h5feed.verify_store(dst, src, progress=False).ok
@@ -255,7 +255,7 @@ def test_the_python_api_drops_as_the_cli_does_and_reports_it(tmp_path, flip_byte
     report = h5feed.repair(dst, progress=False, drop_unrecoverable=True)
     assert report.ok and report.unrecoverable == [] and report.repaired == []
     assert [(m.sample, m.source_path) for m in report.dropped] == [(5, relpath)]
-    assert report.dropped[0].problem == Store(dst).info.skipped[0]["problem"]
+    assert report.dropped[0].problem == Store(dst).info.skipped[0].problem
     assert_samples_are(dst, ref, [0, 1, 2, 3, 4])
 
 

@@ -49,7 +49,8 @@ def captured(tmp_path_factory) -> Any:
         if algorithm not in made:
             root = tmp_path_factory.mktemp(algorithm)
             write_capture(root / "src", algorithm)
-            h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=8, progress=False)
+            h5feed.convert(root / "src", root / "store", workers=0, progress=False,
+                           settings=h5feed.StoreSettings(chunk_tokens=8))
             made[algorithm] = root / "src", h5feed.Store(root / "store")
         return made[algorithm]
 
@@ -142,9 +143,11 @@ def test_an_fp8_stores_items_are_fp8transfers_dequantization(tmp_path: Path, ass
     """An FP8 store (`--precision fp8`): the items' hidden states are what hs-connectors' FP8Transfer returns for
     the same states quantized by its fp8 backend; ids and masks as SpecForge reads them."""
     write_capture(tmp_path / "src", algorithm)
-    h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, chunk_tokens=8, progress=False, precision="fp8")
+    h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=8, precision="fp8"))
     exact_dir = tmp_path / "exact"
-    h5feed.convert(tmp_path / "src", exact_dir, workers=0, chunk_tokens=8, progress=False)
+    h5feed.convert(tmp_path / "src", exact_dir, workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=8))
     exact = h5feed.Store(exact_dir)
     (tmp_path / "files").mkdir()
     for i in range(len(exact)):

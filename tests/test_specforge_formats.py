@@ -79,7 +79,7 @@ def write_capture(root: Path, algorithm: str, lengths=LENGTHS, compress: bool = 
 
 
 def convert(src: Path, dst: Path) -> h5feed.Store:
-    h5feed.convert(src, dst, workers=0, chunk_tokens=8, progress=False)
+    h5feed.convert(src, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=8))
     return h5feed.Store(dst)
 
 
@@ -108,7 +108,7 @@ def test_dflash_family_files_convert_bit_exact_with_h_from_the_verifiers_config(
     assert (info.source_format, info.hidden_size, info.num_aux_layers, info.dtype) == (
         "specforge-dflash-ckpt", H, K, "bfloat16")
     assert (info.has_last_state, info.last_state_norm, len(store)) == (False, None, len(LENGTHS))
-    assert (tmp_path / "dst" / info.companions["config.json"]["copy"]).read_bytes() == (
+    assert (tmp_path / "dst" / info.companions["config.json"].copy).read_bytes() == (
         tmp_path / "src" / "config.json").read_bytes()
     assert_store_holds_what_specforge_reads(store, tmp_path / "src", "hidden_states", None)
 

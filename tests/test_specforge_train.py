@@ -62,7 +62,8 @@ def run(tmp_path_factory) -> Path:
                                  eos_token_id=2)).to(torch.bfloat16).save_pretrained(root / "verifier")
     for algorithm in ALGORITHMS:
         write_capture(root / algorithm / "hs", algorithm)
-        h5feed.convert(root / algorithm / "hs", root / algorithm / "hs.zarr", workers=0, chunk_tokens=8, progress=False)
+        h5feed.convert(root / algorithm / "hs", root / algorithm / "hs.zarr", workers=0, progress=False,
+                       settings=h5feed.StoreSettings(chunk_tokens=8))
         (root / algorithm / "draft.json").write_text(json.dumps(draft_config(algorithm)))
     return root
 

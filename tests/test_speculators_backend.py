@@ -41,7 +41,8 @@ def run(tmp_path_factory):
     """speculators' data folder (Arrow dataset + hidden_states/hs_{i}.safetensors), its store, and a tiny verifier."""
     root = tmp_path_factory.mktemp("speculators_run")
     write_synthetic(root / "data", "speculators-safetensors", NUM_SAMPLES, H, num_aux_layers=K, lengths=LENGTHS, seed=5)
-    h5feed.convert(root / "data", root / "hs.zarr", workers=0, chunk_tokens=16, progress=False)
+    h5feed.convert(root / "data", root / "hs.zarr", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16))
     return root
 
 
@@ -153,7 +154,8 @@ def test_a_file_index_the_store_lacks_is_refused(run, tmp_path, assert_same_batc
     data = tmp_path / "data"
     shutil.copytree(run / "data", data)
     (data / "hidden_states" / "hs_8.safetensors").unlink()
-    h5feed.convert(data, tmp_path / "hs.zarr", workers=0, chunk_tokens=16, progress=False)
+    h5feed.convert(data, tmp_path / "hs.zarr", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16))
     transfer = h5feed_transfer(tmp_path / "hs.zarr")
     assert transfer.store.source_paths[8] == "hidden_states/hs_9.safetensors"
     assert_same_batch(transfer.get_cached(9), FileTransfer(data / "hidden_states").get_cached(9))
@@ -180,7 +182,8 @@ def test_a_store_with_two_files_of_one_index_is_refused(run, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(run / "data", data)
     shutil.copy(data / "hidden_states" / "hs_3.safetensors", data / "hidden_states" / "hs_03.safetensors")
-    h5feed.convert(data, tmp_path / "hs.zarr", workers=0, chunk_tokens=16, progress=False)
+    h5feed.convert(data, tmp_path / "hs.zarr", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=16))
     with pytest.raises(StoreError) as err:
         h5feed_transfer(tmp_path / "hs.zarr")
     assert str(err.value) == (

@@ -33,7 +33,8 @@ from h5feed.integrations.mooncake_local import LocalMaster, free_port
 from h5feed.integrations.speculators import H5feedBackend
 from h5feed.integrations.speculators_tap import TapBackend, TapOptions, TapTransfer, open_tap_writer
 from h5feed.store import Store
-from h5feed.store.writer_state import WriterFiles, journal_records
+from h5feed.store.journal import journal_records
+from h5feed.store.writer_state import WriterFiles
 from h5feed.synthetic import write_synthetic
 
 H, K, N = 32, 3, 8
@@ -308,7 +309,7 @@ def test_a_kill_9_loses_only_unjournaled_samples_and_a_rerun_continues(data, mas
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
     journal = WriterFiles(store, "tap-0").journal
-    journaled = {r["source_index"] for r in journal_records(journal) if "i" in r}
+    journaled = {r.source_index for r in journal_records(journal) if r.i is not None}
     assert journaled and journaled <= set(range(5))
     with pytest.raises(StoreError):  # nothing was published: the command (or the rerun) publishes it
         Store(store)

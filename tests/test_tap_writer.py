@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from h5feed import Store, StoreError, open_writer
-from h5feed.store.writer_state import WriterFiles, journal_records
+from h5feed import Store, StoreError, StoreSettings, WriteOptions, open_writer
+from h5feed.store.journal import journal_records
+from h5feed.store.writer_state import WriterFiles
 
 H, CHUNK, SHARD = 32, 16, 32
 TESTS = Path(__file__).resolve().parent
@@ -31,8 +32,8 @@ def sample(row: int, tokens: int = 12, salt: int = 0) -> dict:
 
 
 def keyed(store: Path, writer: str | None = None, **options):
-    return open_writer(store, writer=writer, chunk_tokens=CHUNK, shard_tokens=SHARD, unique_source_index=True,
-                       **options)
+    return open_writer(store, writer=writer, unique_source_index=True, **options,
+                       settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
 
 
 def stored_rows(store: Path) -> dict[int, torch.Tensor]:
@@ -59,7 +60,7 @@ def test_each_sample_is_stored_under_the_source_index_it_is_given(tmp_path):
 
 
 def test_without_the_option_a_given_source_index_is_stored_and_the_default_stays_the_samples_number(tmp_path):
-    with open_writer(tmp_path / "hs.zarr", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(tmp_path / "hs.zarr", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         writer.append(sample(0))
         writer.append(sample(1), source_index=40)
         writer.append(sample(2))
@@ -71,7 +72,7 @@ def test_a_row_another_writer_published_first_is_left_out_of_the_index(tmp_path,
     """Two writers at once: b appends rows 2, 3 and 4 after a published 1, 2 and 3; the index keeps a's 2 and 3."""
     dst = tmp_path / "hs.zarr"
     caplog.set_level("INFO", logger="h5feed")
-    with keyed(dst, "a", publish_every=100) as a, keyed(dst, "b", publish_every=100) as b:
+    with keyed(dst, "a", writing=WriteOptions(publish_every=100)) as a, keyed(dst, "b", writing=WriteOptions(publish_every=100)) as b:
         for row in (1, 2, 3):
             a.append(sample(row, salt=1), source_index=row)
         for row in (2, 3, 4):
@@ -90,7 +91,7 @@ def test_a_row_another_writer_published_first_is_left_out_of_the_index(tmp_path,
 
 
 def test_a_row_one_writer_appends_twice_is_stored_once_the_first(tmp_path):
-    with keyed(tmp_path / "hs.zarr", publish_every=100) as writer:
+    with keyed(tmp_path / "hs.zarr", writing=WriteOptions(publish_every=100)) as writer:
         writer.append(sample(5, salt=1), source_index=5)
         writer.append(sample(5, salt=2), source_index=5)
         writer.append(sample(6), source_index=6)
@@ -101,8 +102,8 @@ def test_a_row_one_writer_appends_twice_is_stored_once_the_first(tmp_path):
 
 KILLED = """
 import os, signal, sys
-from test_tap_writer import keyed, sample
-with keyed(sys.argv[1], sys.argv[2], publish_every=100) as w:
+from test_tap_writer import WriteOptions, keyed, sample
+with keyed(sys.argv[1], sys.argv[2], writing=WriteOptions(publish_every=100)) as w:
     for row in (9, 4, 6):
         w.append(sample(row), source_index=row)
     os.kill(os.getpid(), signal.SIGKILL)  # journaled, never published
@@ -114,7 +115,7 @@ def test_a_killed_writer_resumed_publishes_its_journaled_rows_under_their_source
     killed = subprocess.run([sys.executable, "-c", KILLED, str(dst), "w0"], check=False, timeout=120, env=ENV)
     assert killed.returncode == -signal.SIGKILL
     records = journal_records(WriterFiles(dst, "w0").journal)
-    assert [r["source_index"] for r in records if "i" in r] == [9, 4, 6]
+    assert [r.source_index for r in records if r.i is not None] == [9, 4, 6]
     with keyed(dst, "w1") as other:  # another writer published row 4 meanwhile
         other.append(sample(4, salt=7), source_index=4)
     with keyed(dst, "w0") as resumed:  # publishes what w0 journaled
@@ -141,10 +142,12 @@ def test_a_keyed_writer_needs_each_samples_source_index(tmp_path):
 @pytest.mark.parametrize("first_keyed", [True, False])
 def test_writers_of_the_other_kind_are_refused(tmp_path, first_keyed):
     dst = tmp_path / "hs.zarr"
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, unique_source_index=first_keyed) as writer:
+    with open_writer(dst, unique_source_index=first_keyed,
+                     settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         writer.append(sample(0), source_index=0)
     with pytest.raises(StoreError) as err:
-        open_writer(dst, writer="other", chunk_tokens=CHUNK, shard_tokens=SHARD, unique_source_index=not first_keyed)
+        open_writer(dst, writer="other", unique_source_index=not first_keyed,
+                    settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
     assert str(err.value) == (f"{dst}: was written with unique_source_index={first_keyed}, not "
                               f"unique_source_index={not first_keyed}: open every writer of a store with its settings, "
                               "or write into another store")
@@ -154,9 +157,9 @@ def test_concurrent_keyed_writers_in_processes_store_each_row_once(tmp_path):
     """Four processes append the same 8 rows each, in another order, publishing every 2: one sample per row."""
     code = """
 import sys
-from test_tap_writer import keyed, sample
+from test_tap_writer import WriteOptions, keyed, sample
 w = int(sys.argv[2])
-with keyed(sys.argv[1], f"w{w}", publish_every=2) as writer:
+with keyed(sys.argv[1], f"w{w}", writing=WriteOptions(publish_every=2)) as writer:
     for row in [(r * (2 * w + 1)) % 8 for r in range(8)]:
         writer.append(sample(row, salt=w), source_index=row)
 """

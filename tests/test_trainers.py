@@ -183,8 +183,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
             write_synthetic(root / "src", fmt, N, H, K, lengths=LENGTHS, seed=5, variant=variant, **write)
-            h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=CHUNK, progress=False,
-                           last_state_norm=last_state_norm)
+            h5feed.convert(root / "src", root / "store", workers=0, progress=False,
+                           settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm=last_state_norm))
             cache[name] = (root / "src", root / "store")
         return cache[name]
 
@@ -251,7 +251,8 @@ def test_each_pipeline_converts_bit_for_bit(made: Any, name: str) -> None:
     info = store.info
     nemo = fmt == "nemo-eagle3-cache"
     assert (info.source_format, info.hidden_size, info.num_aux_layers, info.last_state_norm) == (fmt, H, K, norm)
-    assert (info.has_last_state, info.ids_shifted, info.extra_arrays) == (not nemo, nemo, extras)
+    stored = {name: extra.record() for name, extra in info.extra_arrays.items()}
+    assert (info.has_last_state, info.ids_shifted, stored) == (not nemo, nemo, extras)
     assert info.format_version == (3 if extras or nemo or fmt == "angelslim-ckpt" else 2)
     # AngelSlim's two generator ranks took samples 0-2 and 3-5, each numbering its own from 0; NeMo keeps the
     # rows its attention_mask marks (the first of which holds token 1: the ids are shifted)
@@ -278,7 +279,7 @@ def test_angelslim_sample_order_and_kept_vocab_mapping(made: Any) -> None:
     assert store.source_indices.tolist() == [0, 0, 1, 1, 2, 2]
     kept = (dst / "companions" / "vocab_mapping.pt").read_bytes()
     assert kept == (src / "vocab_mapping.pt").read_bytes()
-    record = store.info.companions["vocab_mapping.pt"]
+    record = store.info.companions["vocab_mapping.pt"].to_json()
     assert record == {"source": "vocab_mapping.pt", "bytes": len(kept), "crc32c": h5feed.store.crc32c(kept),
                       "copy": "companions/vocab_mapping.pt"}
     (dst / "companions" / "vocab_mapping.pt").write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))
@@ -316,7 +317,8 @@ def test_conversion_in_worker_processes_writes_the_same_store(made: Any, tmp_pat
         fmt, variant, given, _, _ = STORES[name]
         src, dst = made(name, fmt, variant, given)
         again = tmp_path / name
-        h5feed.convert(src, again, workers=2, chunk_tokens=CHUNK, progress=False, last_state_norm=given)
+        h5feed.convert(src, again, workers=2, progress=False,
+                       settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm=given))
 
         def tree(root: Path) -> dict[str, bytes]:
             return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*")
@@ -387,9 +389,10 @@ def test_angelslim_position_ids_come_back_in_their_own_shape(tmp_path: Path) -> 
         t = d["input_ids"].shape[1]
         d["position_ids"] = torch.stack([torch.arange(t) + 100 * j for j in range(3)])[:, None, :]  # [3, 1, T]
         torch.save(d, path)
-    h5feed.convert(src, tmp_path / "store", workers=0, chunk_tokens=CHUNK, progress=False, last_state_norm="post")
+    h5feed.convert(src, tmp_path / "store", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm="post"))
     store = tmp_path / "store"
-    assert Store(store).info.extra_arrays["position_ids"] == {"dtype": "int64", "width": 3}
+    assert Store(store).info.extra_arrays["position_ids"].record() == {"dtype": "int64", "width": 3}
     assert_same(items(store, "angelslim"), [angelslim_item(p) for p in sources(store, src)])
     none_src = tmp_path / "none"
     write_synthetic(none_src, "angelslim-ckpt", 2, H, K, lengths=[5, 9], seed=2, variant="vllm", ranks=1)
@@ -397,8 +400,8 @@ def test_angelslim_position_ids_come_back_in_their_own_shape(tmp_path: Path) -> 
         d = torch.load(path, weights_only=True)
         d["position_ids"] = None  # the vLLM backend when its hook did not capture them
         torch.save(d, path)
-    h5feed.convert(none_src, tmp_path / "none-store", workers=0, chunk_tokens=CHUNK, progress=False,
-                   last_state_norm="post")
+    h5feed.convert(none_src, tmp_path / "none-store", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm="post"))
     assert list(Store(tmp_path / "none-store").info.extra_arrays) == ["inputs_embeds"]
     got = items(tmp_path / "none-store", "angelslim")
     assert_same(got, [angelslim_item(p) for p in sources(tmp_path / "none-store", none_src)])
@@ -462,7 +465,8 @@ def test_a_speculators_legacy_store_serves_model_optimizer(tmp_path: Path) -> No
     flagged pre-norm; the releases before the flag, and AngelSlim, need the post-norm state and refuse."""
     src = tmp_path / "src"
     write_synthetic(src, "speculators-legacy-pt", N, H, K, lengths=LENGTHS, seed=5)
-    h5feed.convert(src, tmp_path / "store", workers=0, chunk_tokens=CHUNK, progress=False)
+    h5feed.convert(src, tmp_path / "store", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=CHUNK))
     store = tmp_path / "store"
     dumps = tmp_path / "dumps"
     dumps.mkdir()
@@ -483,7 +487,8 @@ def test_a_specforge_store_serves_angelslim_and_model_optimizer(tmp_path: Path) 
     """SpecForge's post-norm last state and aux concat are exactly AngelSlim's target_hiddens and hidden_states."""
     src = tmp_path / "src"
     write_synthetic(src, "specforge-ckpt", N, H, K, lengths=LENGTHS, seed=5)
-    h5feed.convert(src, tmp_path / "store", workers=0, chunk_tokens=CHUNK, progress=False)
+    h5feed.convert(src, tmp_path / "store", workers=0, progress=False,
+                   settings=h5feed.StoreSettings(chunk_tokens=CHUNK))
     store = tmp_path / "store"
     ckpts = []
     for i, path in enumerate(sources(store, src)):
@@ -533,17 +538,20 @@ def test_model_optimizer_dumps_need_the_norm_stated(tmp_path: Path) -> None:
         "only the optional 'hidden_states_prenorm' flag says which): state it with --last-state-norm pre|post "
         "(Python: last_state_norm='pre' or 'post')"))
     assert not (tmp_path / "store").exists()
-    report = h5feed.convert(src, tmp_path / "store", workers=0, progress=False, last_state_norm="pre")
+    report = h5feed.convert(src, tmp_path / "store", workers=0, progress=False,
+                            settings=h5feed.StoreSettings(last_state_norm="pre"))
     assert (report.num_samples, Store(tmp_path / "store").info.last_state_norm) == (3, "pre")
     with pytest.raises(StoreError, match="was converted with last state norm pre, not last state norm post: "):
-        h5feed.convert(src, tmp_path / "store", workers=0, progress=False, last_state_norm="post")
+        h5feed.convert(src, tmp_path / "store", workers=0, progress=False,
+                       settings=h5feed.StoreSettings(last_state_norm="post"))
 
 
 def test_a_norm_that_contradicts_the_files_or_the_format_is_refused(tmp_path: Path) -> None:
     flagged = tmp_path / "flagged"
     write_synthetic(flagged, "modelopt-pt", 2, H, K, lengths=[5, 7], seed=1, prenorm_flag=False)
     with pytest.raises(SourceError) as info:
-        h5feed.convert(flagged, tmp_path / "a", workers=0, progress=False, last_state_norm="pre")
+        h5feed.convert(flagged, tmp_path / "a", workers=0, progress=False,
+                       settings=h5feed.StoreSettings(last_state_norm="pre"))
     assert (Path(info.value.path).name, info.value.problem) == (
         "conv_000000.pt", "says its last hidden state is post-norm, but --last-state-norm pre was given")
     h5feed.convert(flagged, tmp_path / "a", workers=0, progress=False)  # the flag says it
@@ -557,13 +565,15 @@ def test_a_norm_that_contradicts_the_files_or_the_format_is_refused(tmp_path: Pa
     legacy = tmp_path / "legacy"
     write_synthetic(legacy, "speculators-legacy-pt", 2, H, K, lengths=[5, 7], seed=1)
     with pytest.raises(SourceError) as info:
-        h5feed.convert(legacy, tmp_path / "c", workers=0, progress=False, last_state_norm="post")
+        h5feed.convert(legacy, tmp_path / "c", workers=0, progress=False,
+                       settings=h5feed.StoreSettings(last_state_norm="post"))
     assert info.value.problem == ("speculators-legacy-pt files hold the pre-norm last hidden state; "
                                   "--last-state-norm post contradicts them")
     nemo = tmp_path / "nemo"
     write_synthetic(nemo, "nemo-eagle3-cache", 2, H, K, lengths=[5, 7], seed=1)
     with pytest.raises(SourceError) as info:
-        h5feed.convert(nemo, tmp_path / "d", workers=0, progress=False, last_state_norm="pre")
+        h5feed.convert(nemo, tmp_path / "d", workers=0, progress=False,
+                       settings=h5feed.StoreSettings(last_state_norm="pre"))
     assert info.value.problem == "--last-state-norm pre was given, but nemo-eagle3-cache stores no last hidden state"
 
 

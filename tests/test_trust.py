@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import bits
 
-from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, StreamLoader, convert
-from h5feed.conversion.converter import JOURNAL_FILE
+from h5feed import HiddenStatesDataset, HiddenStatesStream, SkipPolicy, Store, StoreSettings, StreamLoader, convert
+from h5feed.store.journal import JOURNAL_FILE
 from h5feed.errors import CorruptSampleError, SourceError, StoreError
 from h5feed.store.writer_state import LOCK_FILE
 from h5feed.synthetic import write_synthetic
@@ -37,7 +37,7 @@ def make_store(tmp_path: Path, name: str = "store", **kwargs) -> tuple[Path, Pat
     if not src.exists():
         write_synthetic(src, LEGACY, len(LENGTHS), H, lengths=LENGTHS, seed=2)
     dst = tmp_path / name
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False, **kwargs)
+    convert(src, dst, workers=0, progress=False, **kwargs, settings=StoreSettings(chunk_tokens=CHUNK))
     return src, dst
 
 
@@ -138,7 +138,7 @@ def test_a_damaged_index_is_refused_at_open_and_rebuilt_by_a_rerun(tmp_path, ass
     with pytest.raises(StoreError, match="the sample index is damaged"):
         HiddenStatesDataset(dst)
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)  # the same command again
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # the same command again
     assert (report.num_samples, report.converted_now, report.resumed) == (6, 0, 6)
     assert_same_tree(dst, ref)
 
@@ -150,7 +150,7 @@ def test_swapped_starts_that_overlap_nothing_are_refused_by_the_index_digest_and
     _rewrite_index(dst, "sample_start", lambda v: v.__setitem__(slice(1, 3), v[[2, 1]]))
     with pytest.raises(StoreError, match="the sample index fails the checksum recorded at conversion"):
         Store(dst)
-    convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)  # the same command again
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # the same command again
     assert_same_tree(dst, ref)
 
 
@@ -170,7 +170,7 @@ def test_a_complete_store_without_plan_and_journal_says_what_to_run(tmp_path):
     (dst / JOURNAL_FILE).unlink()
     with pytest.raises(StoreError, match="is complete but damaged .* no plan and journal to rebuild its index from: "
                                          "pass --overwrite to convert again"):
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
 
 # --------------------------------------------------------------------------- 2. two writers
@@ -191,7 +191,7 @@ def _journal_lines(dst: Path) -> int:
 def test_a_second_converter_is_refused_and_the_store_stays_intact(tmp_path, assert_same_tree, when):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, LEGACY, 24, 128, lengths=(200, 400), seed=1)
-    convert(src, ref, workers=0, chunk_tokens=64, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=64))
     ready = {"locked": lambda: (dst / LOCK_FILE).exists(), "planned": lambda: (dst / "h5feed-plan.json").exists(),
              "converting": lambda: _journal_lines(dst) >= 1, "half-done": lambda: _journal_lines(dst) >= 12}[when]
     first = subprocess.Popen(_cli("convert", src, dst, "--workers", 1, "--chunk-tokens", 64), cwd=REPO / "src",
@@ -202,7 +202,7 @@ def test_a_second_converter_is_refused_and_the_store_stays_intact(tmp_path, asse
             time.sleep(0.005)
         assert first.poll() is None, f"the first converter finished before the point {when!r}: {first.stdout.read()}"
         with pytest.raises(StoreError) as err:
-            convert(src, dst, workers=0, chunk_tokens=64, progress=False)
+            convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=64))
         assert f"another `h5feed convert` (host {os.uname().nodename}, pid {first.pid}, started at " in str(err.value)
         assert str(err.value).endswith("is writing this store; wait for it to finish, or stop it and run this "
                                        "command again")
@@ -218,25 +218,27 @@ def test_a_second_converter_is_refused_and_the_store_stays_intact(tmp_path, asse
 def test_a_resume_that_skips_every_remaining_sample_keeps_the_converted_ones(tmp_path, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, LEGACY, 5, H, lengths=[20, 30, 5, 7, 9], seed=1)
-    assert sorted(interrupted_convert(src, dst, after=2, chunk_tokens=CHUNK)) == [0, 1]
+    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
     for f in files[2:]:
         f.write_bytes(b"junk")
 
-    report = convert(src, dst, workers=0, chunk_tokens=CHUNK, skip_bad=True, progress=False)
+    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+                     skips=SkipPolicy(skip_bad=True))
 
     assert (report.num_samples, report.converted_now, report.resumed) == (2, 0, 2)
-    assert [s["path"] for s in report.skipped] == ["data_2.pt", "data_3.pt", "data_4.pt"]
+    assert [s.path for s in report.skipped] == ["data_2.pt", "data_3.pt", "data_4.pt"]
     assert Store(dst).source_paths == ["data_0.pt", "data_1.pt"]
 
 
 def test_a_run_that_converts_nothing_ends_with_a_clear_error(tmp_path, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, LEGACY, 3, H, lengths=[20, 30, 5], seed=1)
-    assert interrupted_convert(src, dst, after=0, chunk_tokens=CHUNK) == {}  # planned, nothing converted yet
+    assert interrupted_convert(src, dst, after=0, settings=StoreSettings(chunk_tokens=CHUNK)) == {}  # planned, nothing converted yet
     for f in files:
         f.write_bytes(b"junk")
     with pytest.raises(SourceError) as err:
-        convert(src, dst, workers=0, chunk_tokens=CHUNK, skip_bad=True, progress=False)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+                skips=SkipPolicy(skip_bad=True))
     assert str(err.value).startswith(f"{src.resolve()}: no sample could be converted: all 3 were skipped (first: "
                                      "data_0.pt: not a readable torch.save file (truncated or corrupt)")
 
@@ -255,7 +257,7 @@ def _names(recorded: list) -> set[str]:
 def test_workers_die_with_a_killed_converter_and_the_next_run_cleans_up(tmp_path, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, LEGACY, 24, 128, lengths=(200, 400), seed=1)
-    convert(src, ref, workers=0, chunk_tokens=64, progress=False)
+    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=64))
     main = subprocess.Popen(_cli("convert", src, dst, "--workers", 2, "--chunk-tokens", 64), cwd=REPO / "src",
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -270,7 +272,7 @@ def test_workers_die_with_a_killed_converter_and_the_next_run_cleans_up(tmp_path
     _, alive = psutil.wait_procs(children, timeout=15)
     assert alive == []  # no orphaned workers (and the resource tracker follows them)
 
-    report = convert(src, dst, workers=2, chunk_tokens=64, progress=False)
+    report = convert(src, dst, workers=2, progress=False, settings=StoreSettings(chunk_tokens=64))
     assert report.resumed >= 1 and report.num_samples == 24
     assert_same_tree(dst, ref)
     assert not _names(recorded) & _sems()
@@ -291,16 +293,17 @@ def test_semaphores_left_by_a_killed_process_group_are_removed_by_the_next_run(t
     left = _names(recorded) & _sems()
     assert left, "a SIGKILLed process group leaves its pool's semaphores"
 
-    convert(src, dst, workers=0, chunk_tokens=64, progress=False)
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=64))
     assert not left & _sems()
 
 
 def test_clean_runs_leave_nothing_in_dev_shm(tmp_path):
-    from h5feed.conversion.lock import _mapped_shm_inodes
+    from h5feed.conversion.pool import _mapped_shm_inodes
 
     before = set(os.listdir("/dev/shm"))
     _, dst = make_store(tmp_path)
-    convert(tmp_path / "src", tmp_path / "pooled", workers=2, chunk_tokens=CHUNK, progress=False)
+    convert(tmp_path / "src", tmp_path / "pooled", workers=2, progress=False,
+            settings=StoreSettings(chunk_tokens=CHUNK))
     for context in ("fork", "spawn", "forkserver"):
         stream = HiddenStatesStream(dst, schedule=h5feed.ScheduleOptions(shuffle=False))
         assert len(list(StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context=context))) == 6

@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h5feed import HiddenStatesDataset
+from h5feed import HiddenStatesDataset, SkipPolicy, StoreSettings
 from h5feed.conversion import convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, detect_format
-from h5feed.store import Store
+from h5feed.store import SkippedFile, Store
 from h5feed.synthetic import column_scales, make_sample, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
@@ -154,7 +154,7 @@ def test_the_last_state_is_never_guessed(tmp_path: Path) -> None:
         convert(src, tmp_path / "a.zarr", workers=0, progress=False)
     with pytest.raises(SourceError, match=r"--last-state-norm post was given, but vllm-safetensors files cannot hold "
                        r"the post-norm last hidden state"):
-        convert(src, tmp_path / "b.zarr", workers=0, progress=False, last_state_norm="post")
+        convert(src, tmp_path / "b.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="post"))
     assert not (tmp_path / "a.zarr").exists() and not (tmp_path / "b.zarr").exists()
 
 
@@ -167,7 +167,7 @@ def test_the_arrow_dataset_beside_gives_each_file_its_rows_loss_mask(tmp_path: P
     files = write_requests(src)
     rows = [{"input_ids": files[r]["token_ids"].tolist(), "loss_mask": masks[r]} for r in reversed(LENGTHS)]
     write_arrow(src, [rows[0], {"input_ids": other, "loss_mask": [1] * 7}, *rows[1:]])  # in another order
-    convert(src, dst, workers=0, progress=False, chunk_tokens=CHUNK, last_state_norm="pre")
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, last_state_norm="pre"))
     store = Store(dst)
     assert store.has_loss_mask.tolist() == [True] * len(LENGTHS)
     for i, relpath in enumerate(store.source_paths):
@@ -185,14 +185,14 @@ def test_a_file_of_no_row_or_of_rows_that_disagree_is_refused(tmp_path: Path) ->
     write_arrow(src, rows[1:])  # cmpl-3a's prompt is not in the dataset
     with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: its token_ids are the input_ids of no row of the "
                        r"Arrow dataset at .* \(3 rows\)"):
-        convert(src, tmp_path / "a.zarr", workers=0, progress=False, last_state_norm="pre")
+        convert(src, tmp_path / "a.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
     twice = {"input_ids": rows[0]["input_ids"], "loss_mask": [0] * LENGTHS["cmpl-3a"]}
     for name in ("state.json", "dataset_info.json", "data-00000-of-00001.arrow"):
         (src / name).unlink()
     write_arrow(src, [*rows, twice])  # the same prompt twice, with another loss mask
     with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: its token_ids are the input_ids of rows 0 and 4 of "
                        r"the Arrow dataset, whose loss masks differ"):
-        convert(src, tmp_path / "b.zarr", workers=0, progress=False, last_state_norm="pre")
+        convert(src, tmp_path / "b.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
 
 
 def test_files_written_without_a_lock_and_keys_vllm_does_not_write(tmp_path: Path) -> None:
@@ -200,18 +200,18 @@ def test_files_written_without_a_lock_and_keys_vllm_does_not_write(tmp_path: Pat
     files = write_requests(src)
     for lock in src.glob("*.lock"):  # use_synchronization_lock off, or removed by a reader once loaded
         lock.unlink()
-    convert(src, tmp_path / "a.zarr", workers=0, progress=False, last_state_norm="pre")
+    convert(src, tmp_path / "a.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
     store = Store(tmp_path / "a.zarr")
     for i, relpath in enumerate(store.source_paths):
         assert_sample_is_file(store, i, files[relpath.removesuffix(".safetensors")])
     save_file({**files["cmpl-3a"], "hidden_states_scales": torch.ones(9, 1, 1)}, str(src / "cmpl-3a.safetensors"))
     with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: 'hidden_states_scales' beside 'hidden_states' of "
                        r"dtype torch\.bfloat16: scales belong to float8_e4m3fn hidden states"):  # FP8 files take them
-        convert(src, tmp_path / "b.zarr", workers=0, progress=False, last_state_norm="pre")
+        convert(src, tmp_path / "b.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
     save_file({**files["cmpl-3a"], "extra": torch.ones(9)}, str(src / "cmpl-3a.safetensors"))
     with pytest.raises(SourceError, match=r"cmpl-3a\.safetensors: has key\(s\) 'extra' that format "
                        "vllm-safetensors does not have"):
-        convert(src, tmp_path / "c.zarr", workers=0, progress=False, last_state_norm="pre")
+        convert(src, tmp_path / "c.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
 
 
 def test_a_file_of_fewer_positions_than_tokens_names_prefix_caching(tmp_path: Path, cli) -> None:
@@ -227,7 +227,7 @@ def test_a_file_of_fewer_positions_than_tokens_names_prefix_caching(tmp_path: Pa
                r"positions it computed, most likely because prefix caching or chunked prefill was on during extraction"
                r".*enable_prefix_caching=False and chunked prefill off")
     with pytest.raises(SourceError, match=problem) as raised:
-        convert(src, tmp_path / "a.zarr", workers=0, progress=False, last_state_norm="pre")
+        convert(src, tmp_path / "a.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
     assert raised.value.path == str(src / "cmpl-b7.safetensors")
     result = cli("convert", src, tmp_path / "b.zarr", "--last-state-norm", "pre", "--workers", "0")
     assert result.status != 0 and "cmpl-b7.safetensors" in result.output
@@ -237,7 +237,7 @@ def test_a_file_of_fewer_positions_than_tokens_names_prefix_caching(tmp_path: Pa
     assert result.status == 0, result.output
     store = Store(tmp_path / "c.zarr")
     [skipped] = store.info.skipped
-    assert skipped["path"] == "cmpl-b7.safetensors" and "prefix caching or chunked prefill" in skipped["problem"]
+    assert skipped.path == "cmpl-b7.safetensors" and "prefix caching or chunked prefill" in skipped.problem
     assert sorted(store.source_paths) == sorted(f"{r}.safetensors" for r in LENGTHS if r != "cmpl-b7")
     for i, relpath in enumerate(store.source_paths):
         assert_sample_is_file(store, i, files[relpath.removesuffix(".safetensors")])
@@ -253,7 +253,8 @@ def test_a_held_lock_is_waited_for(tmp_path: Path, partial: bool) -> None:
     writer = Writer(src, "cmpl-ff", 21, seed=7, hold_s=1.5, partial=partial)
     try:
         started = time.monotonic()
-        convert(src, dst, workers=0, progress=False, chunk_tokens=CHUNK, last_state_norm="pre", lock_timeout=60)
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, last_state_norm="pre"),
+                skips=SkipPolicy(lock_timeout=60))
         assert time.monotonic() - started >= 1.0  # it waited for the writer
         writer.wait()
     finally:
@@ -297,8 +298,8 @@ def test_with_skip_bad_it_is_a_recorded_skip_that_a_rerun_appends(tmp_path: Path
         assert result.status == 0, result.output
         store = Store(dst)
         assert store.source_paths == sorted(f"{r}.safetensors" for r in LENGTHS)
-        assert [s["path"] for s in store.info.skipped] == ["cmpl-ff.safetensors"]
-        assert store.info.skipped[0]["problem"].startswith("is still being written: its lock cmpl-ff.safetensors.lock")
+        assert [s.path for s in store.info.skipped] == ["cmpl-ff.safetensors"]
+        assert store.info.skipped[0].problem.startswith("is still being written: its lock cmpl-ff.safetensors.lock")
         inspected = cli("inspect", dst)
         assert "skipped cmpl-ff.safetensors: is still being written" in inspected.output
         # nothing finished since: a rerun has nothing to do, and says the file is still skipped
@@ -330,10 +331,11 @@ def test_a_lock_alone_is_a_request_never_written(tmp_path: Path) -> None:
     problem = ("is a lock with no cmpl-dd.safetensors beside it: vLLM never wrote that request's hidden states (it "
                "was aborted, or its write failed: see vLLM's log); delete the lock once you know why")
     with pytest.raises(SourceError) as raised:
-        convert(src, dst, workers=0, progress=False, last_state_norm="pre")
+        convert(src, dst, workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"))
     assert (raised.value.path, raised.value.problem) == (str(src / "cmpl-dd.safetensors.lock"), problem)
-    convert(src, dst, workers=0, progress=False, last_state_norm="pre", skip_bad=True)
-    assert Store(dst).info.skipped == [{"path": "cmpl-dd.safetensors.lock", "problem": problem}]
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"),
+            skips=SkipPolicy(skip_bad=True))
+    assert Store(dst).info.skipped == [SkippedFile("cmpl-dd.safetensors.lock", problem)]
     assert len(Store(dst)) == len(LENGTHS)
 
 
@@ -342,7 +344,7 @@ def test_synthetic_vllm_files_convert_with_their_arrow_loss_masks(tmp_path: Path
     src, dst = tmp_path / "vllm", tmp_path / "hs.zarr"
     lengths = [7, 19, 3, 11]
     write_synthetic(src, "vllm-safetensors", len(lengths), H, K - 1, lengths=lengths, seed=5)
-    convert(src, dst, workers=0, progress=False, chunk_tokens=CHUNK, last_state_norm="pre")
+    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, last_state_norm="pre"))
     store = Store(dst)
     scales = column_scales(H, K, 5)
     assert store.source_paths == [f"req-{i:06d}.safetensors" for i in range(len(lengths))]
@@ -378,6 +380,7 @@ def test_a_lock_that_is_a_fifo_is_refused_without_opening_it(tmp_path: Path) -> 
     (src / "cmpl-b7.safetensors.lock").unlink()
     os.mkfifo(src / "cmpl-b7.safetensors.lock")  # opening it would wait for a writer that never comes
     with pytest.raises(SourceError) as raised:
-        convert(src, tmp_path / "hs.zarr", workers=0, progress=False, last_state_norm="pre", lock_timeout=60)
+        convert(src, tmp_path / "hs.zarr", workers=0, progress=False, settings=StoreSettings(last_state_norm="pre"),
+                skips=SkipPolicy(lock_timeout=60))
     assert (raised.value.path, raised.value.problem) == (
         str(src / "cmpl-b7.safetensors.lock"), "is a named pipe (FIFO), not a regular file: refused without opening it")

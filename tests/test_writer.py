@@ -15,12 +15,22 @@ import pytest
 import torch
 
 import h5feed
-from h5feed import HiddenStatesDataset, SourceError, Store, StoreError, convert, open_writer
-from h5feed.store.writer_state import read_journal
+from h5feed import (
+    HiddenStatesDataset,
+    SourceError,
+    Store,
+    StoreError,
+    StoreSettings,
+    WriteOptions,
+    convert,
+    open_writer,
+)
+from h5feed.store.journal import read_journal
 from h5feed.synthetic import write_synthetic
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
 LENGTHS = (10, 90)  # some samples span two shards
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # the writers run this checkout's h5feed
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +42,7 @@ def source(tmp_path_factory) -> tuple[Path, list[Path]]:
 @pytest.fixture(scope="module")
 def converted(source, tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("converted") / "store"
-    convert(source[0], dst, workers=0, chunk_tokens=CHUNK, shard_tokens=SHARD, progress=False)
+    convert(source[0], dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
     return dst
 
 
@@ -46,7 +56,7 @@ def array_files(store: Path) -> dict[str, bytes]:
 
 
 def write(dst: Path, samples: list[dict], **options) -> h5feed.WriterReport:
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, **options) as writer:
+    with open_writer(dst, **options, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         for i, sample in enumerate(samples):
             assert writer.append(sample, name=f"data_{i}.pt") == i
     return writer.report
@@ -68,9 +78,9 @@ def test_appended_samples_are_the_bytes_convert_writes_from_the_same_samples_as_
 
 def test_a_sample_given_as_keywords_is_the_sample_given_as_a_dict(source, tmp_path):
     sample = samples_of(source[1][:1])[0]
-    with open_writer(tmp_path / "kw", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(tmp_path / "kw", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         writer.append(**sample)
-    with open_writer(tmp_path / "dict", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(tmp_path / "dict", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         writer.append(sample)
     assert array_files(tmp_path / "kw") == array_files(tmp_path / "dict")
 
@@ -78,7 +88,7 @@ def test_a_sample_given_as_keywords_is_the_sample_given_as_a_dict(source, tmp_pa
 def test_a_sample_that_does_not_fit_is_refused_naming_it_and_the_store_keeps_the_others(source, tmp_path):
     samples = samples_of(source[1][:3])
     dst = tmp_path / "store"
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         writer.append(samples[0], name="first")
         other = dict(samples[1], hidden_states=[h[:, :16] for h in samples[1]["hidden_states"]])
         with pytest.raises(SourceError, match=r"extraction-7: hidden size 16 differs from 32 of the store's samples"):
@@ -93,7 +103,7 @@ def test_settings_and_stores_that_cannot_be_written_are_refused(source, converte
     with pytest.raises(ValueError, match="samples are given as the dict of one of speculators-legacy-pt"):
         open_writer(tmp_path / "a", format="speculators-safetensors")
     with pytest.raises(ValueError, match="must be a positive multiple of chunk_tokens"):
-        open_writer(tmp_path / "b", chunk_tokens=16, shard_tokens=40)
+        open_writer(tmp_path / "b", settings=StoreSettings(chunk_tokens=16, shard_tokens=40))
     with pytest.raises(StoreError, match="was made by `h5feed convert`, not by open_writer"):
         open_writer(converted)
     write(tmp_path / "written", [])  # an empty writer makes nothing to refuse; one sample does:
@@ -110,7 +120,8 @@ def test_settings_and_stores_that_cannot_be_written_are_refused(source, converte
 def test_a_reader_sees_whole_published_samples_while_the_writer_appends(source, converted, tmp_path):
     dst, samples = tmp_path / "store", samples_of(source[1])
     reference = Store(converted)
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, publish_every=4) as writer:
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                     writing=WriteOptions(publish_every=4)) as writer:
         seen = []
         for i, sample in enumerate(samples):
             writer.append(sample, name=f"data_{i}.pt")
@@ -133,7 +144,7 @@ KILLED_WRITER = """
 import sys, time, torch, h5feed
 from pathlib import Path
 files = sorted(Path(sys.argv[2]).glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-with h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64, publish_every=5) as w:
+with h5feed.open_writer(sys.argv[1], settings=h5feed.StoreSettings(chunk_tokens=16, shard_tokens=64), writing=h5feed.WriteOptions(publish_every=5)) as w:
     for i, f in enumerate(files):
         w.append(torch.load(f, weights_only=True), name=f.name)
         time.sleep(0.05)
@@ -145,7 +156,7 @@ time.sleep(60)
 def test_kill_9_loses_only_unjournaled_samples_and_the_next_writer_resumes(source, converted, tmp_path, journaled,
                                                                           caplog):
     dst, (src, files) = tmp_path / "store", source
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(src)])
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(src)], env=ENV)
     try:
         deadline = time.monotonic() + 120
         while len(read_journal(dst)) < journaled:
@@ -158,7 +169,7 @@ def test_kill_9_loses_only_unjournaled_samples_and_the_next_writer_resumes(sourc
     assert journaled <= kept < N
 
     caplog.set_level("INFO", logger="h5feed")
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD) as resumed:  # publishes what was journaled
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as resumed:  # publishes what was journaled
         assert len(Store(dst)) == kept
         assert f"resuming: {kept} samples kept, the last one 'data_{kept - 1}.pt'" in caplog.text
         for i, sample in enumerate(samples_of(files[kept:]), kept):
@@ -173,7 +184,7 @@ SLOW_WRITER = """
 import sys, time, torch, h5feed
 from pathlib import Path
 files = sorted(Path(sys.argv[2]).glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-with h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64, publish_every=1) as w:
+with h5feed.open_writer(sys.argv[1], settings=h5feed.StoreSettings(chunk_tokens=16, shard_tokens=64), writing=h5feed.WriteOptions(publish_every=1)) as w:
     for i, f in enumerate(files):
         w.append(torch.load(f, weights_only=True), name=f.name)
         time.sleep(float(sys.argv[3]))
@@ -182,7 +193,8 @@ with h5feed.open_writer(sys.argv[1], chunk_tokens=16, shard_tokens=64, publish_e
 
 
 def start_writer(dst: Path, src: Path, pause: float, hold: float = 0.0) -> subprocess.Popen:
-    writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(dst), str(src), str(pause), str(hold)])
+    writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(dst), str(src), str(pause), str(hold)],
+                              env=ENV)
     deadline = time.monotonic() + 120
     while True:  # the trainer starts on the first published sample
         try:
@@ -268,14 +280,15 @@ def test_samples_written_behind_are_the_bytes_written_at_once(source, converted,
     """With write_behind, append returns before the sample is compressed; the store is the same, byte for byte,
     and the caller may overwrite its tensors as soon as append returns (they were copied)."""
     dst = tmp_path / "behind"
-    with open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, write_behind=depth) as writer:
+    with open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                     writing=WriteOptions(write_behind=depth)) as writer:
         for i, sample in enumerate(samples_of(source[1])):
             assert writer.append(sample, name=f"data_{i}.pt") == i
             for tensor in (sample["input_ids"], *sample["hidden_states"]):
                 tensor.zero_()  # a buffer reused by the caller's next sample
     assert (writer.report.samples, writer.report.published) == (N, N)
     assert array_files(dst) == array_files(converted)
-    assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(N)]
+    assert [r.name for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(N)]
 
 
 def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_kept(source, tmp_path, monkeypatch):
@@ -294,7 +307,8 @@ def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_
     monkeypatch.setattr(writer_module, "write_sample", disk_fills_up)
     samples = samples_of(source[1])
     dst = tmp_path / "full"
-    w = open_writer(dst, chunk_tokens=CHUNK, shard_tokens=SHARD, write_behind=2)
+    w = open_writer(dst, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                    writing=WriteOptions(write_behind=2))
     with pytest.raises(OSError, match="No space left on device"):
         for i, sample in enumerate(samples):
             w.append(sample, name=f"data_{i}.pt")
@@ -304,7 +318,7 @@ def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_
     with pytest.raises(OSError, match="No space left on device"):  # and at close, which publishes the rest
         w.close()
     assert len(calls) == 5  # nothing written after the failure, also what was queued behind it
-    assert [r["name"] for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(4)]
+    assert [r.name for _, r in sorted(read_journal(dst).items())] == [f"data_{i}.pt" for i in range(4)]
     store = Store(dst)
     assert len(store) == 4
     for i in range(4):
@@ -313,7 +327,7 @@ def test_a_failure_while_writing_behind_is_raised_and_the_samples_before_it_are_
 
 def test_write_behind_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="write_behind must be >= 0, not -1"):
-        open_writer(tmp_path / "s", write_behind=-1)
+        open_writer(tmp_path / "s", writing=WriteOptions(write_behind=-1))
 
 
 def test_a_folder_a_writer_appended_nothing_to_takes_a_conversion(source, converted, tmp_path):
@@ -322,7 +336,7 @@ def test_a_folder_a_writer_appended_nothing_to_takes_a_conversion(source, conver
     with open_writer(dst, writer="rank0"):
         pass
     assert dst.is_dir() and any(dst.iterdir())  # its bookkeeping
-    convert(source[0], dst, workers=0, chunk_tokens=CHUNK, shard_tokens=SHARD, progress=False)
+    convert(source[0], dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
     assert array_files(dst) == array_files(converted)
 
 
@@ -335,7 +349,8 @@ def test_an_error_in_the_with_block_is_the_one_raised_when_writing_behind_failed
 
     monkeypatch.setattr(writer_module, "write_sample", full)
     with pytest.raises(KeyError, match="the extraction's own error"), \
-            open_writer(tmp_path / "s", chunk_tokens=CHUNK, shard_tokens=SHARD, write_behind=2) as w:
+            open_writer(tmp_path / "s", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+                        writing=WriteOptions(write_behind=2)) as w:
         w.append(samples_of(source[1][:1])[0])
         time.sleep(0.2)  # the write behind fails meanwhile
         raise KeyError("the extraction's own error")
@@ -355,7 +370,7 @@ def test_a_loss_mask_value_other_than_0_or_1_and_a_negative_id_are_refused_by_a_
     torch.save(sample, tmp_path / "src" / "data_0.pt")
     with pytest.raises(SourceError) as converting:
         convert(tmp_path / "src", tmp_path / "converted", workers=0, progress=False)
-    with open_writer(tmp_path / "written", chunk_tokens=CHUNK, shard_tokens=SHARD) as writer:
+    with open_writer(tmp_path / "written", settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD)) as writer:
         with pytest.raises(SourceError) as appending:
             writer.append(sample, name="data_0.pt")
     assert converting.value.path == str(tmp_path / "src" / "data_0.pt")

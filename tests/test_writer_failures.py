@@ -12,7 +12,7 @@ from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
 
 import h5feed.conversion.lock
 import h5feed.conversion.writer
-from h5feed import StoreError, open_writer
+from h5feed import StoreError, StoreSettings, WriteOptions, open_writer
 from h5feed.errors import DiskFullError
 from h5feed.conversion.lock import held_briefly
 from h5feed.store import Store
@@ -20,7 +20,7 @@ from h5feed.store.writer_state import PUBLISH_LOCK, ROWS_LOCK, WRITER_API, WRITE
 
 
 def writer_of(path, **options):
-    return open_writer(path, chunk_tokens=CHUNK, shard_tokens=SHARD, **options)
+    return open_writer(path, **options, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
 
 
 def test_a_writer_waiting_for_a_step_says_who_holds_it_and_for_how_long(tmp_path, monkeypatch, caplog):
@@ -47,7 +47,7 @@ def test_a_writer_waiting_for_a_step_says_who_holds_it_and_for_how_long(tmp_path
 
 def test_a_failed_publication_keeps_its_sample_says_so_and_publishes_it_once_later(tmp_path, monkeypatch):
     store = tmp_path / "hs.zarr"
-    with writer_of(store, writer="a", publish_every=1) as writer:
+    with writer_of(store, writer="a", writing=WriteOptions(publish_every=1)) as writer:
         writer.append(make_sample(0, 0), name=name_of(0, 0))
         commit, failures = writer.site.commit, [1]
 

@@ -14,7 +14,7 @@ import pytest
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
 
-from h5feed import StoreError, open_writer
+from h5feed import BucketOptions, StoreError, StoreSettings, WriteOptions, open_writer
 from h5feed.conversion.samples import array_rows, grow_arrays
 from h5feed.conversion.writer_sites import BucketSite, LocalSite, WriterSite, open_site
 from h5feed.io.local import PARTIAL_SUFFIX
@@ -37,8 +37,9 @@ class Place:
         return open_site(self.location, writer, self.options, self.tmp_path / staging)
 
     def writer(self, staging: str = "staging", **options):
-        return open_writer(self.location, storage_options=self.options, staging_dir=self.tmp_path / staging,
-                           chunk_tokens=CHUNK, shard_tokens=SHARD, **options)
+        return open_writer(self.location, **options,
+                           bucket=BucketOptions(storage_options=self.options, staging_dir=self.tmp_path / staging),
+                           settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
 
     def store(self) -> Store:
         return Store(self.location, storage_options=self.options)
@@ -66,7 +67,7 @@ def test_the_registry_gives_each_place_its_site(place):
 
 
 def test_a_writer_on_each_site_makes_a_store_that_reads_back_every_sample_exactly(place):
-    with place.writer(publish_every=2) as writer:
+    with place.writer(writing=WriteOptions(publish_every=2)) as writer:
         for i in range(5):
             assert writer.append(make_sample(1, i), name=name_of(1, i)) == i
     assert writer.report.store == place.location and writer.report.published == 5

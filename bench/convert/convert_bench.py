@@ -45,7 +45,7 @@ from h5feed.bench import (
     ensure_default_set,
     format_ruled_table,
 )
-from h5feed.conversion import convert
+from h5feed.conversion import RunOptions, convert
 from h5feed.conversion.cluster import local_cluster
 from h5feed.store import Store, chunk_encoder
 from h5feed.synthetic import write_synthetic
@@ -89,9 +89,9 @@ def run(src: Path, dst: Path, workers: int, cold: bool, fsync: bool, scheduler: 
             raise RuntimeError(problem)
     with MemorySampler(interval=0.1) as sampler:
         if scheduler is None:
-            report = convert(src, dst, workers=workers, progress=False, durable=fsync)
+            report = convert(src, dst, workers=workers, progress=False, run=RunOptions(durable=fsync))
         else:
-            report = convert(src, dst, scheduler=scheduler, progress=False, durable=fsync)
+            report = convert(src, dst, progress=False, run=RunOptions(scheduler=scheduler, durable=fsync))
     store = Store(dst)
     raw = int(store.sample_lengths.sum()) * store.token_nbytes
     seconds = report.seconds
@@ -132,7 +132,7 @@ def codec_rates(store_path: Path) -> dict[str, float]:
     from numcodecs import blosc
 
     store = Store(store_path)
-    if store.info.codec["name"] != "blosc":
+    if store.info.codec.name != "blosc":
         return {}
     blosc.use_threads = False
     raw = store.read_sample(0)

@@ -101,7 +101,8 @@ def main() -> None:
                         DEFAULT_SPEC.tokens, DEFAULT_SPEC.seed)
     stores = {}
     for precision in ("exact", "fp8"):
-        report = h5feed.convert(src, args.work / precision, workers=args.workers, progress=False, precision=precision)
+        report = h5feed.convert(src, args.work / precision, workers=args.workers, progress=False,
+                                settings=h5feed.StoreSettings(precision=precision))
         stores[precision] = Store(report.store)
     exact, fp8 = stores["exact"], stores["fp8"]
     tokens = int(exact.sample_lengths.sum())

@@ -81,7 +81,8 @@ def main() -> None:
                         draft_vocab_size=a.draft_vocab_size, topk=a.topk, seq_length=hi, shard_size=2)
         for codec in ("zstd", "lz4"):
             dst = a.out / f"{fmt}-{variant}.{codec}.zarr"
-            report = h5feed.convert(src, dst, workers=0, codec=codec, progress=False, last_state_norm=norm)
+            report = h5feed.convert(src, dst, workers=0, progress=False,
+                                    settings=h5feed.StoreSettings(codec=codec, last_state_norm=norm))
             for name, ratio in array_ratios(dst).items():
                 print(f"| {fmt} ({variant}) | {codec} | {name} | {ratio:.3f} |")
             print(f"| {fmt} ({variant}) | {codec} | source files / store | {report.bytes_in / report.bytes_out:.3f} |")

@@ -31,7 +31,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -79,7 +79,7 @@ def make_chunks(count: int, tokens: int, hidden: int, layers: int) -> torch.Tens
 
 def encode_chunks(bits: torch.Tensor, blocksize: int) -> list[bytes]:
     """Each chunk encoded as the store encodes it, with the given Blosc block size."""
-    encode = frame_encoder(chunk_codec("zstd") | {"blocksize": blocksize}, 2)
+    encode = frame_encoder(replace(chunk_codec("zstd"), blocksize=blocksize), 2)
     return [encode(chunk.numpy()) for chunk in bits]
 
 

@@ -94,7 +94,8 @@ def stores(work: Path, hidden_size: int, tokens: tuple[int, int], samples: int) 
     if not all((store / "zarr.json").exists() for store in made.values()):
         write_synthetic(folder / "src", "speculators-legacy-pt", samples, hidden_size, 3, tokens, seed=0)
         for precision, store in made.items():
-            h5feed.convert(folder / "src", store, workers=2, progress=False, precision=precision, overwrite=True)
+            h5feed.convert(folder / "src", store, workers=2, progress=False, overwrite=True,
+                           settings=h5feed.StoreSettings(precision=precision))
     return made["exact"], made["fp8"]
 
 

@@ -134,7 +134,8 @@ def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, conv
     log.info("writing %d synthetic Model-Optimizer samples (H=%d) to %s", n, hidden, folder / "src")
     write_synthetic(folder / "src", "modelopt-pt", n, hidden, 3, tokens, 0, variant="hf")
     log.info("converting with %d worker(s)", convert_workers)
-    h5feed.convert(folder / "src", folder / "store", workers=convert_workers, progress=False, last_state_norm="post")
+    h5feed.convert(folder / "src", folder / "store", workers=convert_workers, progress=False,
+                   settings=h5feed.StoreSettings(last_state_norm="post"))
     return Store(folder / "store")
 
 
@@ -151,8 +152,8 @@ def fp8_store(exact: Store, convert_workers: int) -> Store:
         pass
     shutil.rmtree(path, ignore_errors=True)
     log.info("converting %s again with --precision fp8 (%d workers)", exact.info.source_root, convert_workers)
-    h5feed.convert(exact.info.source_root, path, workers=convert_workers, progress=False, precision="fp8",
-                   last_state_norm=exact.info.last_state_norm)
+    h5feed.convert(exact.info.source_root, path, workers=convert_workers, progress=False,
+                   settings=h5feed.StoreSettings(precision="fp8", last_state_norm=exact.info.last_state_norm))
     return Store(path)
 
 

@@ -262,10 +262,11 @@ def digest(rows: torch.Tensor) -> str:
     return hashlib.sha256(rows.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def writer_options(token_range: tuple[int, int]) -> dict[str, Any]:
+def writer_options(token_range: tuple[int, int], precision: str = "exact") -> dict[str, Any]:
     """`h5feed convert`'s layout defaults (a sample a shard); no fsync: these stores are measured, not kept."""
     shard = min(8192, -(-token_range[1] // CHUNK_TOKENS) * CHUNK_TOKENS)
-    return {"chunk_tokens": CHUNK_TOKENS, "shard_tokens": shard, "durable": False}
+    return {"settings": h5feed.StoreSettings(chunk_tokens=CHUNK_TOKENS, shard_tokens=shard, precision=precision),
+            "writing": h5feed.WriteOptions(durable=False)}
 
 
 def write_both(stores: dict[str, Path], samples: Iterator[tuple[torch.Tensor, list[torch.Tensor]]],
@@ -274,7 +275,7 @@ def write_both(stores: dict[str, Path], samples: Iterator[tuple[torch.Tensor, li
     done = Extraction()
     start = time.perf_counter()
     with (h5feed.open_writer(stores["exact"], **writer_options(token_range)) as exact,
-          h5feed.open_writer(stores["fp8"], precision="fp8", **writer_options(token_range)) as fp8):
+          h5feed.open_writer(stores["fp8"], **writer_options(token_range, "fp8")) as fp8):
         for i, (ids, parts) in enumerate(samples):
             sample = {"input_ids": ids, "hidden_states": parts, "loss_mask": torch.ones_like(ids)}
             exact.append(sample, name=f"sample-{i}")

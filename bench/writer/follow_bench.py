@@ -44,8 +44,9 @@ def extraction(store: str, writer: str, indices: list[int], shape: dict[str, Any
     samples = [sample(i, shape["hidden"], shape["aux"], shape["lengths"]) for i in indices]
     ready.wait()
     start = time.perf_counter()
-    with h5feed.open_writer(store, writer=writer, chunk_tokens=shape["chunk"], shard_tokens=shape["shard"],
-                            publish_every=1) as w:
+    with h5feed.open_writer(store, writer=writer,
+                            settings=h5feed.StoreSettings(chunk_tokens=shape["chunk"], shard_tokens=shape["shard"]),
+                            writing=h5feed.WriteOptions(publish_every=1)) as w:
         for i, s in zip(indices, samples):
             time.sleep(extract_s)
             w.append(s, name=f"sample-{i}")

@@ -94,7 +94,8 @@ def timed_writer(samples: list[dict], store: Path | str, publish_every: int, ext
                  write_behind: int, **options: Any) -> tuple[float, float, h5feed.WriterReport]:
     proc = psutil.Process()
     cpu0, t0 = sum(proc.cpu_times()[:2]), time.perf_counter()
-    with h5feed.open_writer(store, publish_every=publish_every, write_behind=write_behind, **options) as writer:
+    with h5feed.open_writer(store, **options,
+                            writing=h5feed.WriteOptions(publish_every=publish_every, write_behind=write_behind)) as writer:
         for i, sample in enumerate(samples):
             time.sleep(extract_s)
             writer.append(sample, name=f"data_{i}.pt")
@@ -109,7 +110,7 @@ def append_share(store: str, writer: str | None, seeds: list[int], shape: dict[s
     samples = [make_samples(1, seed=seed, **shape)[0] for seed in seeds]
     ready.wait()
     start = time.monotonic()
-    with h5feed.open_writer(store, writer=writer, publish_every=publish_every, **options) as w:
+    with h5feed.open_writer(store, writer=writer, **options, writing=h5feed.WriteOptions(publish_every=publish_every)) as w:
         for seed, sample in zip(seeds, samples):
             w.append(sample, name=f"sample-{seed}")
     times.put((start, time.monotonic(), w.report.tokens))
@@ -121,7 +122,7 @@ def timed_processes(store: Path | str, writers: int, samples: int, shape: dict[s
     spawn = multiprocessing.get_context("spawn")
     ready, times = spawn.Barrier(writers), spawn.Queue()
     ids = [None] if writers == 1 else [f"w{w}" for w in range(writers)]
-    options = [{} if staging is None else {"storage_options": storage_options, "staging_dir": str(staging / f"w{w}")}
+    options = [{} if staging is None else {"bucket": h5feed.BucketOptions(storage_options, str(staging / f"w{w}"))}
                for w in range(writers)]
     processes = [spawn.Process(target=append_share, args=(str(store), ids[w], list(range(w, samples, writers)), shape,
                                                           publish_every, ready, times, options[w]))
@@ -158,8 +159,8 @@ def timed_bucket_writer(samples: list[dict], args: argparse.Namespace, extract_s
                     "puts_per_sample": sum(r.method == "PUT" for r in requests) / n,
                     "samples_in_store": timed["samples_in_store"], "delay_s": args.bucket_delay}
         seconds, cpu, report = timed_writer(samples, f"s3://{bucket}/store.zarr", args.publish_every, extract_s,
-                                            args.write_behind, storage_options=s3.storage_options,
-                                            staging_dir=args.out / "staging")
+                                            args.write_behind,
+                                            bucket=h5feed.BucketOptions(s3.storage_options, args.out / "staging"))
         stored = sum(o["Size"] for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
                      for o in page.get("Contents", []))
         requests = len(s3.proxy.requests())
@@ -181,7 +182,7 @@ def main() -> None:
     p.add_argument("--extract-ms", type=float, default=0.0,
                    help="an extraction's model time before each sample is saved (a sleep: the GPU's forward pass); "
                    "ms_per_sample then is the loop's, the model's time included")
-    p.add_argument("--write-behind", type=int, default=0, help="open_writer(write_behind=N)")
+    p.add_argument("--write-behind", type=int, default=0, help="open_writer(writing=WriteOptions(write_behind=N))")
     p.add_argument("--device", default="cpu", help="where the samples lie when they are saved (cuda: an extraction's)")
     p.add_argument("--bucket", action="store_true", help="also time the writer into a loopback S3 bucket (moto)")
     p.add_argument("--bucket-delay", type=float, default=0.0, help="seconds added to every request to the bucket")

@@ -1,6 +1,19 @@
 """h5feed: the fastest, most trustworthy way to feed large per-sample hidden states to a GPU trainer."""
 
-from h5feed.conversion import ConvertReport, RepairReport, StoreWriter, WriterReport, convert, open_writer, repair
+from h5feed.conversion import (
+    BucketOptions,
+    ConvertReport,
+    RepairReport,
+    RunOptions,
+    SkipPolicy,
+    StoreSettings,
+    StoreWriter,
+    WriteOptions,
+    WriterReport,
+    convert,
+    open_writer,
+    repair,
+)
 from h5feed.errors import CorruptSampleError, H5feedError, PathError, SourceError, StoreError, WorkerDiedError
 from h5feed.flavors import TrainerCollate, trainer_collate
 from h5feed.loading.backends.cuda import CudaOptions
@@ -20,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchLoader",
+    "BucketOptions",
     "ConvertReport",
     "CorruptSampleError",
     "CudaBatchLoader",
@@ -35,17 +49,21 @@ __all__ = [
     "RawSample",
     "ReadOptions",
     "RepairReport",
+    "RunOptions",
     "ScheduleOptions",
+    "SkipPolicy",
     "SourceError",
     "Store",
     "StoreError",
     "StoreOptions",
+    "StoreSettings",
     "StoreWriter",
     "StreamLoader",
     "ThreadsOptions",
     "TrainerCollate",
     "WorkerDiedError",
     "WorkersOptions",
+    "WriteOptions",
     "WriterReport",
     "convert",
     "describe_store",

@@ -22,8 +22,9 @@ from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import cache_state
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store, StoreInfo, checksums
+from h5feed.store.format import HIDDEN_SCALES, INDEX_COLUMNS
 from h5feed.store.fp8 import quantize, token_scales
-from h5feed.store.layout import HIDDEN_SCALES, INDEX_COLUMNS, Commit, crc32c
+from h5feed.store.layout import Commit, crc32c
 
 
 @dataclass
@@ -155,21 +156,21 @@ def _damaged_companions(path: Path, info: StoreInfo) -> list[Mismatch]:
     the record is the store's word)."""
     problems = []
     for name, record in info.companions.items():
-        if "copy" not in record:
+        if record.copy is None:
             continue
         try:
-            data = regular_file(contained_path(path, record["copy"])).read_bytes()
+            data = regular_file(contained_path(path, record.copy)).read_bytes()
         except UnsafeName as exc:
-            problems.append(Mismatch(-1, record["copy"], f"{exc.problem}: not a file of the store, not read"))
+            problems.append(Mismatch(-1, record.copy, f"{exc.problem}: not a file of the store, not read"))
             continue
         except SourceError as exc:  # a FIFO, socket or device
-            problems.append(Mismatch(-1, record["copy"], exc.problem))
+            problems.append(Mismatch(-1, record.copy, exc.problem))
             continue
         except OSError as exc:
-            problems.append(Mismatch(-1, record["copy"], f"cannot be read ({exc.strerror or exc})"))
+            problems.append(Mismatch(-1, record.copy, f"cannot be read ({exc.strerror or exc})"))
             continue
-        if (len(data), crc32c(data)) != (record["bytes"], record["crc32c"]):
-            problems.append(Mismatch(-1, record["copy"], f"differs from the {name} recorded at conversion"))
+        if (len(data), crc32c(data)) != (record.nbytes, record.crc32c):
+            problems.append(Mismatch(-1, record.copy, f"differs from the {name} recorded at conversion"))
     return problems
 
 
@@ -223,17 +224,19 @@ def describe_store(
         "last_state_norm": info.last_state_norm,
         "source_format": info.source_format,
         "source_root": info.source_root,
-        "codec": info.codec,
+        "codec": info.codec.to_json(),
         "format_version": info.format_version,
         "chunk_tokens": info.chunk_tokens,
         "shard_tokens": info.shard_tokens or None,
         "raw_bytes": raw,
         "stored_bytes": stored,
         "compression_ratio": round(raw / stored, 3) if stored else None,
-        "skipped": info.skipped,
+        "skipped": [skipped.to_json() for skipped in info.skipped],
         **cache,
     }
     if info.needs_format_3:  # format 3: what a format-2 store does not have
         summary.update(has_last_state=info.has_last_state, ids_shifted=info.ids_shifted,
-                       extra_arrays=info.extra_arrays, source_info=info.source_info, companions=info.companions)
+                       extra_arrays={name: extra.record() for name, extra in info.extra_arrays.items()},
+                       source_info=info.source_info,
+                       companions={name: kept.to_json() for name, kept in info.companions.items()})
     return summary

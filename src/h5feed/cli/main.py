@@ -25,7 +25,7 @@ log = logging.getLogger("h5feed")
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from h5feed.conversion import convert
+    from h5feed.conversion import BucketOptions, RunOptions, SkipPolicy, StoreSettings, convert
 
     if args.dask or args.scheduler:
         with contextlib.suppress(ImportError):  # convert() says what to install
@@ -36,20 +36,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         args.dst,
         format=args.format,
         workers=args.workers,
-        scheduler="local" if args.dask else args.scheduler,
-        codec=args.codec,
-        chunk_tokens=args.chunk_tokens,
-        shard_tokens=args.shard_tokens,
-        skip_bad=args.skip_bad,
         overwrite=args.overwrite,
         progress=not args.quiet,
-        durable=not args.no_fsync,
-        last_state_norm=args.last_state_norm,
-        storage_options=storage_options(args),
-        staging_dir=args.staging_dir,
-        precision=args.precision,
-        lock_timeout=args.lock_timeout,
-        retry_skipped=args.retry_skipped,
+        settings=StoreSettings(codec=args.codec, chunk_tokens=args.chunk_tokens, shard_tokens=args.shard_tokens,
+                               precision=args.precision, last_state_norm=args.last_state_norm),
+        run=RunOptions(scheduler="local" if args.dask else args.scheduler, durable=not args.no_fsync),
+        skips=SkipPolicy(skip_bad=args.skip_bad, retry_skipped=args.retry_skipped, lock_timeout=args.lock_timeout),
+        bucket=BucketOptions(storage_options=storage_options(args), staging_dir=args.staging_dir),
     )
     rate = report.bytes_in / report.seconds / 1e6 if report.seconds else 0.0
     log.info(
@@ -63,7 +56,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                  worker, done.samples, done.bytes_in / 1e6, done.bytes_out / 1e6, done.seconds,
                  done.bytes_in / busy / 1e6, done.bytes_out / busy / 1e6)
     for skipped in report.skipped:
-        log.warning("skipped %s: %s", skipped["path"], skipped["problem"])
+        log.warning("skipped %s: %s", skipped.path, skipped.problem)
     if args.precision == "fp8":
         log.warning("%s: the hidden states were quantized to FP8 (lossy: float8_e4m3fn with one scale per token, "
                     "as hs-connectors' fp8 backend stores them); reads give them back in bfloat16, approximately",

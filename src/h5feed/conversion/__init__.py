@@ -1,6 +1,12 @@
 """`h5feed convert` (`h5feed.convert`): per-sample source files into one store, bit for bit, crash-safe and resumable.
 
-- `converter`: plan, journal, shards, index, status flip (the local conversion, run by a pool);
+- `options`: the typed, frozen groups `convert` and `open_writer` take beyond their common arguments;
+- `converter`: `convert` itself, the driver that runs the steps below in order (`job`: what they share);
+- `plan` and `planning`: the plan file's contents, and the step that probes the sources and writes it;
+- `append`: a rerun on a complete store, and the plan an append extends;
+- `tasks`: the convert step, the per-sample tasks and their journal lines;
+- `finalize`: the journal rewritten in plan order, the index published, the status flipped;
+- `pool`: where the tasks run (spawned workers that die with the converter), and the semaphores they leave;
 - `samples`: a sample's shards, the arrays' growth and the index publication, shared with the writer;
 - `repair`: a damaged store mended in place from its source files (`h5feed repair`);
 - `writer`: `open_writer`, extraction code appending samples straight into a store;
@@ -11,7 +17,9 @@
 """
 
 from h5feed.conversion.converter import ConvertReport, convert
+from h5feed.conversion.options import BucketOptions, RunOptions, SkipPolicy, StoreSettings, WriteOptions
 from h5feed.conversion.repair import RepairReport, repair
 from h5feed.conversion.writer import StoreWriter, WriterReport, open_writer
 
-__all__ = ["ConvertReport", "RepairReport", "StoreWriter", "WriterReport", "convert", "open_writer", "repair"]
+__all__ = ["BucketOptions", "ConvertReport", "RepairReport", "RunOptions", "SkipPolicy", "StoreSettings", "StoreWriter",
+           "WriteOptions", "WriterReport", "convert", "open_writer", "repair"]

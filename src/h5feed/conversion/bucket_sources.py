@@ -33,6 +33,7 @@ from h5feed.errors import PathError, SourceError, StoreError
 from h5feed.formats import FORMATS, SourceFile, SourceFormat
 from h5feed.io import ObjectNotFound, ObjectStore, open_url
 from h5feed.io.paths import UnsafeName, contained_path, is_folder_marker
+from h5feed.store.attributes import SkippedFile
 
 E = TypeVar("E", bound=PathError)
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class BucketSources:
     def __init__(self, url: str, objects: ObjectStore, workdir: Path) -> None:
         self.url, self.objects = url, objects
         self.shadow = workdir / "shadow"
-        self.skipped: list[dict[str, str]] = []  # objects refused by `_mirror` with skip_bad, as a store records skips
+        self.skipped: list[SkippedFile] = []  # objects refused by `_mirror` with skip_bad, as a store records skips
         self.fetcher = SourceFetcher(objects, str(self.shadow), str(workdir / "fetched"))
 
     @classmethod
@@ -117,7 +118,7 @@ class BucketSources:
                     raise SourceError(self.objects.key_url(key), f"{problem}: rename or delete the object, or pass "
                                       "--skip-bad to convert the others and record it as skipped") from exc
                 log.warning("skipping %s: %s", self.objects.key_url(key), problem)
-                self.skipped.append({"path": key, "problem": problem})
+                self.skipped.append(SkippedFile(key, problem))
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             if key.endswith(SAMPLE_SUFFIXES) and path.name not in SIDE_FILES:

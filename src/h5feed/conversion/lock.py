@@ -11,7 +11,8 @@ reused; a flock cannot outlive its holder), and no second writer can take it
 while the first lives.  The writer also records the named
 POSIX semaphores its process pool created, so that the next writer can remove
 the ones a SIGKILL left in /dev/shm: only those, and only when no process maps
-them any more.
+them any more (`h5feed.conversion.pool`, beside the workers' start that makes
+them die with the converter).
 
 A store in a bucket has no flock: `BucketLock` is an object at the same key,
 created with a conditional PUT (If-None-Match: *, so of two writers starting
@@ -48,6 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from h5feed.conversion.pool import mapped_semaphores, remove_orphaned_semaphores
 from h5feed.errors import StoreError
 from h5feed.io.objects import ObjectNotFound
 from h5feed.store.writer_state import (
@@ -72,7 +74,6 @@ HEARTBEAT_S = 30.0  # how often a bucket lock's holder rewrites it
 PATIENCE_S = 1.0  # how long a writer asks for a local lock again before naming its holder
 WAIT_LOG_S = 30.0  # how often a writer waiting for a shared step says who holds it
 STAGING_LOCK = "h5feed-staging.lock"  # in a bucket writer's staging folder: whose folder it is
-_SHM = Path("/dev/shm")
 
 
 class WriterLock:
@@ -144,7 +145,7 @@ class WriterLock:
 
     def record_semaphores(self) -> None:
         """Note the named semaphores this process maps now (its process pool's), for a later cleanup."""
-        self._write({**self._info, "semaphores": _mapped_semaphores(os.getpid())})
+        self._write({**self._info, "semaphores": mapped_semaphores(os.getpid())})
 
     def release(self) -> None:
         """Unlock and remove the file (a store finished or abandoned cleanly has no lock file).  A shared
@@ -351,45 +352,3 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-
-
-def _mapped_shm_inodes(pid: int | str) -> set[int]:
-    """Inodes of the /dev/shm files a process maps.  A named POSIX semaphore is such a file, mapped
-    under the temporary name glibc created it with (since deleted): only its inode tells which it is."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return set()
-    return {int(line.split()[4]) for line in maps.splitlines() if " /dev/shm/" in line}
-
-
-def _semaphores_by_inode() -> dict[int, str]:
-    found = {}
-    for name in os.listdir(_SHM):
-        if name.startswith("sem."):
-            try:
-                found[os.stat(_SHM / name).st_ino] = name
-            except FileNotFoundError:
-                continue
-    return found
-
-
-def _mapped_semaphores(pid: int | str) -> list[list[str | int]]:
-    """[name, inode] of the named semaphores a process maps now."""
-    mapped = _mapped_shm_inodes(pid)
-    return [[name, inode] for inode, name in _semaphores_by_inode().items() if inode in mapped]
-
-
-def remove_orphaned_semaphores(recorded: list[list[str | int]]) -> list[str]:
-    """Remove the recorded semaphores that still exist (same name, same inode) and that no living
-    process maps; return their names."""
-    present = _semaphores_by_inode()
-    candidates = {int(inode): str(name) for name, inode in recorded if present.get(int(inode)) == name}
-    if not candidates:
-        return []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        for inode in _mapped_shm_inodes(pid) & candidates.keys():
-            del candidates[inode]
-    for name in candidates.values():
-        (_SHM / name).unlink(missing_ok=True)
-    return sorted(candidates.values())

@@ -43,22 +43,16 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from h5feed.conversion.converter import (
-    Plan,
-    PlannedSample,
-    convert_one,
-    journaled_rows,
-    publish_journal,
-    published_skips,
-    what_changed,
-)
+from h5feed.conversion.append import what_changed
+from h5feed.conversion.finalize import journaled_rows, publish_journal, published_skips
 from h5feed.conversion.lock import WriterLock
+from h5feed.conversion.plan import Plan, PlannedSample
 from h5feed.conversion.samples import index_columns, published_columns
+from h5feed.conversion.tasks import convert_one
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import SampleShape, SourceFile, SourceFormat
 from h5feed.io import is_remote
@@ -67,7 +61,8 @@ from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store import Store
 from h5feed.store.damage import damaged_arrays
 from h5feed.store.layout import StoreInfo, create_arrays, crc32c, read_info, write_info
-from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, WRITER_API, WRITER_SOURCE, read_journal
+from h5feed.store.journal import JOURNAL_FILE, JournalRecord, read_journal
+from h5feed.store.writer_state import PLAN_FILE, WRITER_API, WRITER_SOURCE
 from h5feed.verify import Mismatch, check_sample, verify_store
 
 log = logging.getLogger(__name__)
@@ -169,17 +164,18 @@ def _refuse_unfinished(dst: Path, info: StoreInfo) -> None:
                          "(repair mends complete stores)")
 
 
-def _expected_info(plan: Plan, done: dict[int, dict[str, Any]]) -> StoreInfo | None:
+def _expected_info(plan: Plan, done: dict[int, JournalRecord]) -> StoreInfo | None:
     """The attributes a conversion that ended with this plan and journal published (None: the plan, written
     before it kept them, has no copy)."""
     if plan.store is None:
         return None
     rows = journaled_rows(plan.samples, done)
+    skipped = [s.to_json() for s in published_skips(plan, done)]
     return StoreInfo.from_json({**plan.store, "status": "complete", "num_samples": len(rows),
-                                "num_tokens": sum(r.num_tokens for r in rows), "skipped": published_skips(plan, done)})
+                                "num_tokens": sum(r.num_tokens for r in rows), "skipped": skipped})
 
 
-def _sound_attributes(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: int, report: RepairReport,
+def _sound_attributes(dst: Path, plan: Plan, done: dict[int, JournalRecord], unfinished: int, report: RepairReport,
                       durable: bool) -> StoreInfo:
     """The store's attributes, written again from the plan's copy where they cannot be read or differ from what the
     conversion planned (what its publication sets is left to `_republish_if_damaged`)."""
@@ -214,7 +210,7 @@ def _sound_attributes(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], un
     return expected
 
 
-def _index_problem(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, dict[str, Any]],
+def _index_problem(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, JournalRecord],
                    unfinished: int) -> str | None:
     """What is wrong with the published samples (the index and the attributes' count of it) against the journal,
     or None.  With an append unfinished the journal holds samples not published yet: the index must only open."""
@@ -237,7 +233,7 @@ def _index_problem(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, dict[
     return None
 
 
-def _republish_if_damaged(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, dict[str, Any]], unfinished: int,
+def _republish_if_damaged(dst: Path, info: StoreInfo, plan: Plan, done: dict[int, JournalRecord], unfinished: int,
                           report: RepairReport, durable: bool) -> None:
     """Publish the index again from the journal where it fails to open or disagrees with it."""
     problem = _index_problem(dst, info, plan, done, unfinished)
@@ -334,7 +330,7 @@ def _repair_samples(dst: Path, src: Path, info: StoreInfo, plan: Plan, damaged: 
     return positions
 
 
-def _drop(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: int, positions: dict[int, int],
+def _drop(dst: Path, plan: Plan, done: dict[int, JournalRecord], unfinished: int, positions: dict[int, int],
           report: RepairReport, durable: bool) -> None:
     """Drop each unrepaired sample the plan places from the index: its journal record becomes a skip saying why it
     could not be repaired, and the index is published again from the journal."""
@@ -351,7 +347,7 @@ def _drop(dst: Path, plan: Plan, done: dict[int, dict[str, Any]], unfinished: in
     for i, problems in why.items():
         reason = f"{DROPPED}: its stored rows fail their checks, and repair could not convert it again " \
                  f"({'; '.join(problems)})"
-        done[positions[i]] = {"skipped": reason}
+        done[positions[i]] = JournalRecord.skip(positions[i], reason)
         report.dropped.append(Mismatch(i, plan.samples[positions[i]].relpath, reason))
     log.warning("%s: dropping %d sample(s) from the index", dst, len(why))
     publish_journal(dst, plan, done, durable)
@@ -375,7 +371,7 @@ def _repair_sample(dst: Path, src: Path, info: StoreInfo, plan: Plan, planned: P
     record = convert_one(plan.options.format, str(staging), SourceFile(path, planned.sample_index, planned.relpath),
                          planned.start, shape, info, durable)
     recorded = [int(c) for c in store.checksums[i]]
-    if (record["checksum"], record["has_loss_mask"]) != (recorded, bool(store.has_loss_mask[i])):
+    if (list(record.checksum), record.has_loss_mask) != (recorded, bool(store.has_loss_mask[i])):
         shutil.rmtree(staging)
         raise SourceError(path, "gives other rows than it did when it was converted (its size and mtime are the "
                           "same)")
@@ -405,22 +401,20 @@ def _repair_store_file(dst: Path, src: Path, info: StoreInfo, mismatch: Mismatch
                        durable: bool) -> None:
     """A damaged companion copy copied again from the source folder, if the file there is the one recorded;
     anything else is reported."""
-    record: dict[str, Any] | None = next((r for r in info.companions.values() if r.get("copy") == mismatch.source_path),
-                                         None)
-    if record is None:
+    record = next((r for r in info.companions.values() if r.copy == mismatch.source_path), None)
+    if record is None or record.copy is None:
         report.unrecoverable.append(Mismatch(-1, mismatch.source_path, f"{mismatch.problem}; repair cannot rebuild it"))
         return
     try:
-        data = regular_file(contained_path(src, record["source"])).read_bytes()
+        data = regular_file(contained_path(src, record.source)).read_bytes()
     except (UnsafeName, SourceError) as exc:
         problem = exc.problem
     except OSError as exc:
         problem = f"cannot be read ({exc.strerror or exc})"
     else:
-        if (len(data), crc32c(data)) == (record["bytes"], record["crc32c"]):
-            write_atomically(contained_path(dst, record["copy"]), data, durable=durable)
-            report.rebuilt.append(record["copy"])
+        if (len(data), crc32c(data)) == (record.nbytes, record.crc32c):
+            write_atomically(contained_path(dst, record.copy), data, durable=durable)
+            report.rebuilt.append(record.copy)
             return
         problem = "differs from the file recorded at conversion"
-    report.unrecoverable.append(Mismatch(-1, record["copy"],
-                                         f"its source {record['source']} {problem}: left as it was"))
+    report.unrecoverable.append(Mismatch(-1, record.copy, f"its source {record.source} {problem}: left as it was"))

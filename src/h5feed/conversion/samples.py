@@ -23,9 +23,11 @@ import torch
 from h5feed.errors import SourceError
 from h5feed.formats import SampleShape, SourceFormat, SourceSample
 from h5feed.io.local import fsync_dir, write_atomically
+from h5feed.store.attributes import SkippedFile
+from h5feed.store.format import HIDDEN_SCALES
 from h5feed.store.fp8 import DEQUANTIZED_DTYPE, FP8_DTYPE, quantize, token_scales
+from h5feed.store.journal import JournalRecord
 from h5feed.store.layout import (
-    HIDDEN_SCALES,
     IndexDigest,
     LastStateNorm,
     Precision,
@@ -63,7 +65,7 @@ def new_store_info(fmt: SourceFormat, reference: SampleShape, *, codec: str, chu
         source_root=source_root,
         has_last_state=fmt.has_last_state,
         ids_shifted=fmt.ids_shifted,
-        extra_arrays={extra.name: extra.record() for extra in reference.extras},
+        extra_arrays={extra.name: extra for extra in reference.extras},
         source_info={**source_info, **({"layout": reference.layout} if reference.layout else {})},
         precision="fp8" if fp8 else "exact",
         quantized_from=source_dtype if fp8 and not fp8_source else "",
@@ -123,9 +125,10 @@ def check_same_shape(where: Path, shape: SampleShape, reference: SampleShape, wh
             raise SourceError(where, f"{what} {got} differs from {want} of {whose}")
 
 
-def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, durable: bool) -> dict[str, Any]:
+def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, durable: bool) -> JournalRecord:
     """Write one sample's shards from row `start` (a shard boundary); its journal record: the crc32c of each
-    array's rows, whether it had a loss mask, the bytes written.  FP8 stores quantize here."""
+    array's rows, whether it had a loss mask, the bytes written (the caller adds where it is).  FP8 stores
+    quantize here."""
     loss_mask = sample.stored_loss_mask()
     c = info.chunk_tokens
     rows = range(0, len(sample.input_ids), c)
@@ -157,11 +160,8 @@ def write_sample(dst: Path, info: StoreInfo, sample: SourceSample, start: int, d
     if last is not None:
         blocks["last_hidden_states"] = chunks(last, "last_hidden_states")
     written = {name: write_shards(dst, info, name, blocks[name], start, durable) for name in info.array_names}
-    return {
-        "checksum": [crc for _, crc in written.values()],
-        "has_loss_mask": sample.loss_mask is not None,
-        "bytes_out": sum(nbytes for nbytes, _ in written.values()),
-    }
+    return JournalRecord(checksum=tuple(crc for _, crc in written.values()), has_loss_mask=sample.loss_mask is not None,
+                         bytes_out=sum(nbytes for nbytes, _ in written.values()))
 
 
 def write_shards(
@@ -298,11 +298,11 @@ class IndexRow:
     num_tokens: int
     source_index: int
     source_path: str
-    checksum: list[int]
+    checksum: tuple[int, ...]
     has_loss_mask: bool
 
 
-def publish_samples(dst: Path, rows: Sequence[IndexRow], skipped: list[dict[str, str]], durable: bool,
+def publish_samples(dst: Path, rows: Sequence[IndexRow], skipped: list[SkippedFile], durable: bool,
                     rebuild: bool = False) -> None:
     """Publish `rows` as the store's samples: the index (checksummed by zarr's crc32c codec), then the
     status "complete" and the sample count in one atomic write, which readers take as the truth."""
@@ -321,16 +321,16 @@ def index_columns(rows: Sequence[IndexRow], arrays: int) -> dict[str, np.ndarray
     }
 
 
-def publish_columns(dst: Path, columns: dict[str, np.ndarray], skipped: list[dict[str, str]], durable: bool,
+def publish_columns(dst: Path, columns: dict[str, np.ndarray], skipped: list[SkippedFile], durable: bool,
                     rebuild: bool = False) -> None:
     """`publish_samples` of rows given as index columns."""
     info = read_info(dst)
     publish_index(dst, columns, rebuild)
     if durable:
         fsync_tree(dst / "index")
-    complete = {**info.to_json(), "status": "complete", "num_samples": len(columns["sample_start"]),
-                "num_tokens": int(columns["sample_length"].sum()), "skipped": skipped}
-    write_info(dst, StoreInfo.from_json(complete), durable=durable)
+    complete = dataclasses.replace(info, status="complete", num_samples=len(columns["sample_start"]),
+                                   num_tokens=int(columns["sample_length"].sum()), skipped=list(skipped))
+    write_info(dst, complete, durable=durable)
 
 
 def published_columns(dst: Path) -> dict[str, np.ndarray]:

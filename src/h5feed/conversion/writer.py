@@ -28,8 +28,8 @@ store written by one process always had its journal, so such a store resumes as 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import json
 import logging
 import os
 import time
@@ -40,12 +40,13 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from h5feed.conversion.bucket_sources import naming
+from h5feed.conversion.options import BucketOptions, StoreSettings, WriteOptions
 from h5feed.conversion.samples import (
     IndexRow,
     array_rows,
@@ -68,11 +69,10 @@ from h5feed.formats import FORMATS, SampleShape, SourceSample
 from h5feed.formats.checks import check_token_values, refuse_unbacked_tensors
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.local import PARTIAL_SUFFIX
+from h5feed.store.journal import JournalRecord, JournalWriter, journal_records
 from h5feed.store.layout import (
-    DEFAULT_CHUNK_TOKENS,
     MAX_DEFAULT_SHARD_TOKENS,
     LastStateNorm,
-    Precision,
     StoreInfo,
     create_arrays,
     object_key,
@@ -85,7 +85,6 @@ from h5feed.store.writer_state import (
     WRITER_ID,
     WRITER_SOURCE,
     WriterFiles,
-    journal_records,
 )
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -93,7 +92,6 @@ if TYPE_CHECKING:  # typing.Self is 3.11+
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SHARDS = 16  # shards a writer reserves at a time: the arrays are grown once per block
 UNIQUE_SOURCE_INDEX = "unique_source_index"  # in a store's source_info: at most one sample per source index
 
 
@@ -116,18 +114,10 @@ def open_writer(
     *,
     writer: str | None = None,
     format: str = "speculators-legacy-pt",
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    shard_tokens: int = MAX_DEFAULT_SHARD_TOKENS,
-    codec: str = "zstd",
-    last_state_norm: LastStateNorm | None = None,
-    precision: Precision = "exact",
-    publish_every: int = 16,
-    block_shards: int = DEFAULT_BLOCK_SHARDS,
-    durable: bool = True,
-    write_behind: int = 0,
+    settings: StoreSettings | None = None,
+    writing: WriteOptions | None = None,
     unique_source_index: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    staging_dir: str | os.PathLike[str] | None = None,
+    bucket: BucketOptions | None = None,
 ) -> StoreWriter:
     """A writer that appends samples to the store `store` (made at the first sample, or resumed): a local
     folder, or a URL in a bucket (`s3://bucket/hs.zarr`, gs://, az://, anything fsspec writes).
@@ -141,22 +131,12 @@ def open_writer(
         format: the source format whose dict each sample is given as (its keys and their meaning):
             speculators-legacy-pt (default: `hidden_states` a list of K+1 [T, H] tensors, the last pre-norm),
             speculators-v0-pt, specforge-ckpt, modelopt-pt or angelslim-ckpt.
-        chunk_tokens, shard_tokens: rows per inner chunk and per shard (as `h5feed convert`'s options;
-            a sample starts on a shard boundary, and a longer one spans several shards).  Every writer of a
-            store gives the same (and the same format, codec, precision); another is refused.
-        last_state_norm: "pre" or "post", for formats whose dicts do not say it (modelopt-pt, angelslim-ckpt).
-        precision: "fp8" quantizes the hidden states as `h5feed convert --precision fp8` does.
-        publish_every: samples between publications of the index (readers opening the store see the
-            samples published so far); close() publishes the rest.
-        block_shards: shards reserved at a time while other writers append too (the rows of a block left
-            unused at close or by a kill take no disk: no file holds them).
-        durable: fsync each sample's shards before its journal line (a power loss keeps every journaled one).
-        write_behind: samples that may still be compressed and written, on a thread of the writer's own, after
-            `append` returned: the extraction's next forward pass runs meanwhile (the compression lets the GIL
-            go).  `append` checks the sample and copies its tensors first (a CUDA tensor to the host, a host
-            one too, so the caller may reuse its buffers); it waits while `write_behind` samples are in flight
-            (memory stays bounded), and an error while writing (a full disk) is raised by the next `append`,
-            `publish` or `close`.  0 (the default): each sample is written before `append` returns.
+        settings: what the store is written with, as `h5feed convert`'s (`StoreSettings`: chunk and shard
+            tokens, codec, precision, and `last_state_norm`, "pre" or "post", for formats whose dicts do not
+            say it: modelopt-pt, angelslim-ckpt).  Every writer of a store gives the same (and the same format);
+            another is refused.
+        writing: how the writer writes (`WriteOptions`): fsyncs, samples written behind `append` on a thread of
+            its own, samples between publications of the index, shards reserved at a time.
         unique_source_index: each sample is appended with its `source_index=` (the dataset row or file index it is
             the hidden states of), and the store's index holds at most one sample of each: a sample whose source
             index the index already holds when it is published (another writer's, which published first) is left
@@ -164,26 +144,26 @@ def open_writer(
             same row (the DataLoader workers of a trainer that taps the samples it receives) can then append
             without agreeing first, and a reader pairs each row with one sample.  Recorded in the store: every
             writer of a store gives the same.
-        storage_options: for a bucket, fsspec's options (endpoint_url, credentials, ...).
-        staging_dir: for a bucket, the local folder this writer works in: its journal and the samples being
-            uploaded (default: one per store and writer id under `$XDG_CACHE_HOME/h5feed/staging`; the same
-            folder resumes a writer restarted with its id; a second writer given a folder in use is refused).  A
-            sample is journaled once its shards are in the bucket, and the index is published there by one
-            conditional PUT of the store's root.
+        bucket: for a store in a bucket, fsspec's options and the local folder this writer works in
+            (`BucketOptions`; a second writer given a staging folder in use is refused).  A sample is journaled
+            once its shards are in the bucket, and the index is published there by one conditional PUT of the
+            store's root.
     """
-    site = open_site(store, writer, storage_options, staging_dir)
-    return StoreWriter(site, writer=writer, format=format, chunk_tokens=chunk_tokens,
-                       shard_tokens=shard_tokens, codec=codec, last_state_norm=last_state_norm, precision=precision,
-                       publish_every=publish_every, block_shards=block_shards, durable=durable,
-                       write_behind=write_behind, unique_source_index=unique_source_index)
+    bucket = bucket or BucketOptions()
+    site = open_site(store, writer, bucket.storage_options, bucket.staging_dir)
+    return StoreWriter(site, writer=writer, format=format, settings=settings, writing=writing,
+                       unique_source_index=unique_source_index)
 
 
 class StoreWriter:
     """Appends samples to one store, beside the store's other writers; see `open_writer`."""
 
-    def __init__(self, site: WriterSite, *, writer: str | None, format: str, chunk_tokens: int, shard_tokens: int,
-                 codec: str, last_state_norm: LastStateNorm | None, precision: Precision, publish_every: int,
-                 block_shards: int, durable: bool, write_behind: int = 0, unique_source_index: bool = False) -> None:
+    def __init__(self, site: WriterSite, *, writer: str | None, format: str, settings: StoreSettings | None = None,
+                 writing: WriteOptions | None = None, unique_source_index: bool = False) -> None:
+        settings, writing = settings or StoreSettings(), writing or WriteOptions()
+        chunk_tokens = settings.chunk_tokens
+        shard_tokens = MAX_DEFAULT_SHARD_TOKENS if settings.shard_tokens is None else settings.shard_tokens
+        publish_every, block_shards, write_behind = writing.publish_every, writing.block_shards, writing.write_behind
         fmt = FORMATS.get(format)  # type: ignore[call-overload]
         if not isinstance(fmt, TorchDictFormat):
             writable = ", ".join(name for name, f in FORMATS.items() if isinstance(f, TorchDictFormat))
@@ -199,9 +179,9 @@ class StoreWriter:
                              "starting with a letter or digit")
         self.site, self.path, self.location = site, site.staging, site.location  # works in path, names location
         self.format, self.files = fmt, WriterFiles(site.staging, writer)
-        self.chunk_tokens, self.shard_tokens, self.codec = chunk_tokens, shard_tokens, codec
-        self.last_state_norm, self.precision = last_state_norm, precision
-        self.publish_every, self.block_rows, self.durable = publish_every, block_shards * shard_tokens, durable
+        self.chunk_tokens, self.shard_tokens, self.codec = chunk_tokens, shard_tokens, settings.codec
+        self.last_state_norm, self.precision = settings.last_state_norm, settings.precision
+        self.publish_every, self.block_rows, self.durable = publish_every, block_shards * shard_tokens, writing.durable
         self.unique_source_index = unique_source_index
         self.info: StoreInfo | None = None
         self._reference: SampleShape | None = None
@@ -211,7 +191,7 @@ class StoreWriter:
         self._left_out = 0
         self._next_row: int | None = None  # where its next sample goes; None: no rows reserved
         self._block_end = 0  # the end of the rows it reserved
-        self._journal: IO[str] | None = None
+        self._journal: JournalWriter | None = None
         self._appended = 0  # samples given to append() (with write_behind, some may not be written yet)
         self._behind = _WriteBehind(write_behind) if write_behind else None
         self._locks = ExitStack()
@@ -231,19 +211,21 @@ class StoreWriter:
         self._adopt(read_info(self.path))
         records = journal_records(self.files.journal)
         for record in records:
-            if "i" in record:
-                self._rows.append(IndexRow(record["start"], record["num_tokens"], record.get("source_index", record["i"]),
-                                           record["name"], record["checksum"], record["has_loss_mask"]))
-                self._next_row = record["start"] + rows_taken(record["num_tokens"], self.shard_tokens)
-                self._block_end = record.get("block_end", self._next_row)  # an earlier h5feed noted no blocks
+            if record.i is not None:
+                source_index = record.i if record.source_index is None else record.source_index
+                self._rows.append(IndexRow(record.start, record.num_tokens, source_index, record.name, record.checksum,
+                                           record.has_loss_mask))
+                self._next_row = record.start + rows_taken(record.num_tokens, self.shard_tokens)
+                end = record.block_end
+                self._block_end = self._next_row if end is None else end  # an earlier h5feed noted no blocks
         self._appended = len(self._rows)
         self.site.remove_partial_writes(self.files.writer, self._own_partial_writes)
-        begun = [r for r in records if r.get("begun") == len(self._rows)]  # the one being written when it stopped
+        begun = [r for r in records if r.begun == len(self._rows)]  # the one being written when it stopped
         if self._rows or begun:
             who = "" if self.files.writer is None else f" writer {self.files.writer!r}"
             kept = f"{len(self._rows)} samples kept, the last one {self._rows[-1].source_path!r}" if self._rows \
                 else "no sample kept"
-            lost = (f"{begun[-1]['name']!r}, being appended when the writer stopped, was lost: append it again"
+            lost = (f"{begun[-1].name!r}, being appended when the writer stopped, was lost: append it again"
                     if begun else "samples appended after it were lost")
             log.info("%s: resuming%s: %s; %s", self.location, who, kept, lost)
         self._publish()
@@ -333,7 +315,7 @@ class StoreWriter:
             self._reserve(shape, taken)
         assert self.info is not None and self._reference is not None and self._next_row is not None
         check_same_shape(where, shape, self._reference, "the store's samples")
-        if {e.name: e.record() for e in shape.extras} != self.info.extra_arrays:
+        if {e.name: e for e in shape.extras} != self.info.extra_arrays:
             raise SourceError(where, f"holds the optional arrays {[e.name for e in shape.extras]}, the store's samples "
                               f"{list(self.info.extra_arrays)}")
         planned = _PlannedSample(index, label, loaded, self._next_row, self._block_end,
@@ -354,13 +336,14 @@ class StoreWriter:
         at a time, in append order)."""
         assert self.info is not None
         try:
-            self._write_journal({"begun": planned.index, "name": planned.label, "start": planned.start}, sync=False)
+            self._write_journal(JournalRecord(begun=planned.index, name=planned.label, start=planned.start), sync=False)
             record = write_sample(self.path, self.info, planned.sample, planned.start, self.durable)
             num_tokens = planned.sample.shape.num_tokens
             self.site.sample_written(self.info, planned.start, num_tokens)  # in the store before it is journaled
-            self._write_journal({"i": planned.index, "name": planned.label, "start": planned.start,
-                                 "num_tokens": num_tokens, "block_end": planned.block_end,
-                                 "source_index": planned.source_index, **record}, sync=self.durable)
+            record = dataclasses.replace(record, i=planned.index, name=planned.label, start=planned.start,
+                                         num_tokens=num_tokens, block_end=planned.block_end,
+                                         source_index=planned.source_index)
+            self._write_journal(record, sync=self.durable)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:  # the folder the writer works in: the store, or a bucket's staging folder
                 raise DiskFullError(self.path, f"disk full while writing {planned.label!r} ({os.strerror(exc.errno)}): "
@@ -368,8 +351,8 @@ class StoreWriter:
                                     ) from exc
             raise
         self._rows.append(IndexRow(planned.start, num_tokens, planned.source_index, planned.label,
-                                   record["checksum"], record["has_loss_mask"]))
-        self._bytes_out += record["bytes_out"]
+                                   record.checksum, record.has_loss_mask))
+        self._bytes_out += record.bytes_out
 
     def _publish_due(self, label: str) -> None:
         """Publish when `publish_every` samples are due.  A publication that fails leaves them kept (journaled,
@@ -416,14 +399,10 @@ class StoreWriter:
                               last_state_norm=self._norm(),
                               source_info={UNIQUE_SOURCE_INDEX: True} if self.unique_source_index else {})
 
-    def _write_journal(self, record: dict[str, Any], sync: bool) -> None:
-        if self._journal is None:
-            self.files.journal.parent.mkdir(parents=True, exist_ok=True)  # a bucket's writer: no lock made it
-            self._journal = open(self.files.journal, "a")  # noqa: SIM115 (for the writer's life: close() closes it)
-        self._journal.write(json.dumps(record) + "\n")
-        self._journal.flush()
-        if sync:  # after the shards' fsync: a journaled sample survives a power loss
-            os.fsync(self._journal.fileno())
+    def _write_journal(self, record: JournalRecord, sync: bool) -> None:
+        if self._journal is None:  # opened at the first sample, for the writer's life: close() closes it
+            self._journal = JournalWriter(self.files.journal, end_cut_line=False)
+        self._journal.append(record, sync=sync)  # after the shards' fsync: a journaled sample survives a power loss
 
     def publish(self) -> None:
         """Publish every sample appended so far (with write_behind, once written): a reader opening the store

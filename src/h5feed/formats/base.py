@@ -19,6 +19,7 @@ import torch
 
 from h5feed.errors import SourceError
 from h5feed.formats.discovery import Discovery, SourceFile, check_root, find_samples, nothing_readable
+from h5feed.store.attributes import ExtraArray
 from h5feed.store.layout import LastStateNorm, dtype_name
 
 __all__ = ["DEFAULT_LOCK_TIMEOUT_S", "Companion", "ExtraArray", "FormatName", "SampleShape", "SourceFormat",
@@ -30,19 +31,6 @@ FormatName = Literal[
     "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "specforge-dflash-ckpt", "speculators-safetensors",
     "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors",
 ]
-
-
-@dataclass(frozen=True)
-class ExtraArray:
-    """An optional per-token array a format keeps beside the four every store has."""
-
-    name: str
-    dtype: str  # torch dtype name
-    width: int  # values per token: stored [rows, width], or [rows] when 1
-
-    def record(self) -> dict[str, Any]:
-        """As a store's `extra_arrays` attribute keeps it."""
-        return {"dtype": self.dtype, "width": self.width}
 
 
 @dataclass(frozen=True)

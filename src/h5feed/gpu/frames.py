@@ -2,7 +2,9 @@
 batch's at once with numpy (`parse_frames`), every offset and size checked against the frame's length.
 
 Why apart from the decoder: parsing needs neither CUDA nor nvCOMP, so CI checks it bit for bit against
-numcodecs, and a frame the GPU path cannot take is refused here before any GPU work.
+numcodecs, and a frame the GPU path cannot take is refused here before any GPU work.  The chunks are the
+store's (its format: `h5feed.store.format`, written by `h5feed.store.layout`, read on the CPU by
+`h5feed.store.reader`).
 
 Frame layout (c-blosc 1.21 ``blosc.c``): a 16-byte header (version 2,
 versionlz, flags, typesize u8, nbytes, blocksize, cbytes as little-endian

@@ -45,6 +45,7 @@ import torch
 from hs_connectors.mooncake_store import MooncakeHiddenStatesStore
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer, MooncakeBackend, MooncakeTransfer
 
+from h5feed.conversion.options import WriteOptions
 from h5feed.conversion.writer import StoreWriter, WriterReport, open_writer
 from h5feed.errors import H5feedError, SourceError, StoreError
 from h5feed.formats.speculators import ArrowRows, SpeculatorsLegacyPt
@@ -258,8 +259,8 @@ def open_tap_writer(options: TapOptions) -> StoreWriter:
         if writer_id in held_ids(path):
             continue
         try:
-            return open_writer(path, writer=writer_id, format=STORE_FORMAT, write_behind=options.write_behind,
-                               publish_every=options.publish_every, unique_source_index=True)
+            writing = WriteOptions(write_behind=options.write_behind, publish_every=options.publish_every)
+            return open_writer(path, writer=writer_id, format=STORE_FORMAT, writing=writing, unique_source_index=True)
         except StoreError:
             if writer_id in held_ids(path):  # another process took this id in the same instant
                 continue

@@ -1,14 +1,10 @@
-"""The h5feed store: its on-disk layout, the checked reader of one sample, and decode buffers."""
+"""The h5feed store: its format (`format`), its on-disk layout, the checked reader of one sample, and decode buffers."""
 
+from h5feed.store.attributes import ChunkCodec, KeptCompanion, SkippedFile
 from h5feed.store.buffers import Allocator, BufferPool, plain_allocator, shared_allocator
+from h5feed.store.format import ATTRS_KEY, CHECKSUMMED, HIDDEN_ARRAYS, HIDDEN_SCALES, STORE_FORMAT_VERSION, TOKEN_ARRAYS
 from h5feed.store.layout import (
-    ATTRS_KEY,
-    CHECKSUMMED,
     DEFAULT_CHUNK_TOKENS,
-    HIDDEN_ARRAYS,
-    HIDDEN_SCALES,
-    STORE_FORMAT_VERSION,
-    TOKEN_ARRAYS,
     LastStateNorm,
     StoreInfo,
     checksums,
@@ -33,9 +29,12 @@ __all__ = [
     "TOKEN_ARRAYS",
     "Allocator",
     "BufferPool",
+    "ChunkCodec",
+    "KeptCompanion",
     "LastStateNorm",
     "RawSample",
     "ReadStats",
+    "SkippedFile",
     "Store",
     "StoreInfo",
     "checksums",

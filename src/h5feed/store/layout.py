@@ -1,45 +1,12 @@
-"""What an h5feed store is on disk: attributes, arrays, keys, and the bytes of a shard.
+"""How an h5feed store is written, and its attributes read: `StoreInfo`, the codecs, the shards' bytes, the index.
 
-Format 2 (written today), one Zarr v3 group:
-
-    aux_hidden_states   [rows, K*H]  storage dtype (bf16 bits as uint16)
-    last_hidden_states  [rows, H]
-    input_ids           [rows]       int64
-    loss_mask           [rows]       int64
-    index/...           one row per sample (see `INDEX_COLUMNS`)
-
-Each token array is sharded along the tokens: a shard holds `shard_tokens` rows
-as inner chunks of `chunk_tokens` rows, each encoded ``bytes -> blosc -> crc32c``
-(zarr's own codecs), followed by the shard index (offset and length of each
-inner chunk, then its crc32c).  Every sample starts on a shard boundary, so a
-sample is one object per array (by default the shard is as long as the longest
-sample), writers never share an object, and every byte a reader decodes is
-checked by a checksum any Zarr v3 reader checks too.  Inner chunks past a
-sample's end are absent (zarr reads them as the fill value 0).
-
-Format 3 is format 2 with optional parts, written only by stores that have
-some (format-2 readers then refuse such a store by its version instead of
-misreading it): per-token `extra_arrays` beside the four above (e.g.
-`inputs_embeds` [rows, H], `position_ids` [rows], `target_probs` [rows, Vd]),
-sharded, chunked and checksummed exactly like them; no `last_hidden_states`
-(`has_last_state` false: a NeMo Automodel cache holds none); and the attributes
-`ids_shifted`, `source_info` and `companions` (files kept in `companions/`).
-`index/checksum` then has one column per stored array, in `StoreInfo.array_names`
-order.
-
-Format 4 is format 3 with FP8 hidden states (`precision` "fp8", written only by FP8 stores, so that older
-readers refuse them by their version instead of handing out their bytes as bf16): `aux_hidden_states` and
-`last_hidden_states` hold float8_e4m3fn bits (uint8), and `hidden_states_scales` [rows] the float32 scale of each
-token over all its hidden states (`h5feed.store.fp8`), sharded, chunked and checksummed like the others (its
-checksum column follows the four core arrays').  `dtype` is then the dtype reads deliver (bfloat16), and
-`quantized_from` the source dtype the conversion quantized (empty when the source files held FP8 already).
-
-Any format's index group may carry in its attributes (`IndexDigest`) the crc32c of its rows, written by
-the conversion after the rows: readers check it at open, and a store without it opens unchecked.
-
-Format 1 (still read): the same arrays unsharded, one file per chunk of
-`chunk_tokens` rows, no per-chunk checksum; samples start on chunk boundaries
-and `index/checksum` holds crc32c of each sample's decoded bytes.
+The format these implement is described in `h5feed.store.format` (which also says where it is read: the
+CPU reader, `h5feed.store.reader`, and the GPU path's frame parser, `h5feed.gpu.frames`).  Here: the
+store's self-description (`StoreInfo`, with its typed parts from `h5feed.store.attributes`), read and
+written without zarr (`read_info`, `write_info`); the group and its arrays, created with zarr-python so
+that any Zarr v3 reader opens them (`create_arrays`); each inner chunk and shard encoded exactly as zarr's
+pipeline encodes them, without its per-chunk copies (`chunk_encoder`, `encode_shard`); a shard's index
+decoded and checked (`decode_shard_index`); and the index's digest and a bucket writer's commit.
 """
 
 from __future__ import annotations
@@ -55,27 +22,29 @@ import torch
 
 from h5feed.errors import NotAStoreError, StoreError
 from h5feed.io.local import write_atomically
+from h5feed.store.attributes import ChunkCodec, ExtraArray, KeptCompanion, SkippedFile
+from h5feed.store.format import (
+    ATTRS_KEY,
+    BLOSC_MAX_OVERHEAD,
+    CHECKSUMMED,
+    COMMIT_KEY,
+    CRC_BYTES,
+    DEFAULT_INDEX,
+    EMPTY,
+    FP8_FORMAT_VERSION,
+    HIDDEN_ARRAYS,
+    HIDDEN_SCALES,
+    INDEX_COLUMNS,
+    OPTIONAL_ARRAYS_FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
+    STORE_FORMAT_VERSION,
+)
 
 if TYPE_CHECKING:
     from h5feed.io import ObjectStore
 
-STORE_FORMAT_VERSION = 2
-OPTIONAL_ARRAYS_FORMAT_VERSION = 3  # format 2 + optional parts (see the module docstring)
-FP8_FORMAT_VERSION = 4  # format 3 + FP8 hidden states and their per-token scales
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
-ATTRS_KEY = "h5feed"
-HIDDEN_ARRAYS = ("aux_hidden_states", "last_hidden_states")
-HIDDEN_SCALES = "hidden_states_scales"  # an FP8 store's per-token scales (hs-connectors' key)
-TOKEN_ARRAYS = ("input_ids", "loss_mask")
-CHECKSUMMED = HIDDEN_ARRAYS + TOKEN_ARRAYS
-INDEX_COLUMNS = ("sample_start", "sample_length", "source_path", "source_index", "checksum", "has_loss_mask")
 DEFAULT_CHUNK_TOKENS = 256
 MAX_DEFAULT_SHARD_TOKENS = 8192  # a longer sample spans several shards
-EMPTY = np.uint64(2**64 - 1)  # a shard index entry of an absent inner chunk
-CRC_BYTES = 4
-BLOSC_MAX_OVERHEAD = 16  # c-blosc's header; a chunk that does not compress is stored copied, behind it
-
-COMPANIONS_DIR = "companions"  # files the trainer needs beside the samples, kept byte for byte
 LastStateNorm = Literal["pre", "post"]
 Precision = Literal["exact", "fp8"]  # exact: the source's bits; fp8: float8_e4m3fn and a scale per token
 
@@ -127,21 +96,21 @@ class StoreInfo:
     num_aux_layers: int
     dtype: str  # logical torch dtype name, e.g. "bfloat16"
     last_state_norm: LastStateNorm | None  # None: the store holds no last state (`has_last_state` false)
-    codec: dict[str, Any]
+    codec: ChunkCodec
     chunk_tokens: int
     shard_tokens: int = 0  # 0: format 1, one object per chunk
     status: Literal["converting", "complete"] = "converting"
     source_root: str = ""
     num_samples: int = 0
     num_tokens: int = 0
-    skipped: list[dict[str, str]] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
     format_version: int = STORE_FORMAT_VERSION
     # Format 3 (see the module docstring); the defaults are a format-2 store's, and are left out of its attributes.
     has_last_state: bool = True  # False: no `last_hidden_states` array (a NeMo cache stores none)
     ids_shifted: bool = False  # True: input_ids and loss_mask are stored shifted left by one (token 0 is gone)
-    extra_arrays: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dtype", "width"}
+    extra_arrays: dict[str, ExtraArray] = field(default_factory=dict)  # by name, in the order of their arrays
     source_info: dict[str, Any] = field(default_factory=dict)  # what the source format says beyond the arrays
-    companions: dict[str, dict[str, Any]] = field(default_factory=dict)  # files kept beside the samples
+    companions: dict[str, KeptCompanion] = field(default_factory=dict)  # files kept beside the samples, by source
     # Format 4 (see the module docstring); the defaults are an exact store's, and are left out of its attributes.
     precision: Precision = "exact"
     quantized_from: str = ""  # fp8 quantized at conversion: the source's dtype name; "": the source held FP8
@@ -202,7 +171,7 @@ class StoreInfo:
     def width(self, name: str) -> int:
         """Values per row of array `name` (1 for the per-token arrays)."""
         if name in self.extra_arrays:
-            return int(self.extra_arrays[name]["width"])
+            return int(self.extra_arrays[name].width)
         return {"aux_hidden_states": self.num_aux_layers * self.hidden_size, "last_hidden_states": self.hidden_size}.get(
             name, 1
         )
@@ -214,7 +183,7 @@ class StoreInfo:
     def logical_dtype(self, name: str) -> torch.dtype:
         """The dtype array `name` holds as stored (an FP8 store's hidden arrays: float8_e4m3fn)."""
         if name in self.extra_arrays:
-            return dtype_from_name(self.extra_arrays[name]["dtype"])
+            return dtype_from_name(self.extra_arrays[name].dtype)
         if name == HIDDEN_SCALES:
             return torch.float32
         if name in HIDDEN_ARRAYS:
@@ -236,8 +205,7 @@ class StoreInfo:
         sized from it, so a damaged or hostile store is refused instead of dividing by zero or allocating."""
         sizes = {"hidden_size": self.hidden_size, "num_aux_layers": self.num_aux_layers,
                  "chunk_tokens": self.chunk_tokens}
-        sizes.update({f"extra_arrays.{name}.width": spec.get("width") if isinstance(spec, dict) else spec
-                      for name, spec in self.extra_arrays.items()})
+        sizes.update({f"extra_arrays.{name}.width": extra.width for name, extra in self.extra_arrays.items()})
         for name, value in sizes.items():
             if not _is_int(value) or value <= 0:
                 return f"{name} is {value!r}, not a positive whole number"
@@ -280,11 +248,31 @@ class StoreInfo:
 
     def to_json(self) -> dict[str, Any]:
         """The attributes; a format-2 store's are exactly what format 2 wrote (no format-3 or format-4 keys)."""
-        return {k: v for k, v in self.__dict__.items() if k not in _LATER_DEFAULTS or v != _LATER_DEFAULTS[k]}
+        attrs = {k: v for k, v in self.__dict__.items() if k not in _LATER_DEFAULTS or v != _LATER_DEFAULTS[k]}
+        attrs["codec"] = self.codec.to_json()
+        attrs["skipped"] = [skipped.to_json() for skipped in self.skipped]
+        if "extra_arrays" in attrs:
+            attrs["extra_arrays"] = {name: extra.record() for name, extra in self.extra_arrays.items()}
+        if "companions" in attrs:
+            attrs["companions"] = {name: kept.to_json() for name, kept in self.companions.items()}
+        return attrs
 
     @classmethod
     def from_json(cls, attrs: dict[str, Any]) -> StoreInfo:
-        return cls(**attrs)
+        """The attributes as they are stored, their parts typed; TypeError for attributes that are not a store's
+        (`problem` then says what is impossible in those that are)."""
+        parts: dict[str, Any] = {}
+        if "codec" in attrs:
+            parts["codec"] = ChunkCodec.from_json(attrs["codec"])
+        if "skipped" in attrs:
+            parts["skipped"] = [SkippedFile.from_json(s) for s in _of_type(attrs["skipped"], list, "skipped")]
+        if "extra_arrays" in attrs:
+            parts["extra_arrays"] = {name: _extra_array(name, spec) for name, spec in
+                                     _of_type(attrs["extra_arrays"], dict, "extra_arrays").items()}
+        if "companions" in attrs:
+            parts["companions"] = {name: KeptCompanion.from_json(record) for name, record in
+                                   _of_type(attrs["companions"], dict, "companions").items()}
+        return cls(**{**attrs, **parts})
 
 
 _FORMAT_3_DEFAULTS: dict[str, Any] = {"has_last_state": True, "ids_shifted": False, "extra_arrays": {},
@@ -296,14 +284,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def chunk_codec(codec: str) -> dict[str, Any]:
+def _of_type(value: Any, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} is {value!r}, not a {kind.__name__}")
+    return value
+
+
+def _extra_array(name: str, spec: Any) -> ExtraArray:
+    """An optional array as `extra_arrays` records it ({"dtype", "width"}); its sizes and dtype are checked by
+    `StoreInfo.problem`, which says what is wrong with them."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"extra_arrays.{name} is {spec!r}, not its dtype and width")
+    return ExtraArray(name, spec.get("dtype"), spec.get("width"))
+
+
+def chunk_codec(codec: str) -> ChunkCodec:
     """The Blosc configuration (zarr v3 names) of a `--codec` name."""
     if codec == "zstd":
-        return {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+        return ChunkCodec("blosc", cname="zstd", clevel=1, shuffle="shuffle", blocksize=1 << 20)
     if codec == "lz4":
-        return {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20}
+        return ChunkCodec("blosc", cname="lz4", clevel=5, shuffle="bitshuffle", blocksize=1 << 20)
     if codec == "none":
-        return {"name": "none"}
+        return ChunkCodec("none")
     raise ValueError(f"unknown codec {codec!r}: choose zstd, lz4 or none")
 
 
@@ -330,27 +332,27 @@ def create_arrays(dst: Path, info: StoreInfo, total_rows: int) -> None:
                            compressors=_zarr_compressors(info.codec, dtype.itemsize), fill_value=0)
 
 
-def _zarr_compressors(codec: dict[str, Any], itemsize: int) -> list[Any]:
+def _zarr_compressors(codec: ChunkCodec, itemsize: int) -> list[Any]:
     from zarr.codecs import BloscCodec, Crc32cCodec
 
-    config = dict(codec)
+    config = codec.to_json()
     blosc = [BloscCodec(typesize=itemsize, **config)] if config.pop("name") == "blosc" else []
     return [*blosc, Crc32cCodec()]
 
 
-def frame_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+def frame_encoder(codec: ChunkCodec, itemsize: int) -> Callable[[np.ndarray], bytes]:
     """Encode one inner chunk's rows as zarr's pipeline does before the checksum: little-endian bytes, then Blosc."""
-    if codec["name"] == "none":
+    if codec.name == "none":
         return lambda chunk: chunk.tobytes()
     shuffles = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
     from numcodecs import Blosc
 
-    blosc_codec = Blosc.from_config({"cname": codec["cname"], "clevel": codec["clevel"], "blocksize": codec["blocksize"],
-                                     "shuffle": shuffles[codec["shuffle"]], "typesize": itemsize})
+    blosc_codec = Blosc.from_config({"cname": codec.cname, "clevel": codec.clevel, "blocksize": codec.blocksize,
+                                     "shuffle": shuffles[codec.shuffle], "typesize": itemsize})
     return lambda chunk: bytes(blosc_codec.encode(chunk))
 
 
-def chunk_encoder(codec: dict[str, Any], itemsize: int) -> Callable[[np.ndarray], bytes]:
+def chunk_encoder(codec: ChunkCodec, itemsize: int) -> Callable[[np.ndarray], bytes]:
     """Encode one inner chunk exactly as zarr's pipeline does: the frame, then its crc32c."""
     encode = frame_encoder(codec, itemsize)
     return lambda chunk: with_crc32c(encode(chunk))
@@ -419,10 +421,6 @@ def crc32c(data: Any, crc: int = 0) -> int:
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
     """crc32c of each tensor's bytes: the per-sample checksums recorded at conversion."""
     return [crc32c(tensor.contiguous().numpy()) for tensor in tensors]
-
-
-COMMIT_KEY = "h5feed_commit"  # in the root's attributes, beside ATTRS_KEY: a bucket writer's last commit
-DEFAULT_INDEX = "index"  # the index group of a local store, a converter's, and a bucket store before commits
 
 
 @dataclass(frozen=True)

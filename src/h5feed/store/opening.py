@@ -15,7 +15,8 @@ from urllib.parse import unquote
 
 from h5feed.errors import StoreError
 from h5feed.io import CachedStore, FsspecStore, ObjectStore
-from h5feed.store.layout import HIDDEN_SCALES, TOKEN_ARRAYS, StoreInfo, read_info
+from h5feed.store.format import HIDDEN_SCALES, TOKEN_ARRAYS
+from h5feed.store.layout import StoreInfo, read_info
 from h5feed.store.sources import CachedSource, LocalSource, ObjectSource, RemoteSource, fingerprint
 from h5feed.store.writer_state import WRITER_API, WRITER_SOURCE, being_converted, bucket_being_written
 

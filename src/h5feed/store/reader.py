@@ -37,10 +37,9 @@ from h5feed.io import IOCounters, ObjectStore, is_remote, open_url
 from h5feed.store.buffers import Allocator, plain_allocator
 from h5feed.store.chunks import ChunkDecoder
 from h5feed.store.damage import sizes_claimed
+from h5feed.store.format import HIDDEN_SCALES, TOKEN_ARRAYS
 from h5feed.store.index import SampleIndex
 from h5feed.store.layout import (
-    HIDDEN_SCALES,
-    TOKEN_ARRAYS,
     Commit,
     IndexDigest,
     crc32c,

@@ -51,7 +51,8 @@ from h5feed.io import (
     Range,
     part_ranges,
 )
-from h5feed.store.layout import CRC_BYTES, EMPTY, check_crc32c, decode_shard_index, shard_index_nbytes
+from h5feed.store.format import CRC_BYTES, EMPTY
+from h5feed.store.layout import check_crc32c, decode_shard_index, shard_index_nbytes
 
 PREFETCH_BYTES = 1 << 30  # per process: fetched objects not yet read (an estimate: their decoded size)
 PREFETCH_OBJECTS = 64  # per process: objects fetched ahead and not yet read

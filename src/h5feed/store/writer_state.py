@@ -3,8 +3,9 @@
 A store whose conversion has not finished is refused by every reader.  What the user should do
 then depends on whether a writer still runs: wait for it, or run the same `h5feed convert` again
 to resume.  The writers' files live in the store (their locks, plan and journals; see
-`h5feed.conversion`), and they are read here, below the conversion code, so that `Store`, `h5feed
-inspect`, `h5feed verify` and a follower tell the cases apart the same way.
+`h5feed.conversion`, and `h5feed.store.journal` for the journals' lines), and they are read here,
+below the conversion code, so that `Store`, `h5feed inspect`, `h5feed verify` and a follower tell
+the cases apart the same way.
 
 `h5feed convert` holds `LOCK_FILE` exclusively.  `h5feed.open_writer` writers, several at once,
 hold it shared (so a converter and writers exclude each other), and each holds its own lock in
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from h5feed.store.journal import JOURNAL_FILE, read_journal
+
 if TYPE_CHECKING:
     from h5feed.io import FsspecStore
 
 LOCK_FILE = "h5feed-writer.lock"  # flock'd by `h5feed convert` (host, pid, start time inside), or shared by writers
 PLAN_FILE = "h5feed-plan.json"  # every sample's place, decided before the first is converted
-JOURNAL_FILE = "h5feed-journal.jsonl"  # one line per finished sample, by plan position
 CONVERTER = "`h5feed convert`"  # the writers, as messages name them (the lock records which holds it)
 WRITER_API = "`h5feed.open_writer`"
 WRITER_SOURCE = "h5feed.open_writer"  # the source_root of a store open_writer made: its samples came from no folder
@@ -212,30 +214,6 @@ def describe_writer(holder: dict[str, Any]) -> str:
 
 def _describe_one(holder: dict[str, Any]) -> str:
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started at {holder.get('started_at', '?')}"
-
-
-def journal_records(journal: Path) -> list[dict[str, Any]]:
-    """A journal's records in the order written; a line cut short by a kill is ignored."""
-    try:
-        lines = journal.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-def read_journal(store: Path, journal: Path | None = None) -> dict[int, dict[str, Any]]:
-    """Finished samples by plan (or writer's) position, from the store's journal or `journal`; a line cut short
-    by a kill is ignored (its sample is redone), and so is a writer's note of a sample it began."""
-    records = journal_records(journal or store / JOURNAL_FILE)
-    return {record.pop("i"): record for record in records if "i" in record}
 
 
 def writer_journals(store: Path) -> list[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from h5feed.conversion.writer_sites.base import WriterSite
@@ -15,7 +16,7 @@ from h5feed.store.opening import local_path
 __all__ = ["BucketSite", "LocalSite", "WriterSite", "open_site"]
 
 
-def open_site(location: str | os.PathLike[str], writer: str | None, storage_options: dict[str, Any] | None,
+def open_site(location: str | os.PathLike[str], writer: str | None, storage_options: Mapping[str, Any] | None,
               staging_dir: str | os.PathLike[str] | None) -> WriterSite:
     """The site of the store at `location`: a local path, or a URL fsspec writes to (s3://, gs://, ...)."""
     if not is_remote(location):

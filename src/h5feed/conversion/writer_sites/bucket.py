@@ -54,7 +54,8 @@ from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, ObjectNotFound
 from h5feed.io.local import PARTIAL_SUFFIX, write_atomically
 from h5feed.io.paths import is_folder_marker
-from h5feed.store.layout import DEFAULT_INDEX, Commit, StoreInfo, object_key, read_info
+from h5feed.store.format import DEFAULT_INDEX
+from h5feed.store.layout import Commit, StoreInfo, object_key, read_info
 from h5feed.store.writer_state import (
     LOCK_FILE,
     PUBLISH_LOCK,
