@@ -40,10 +40,6 @@ class ChunkCodec:
             raise TypeError(f"codec is {codec!r}, not a chunk codec's settings")
         return cls(**codec)
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A setting by its attribute name, as the attributes' dict gave it (for readers written against it)."""
-        return self.to_json().get(key, default)
-
     def __str__(self) -> str:
         """As messages have always quoted it: the attributes' dict."""
         return str(self.to_json())

@@ -31,7 +31,7 @@ class ChunkDecoder:
     def __init__(self, info: StoreInfo, source: ObjectSource, checked: bool) -> None:
         self.info, self.source, self.checked = info, source, checked
         self.max_chunk_nbytes = max(info.max_chunk_nbytes(name) for name in info.array_names)
-        self.compressed = info.codec.get("name") != "none"
+        self.compressed = info.codec.compressed
         self._scratch = threading.local()
 
     def object_frames(

@@ -98,7 +98,7 @@ def store_refusal(store: Store) -> str | None:
     """Why this store's chunks cannot be decoded on the GPU; None when they can (Blosc-zstd, byte shuffle, format 2
     or later; exact or FP8 hidden states)."""
     codec = store.info.codec
-    if codec.get("cname") == "zstd" and codec.get("shuffle") == "shuffle" and store.info.sharded:
+    if codec.cname == "zstd" and codec.shuffle == "shuffle" and store.info.sharded:
         return None
     return (f"decode on the GPU needs a format-2 store with the zstd codec (this one: format "
             f"{store.info.format_version}, {codec})")
