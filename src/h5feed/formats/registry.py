@@ -18,7 +18,8 @@ from h5feed.formats.nemo import NemoEagle3Cache
 from h5feed.formats.safe_load import gz_head_dict, load_torch_dict
 from h5feed.formats.safetensors_file import open_safetensors
 from h5feed.formats.specforge import DSPARK_KEYS, EAGLE3_KEYS, SpecForgeCkpt, SpecForgeDFlashCkpt
-from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors, SpeculatorsV0Pt
+from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsV0Pt
+from h5feed.formats.speculators_safetensors import SpeculatorsSafetensors
 from h5feed.formats.vllm import VllmSafetensors
 from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
 

@@ -41,7 +41,7 @@ from h5feed.formats.base import FormatName, SampleShape, SourceFormat, SourceSam
 from h5feed.formats.checks import ids_to_int64, mask_to_int64, refuse_unknown_keys
 from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile, check_root, find_samples, nothing_readable
 from h5feed.formats.safetensors_file import fp8_scales, open_safetensors
-from h5feed.formats.speculators import ArrowRows, layers_file_shape, split_layers
+from h5feed.formats.speculators_safetensors import ArrowRows, layers_file_shape, split_layers
 from h5feed.io.paths import regular_file
 from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
 
