@@ -33,13 +33,10 @@ import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from h5feed.formats import FormatName
 
 FORMAT_NAMES = ("speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
                 "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors")
@@ -195,7 +192,7 @@ def write_arrow_dataset(
 
 def write_synthetic(
     root: Path,
-    fmt: FormatName,
+    fmt: str,
     num_samples: int,
     hidden_size: int,
     num_aux_layers: int = 3,

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import FormatName, SampleShape
+from h5feed.formats.base import Detected, Detection, SampleShape
 from h5feed.formats.checks import (
     CheckedSample,
     aux_and_last,
@@ -20,30 +22,38 @@ from h5feed.formats.checks import (
     require_keys,
     token_vector,
 )
+from h5feed.formats.registry import register_format
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.store.layout import LastStateNorm
 
-__all__ = ["SpeculatorsLegacyPt", "SpeculatorsV0Pt"]
+__all__ = ["PT_FILES", "SpeculatorsLegacyPt", "SpeculatorsV0Pt"]
+
+PT_FILES = "data_{i}.pt"  # the key group of the formats whose files are named so (Model-Optimizer's too, named so or not)
 
 
 _KEYS_OF = {"speculators-legacy-pt": "a 'hidden_states' list", "speculators-v0-pt": "'hidden_state' + 'target'"}
 
 
-def _one_of_the_other_kind(path: Path, found: FormatName, read_as: FormatName) -> SourceError:
+def _one_of_the_other_kind(path: Path, found: str, read_as: str) -> SourceError:
     """A data_{i}.pt file of the other speculators generation among those of one: both are named data_{i}.pt, so
     only their keys tell them apart; say which the file is rather than which keys it lacks."""
     return SourceError(path, f"is a {found} file ({_KEYS_OF[found]}), but this source is read as {read_as} (its "
                        f"first file's format, or --format): convert the two kinds of file from separate folders")
 
 
+@register_format
 class SpeculatorsLegacyPt(TorchDictFormat):
     """A: ``data_{i}.pt`` with ``hidden_states`` = list of K+1 [T, H] tensors (last one pre-norm)."""
 
-    name: FormatName = "speculators-legacy-pt"
+    name = "speculators-legacy-pt"
+    detection = Detection(Detected.BY_NAME, PT_FILES, PT_FILES, ("speculators legacy ('hidden_states' list)",))
     last_state_norm: LastStateNorm | None = "pre"
     pattern = re.compile(r"data_(\d+)\.pt")
     what = "data_{i}.pt"
     extensions = (".pt",)
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        return isinstance(keys.get("hidden_states"), (list, tuple))
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         if "hidden_states" not in d and "hidden_state" in d and "target" in d:
@@ -86,14 +96,19 @@ class SpeculatorsLegacyPt(TorchDictFormat):
         return CheckedSample(ids, mask, list(hs[:-1]), hs[-1], SampleShape(t, int(first.shape[1]), len(hs) - 1, first.dtype))
 
 
+@register_format
 class SpeculatorsV0Pt(TorchDictFormat):
     """B: ``data_{i}.pt`` with ``hidden_state`` [T, K*H] and ``target`` [T, H] (post-norm)."""
 
-    name: FormatName = "speculators-v0-pt"
+    name = "speculators-v0-pt"
+    detection = Detection(Detected.BY_NAME, PT_FILES, PT_FILES, ("speculators v0 ('hidden_state' + 'target')",))
     last_state_norm: LastStateNorm | None = "post"
     pattern = re.compile(r"data_(\d+)\.pt")
     what = "data_{i}.pt"
     extensions = (".pt",)
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        return "hidden_state" in keys and "target" in keys
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         if isinstance(d.get("hidden_states"), (list, tuple)) and "hidden_state" not in d:

@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import FormatName, SampleShape, SourceFormat, SourceSample
+from h5feed.formats.base import Detected, Detection, SampleShape, SourceFormat, SourceSample
 from h5feed.formats.checks import check_hidden, fmt_shape, ids_to_int64, mask_to_int64, require_keys, token_vector
 from h5feed.formats.discovery import Discovery, SourceFile, find_samples
+from h5feed.formats.registry import register_format
 from h5feed.formats.safetensors_file import check_fp8_scales, fp8_scales, open_safetensors, tensor_meta
 from h5feed.store.layout import LastStateNorm
 
@@ -176,7 +177,7 @@ def _digest(ids: torch.Tensor) -> bytes:
     return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
 
 
-def layers_file_shape(path: Path, f: Any, fmt: FormatName) -> SampleShape:
+def layers_file_shape(path: Path, f: Any, fmt: str) -> SampleShape:
     """The shape of an open ``hidden_states`` [T, K+1, H] + ``token_ids`` [T] file (speculators' and vLLM's),
     its keys, dtypes and shapes checked from its header alone."""
     require_keys(path, list(f.keys()), ("token_ids", "hidden_states"), fmt)
@@ -226,6 +227,7 @@ def split_layers(path: Path, f: Any, shape: SampleShape) -> tuple[torch.Tensor, 
     return aux, last, ids_to_int64(path, f.get_tensor("token_ids"), "token_ids")
 
 
+@register_format
 class SpeculatorsSafetensors(SourceFormat):
     """D: speculators 0.5+ ``hidden_states/hs_{i}.safetensors`` ([T, K+1, H], last pre-norm) + Arrow dataset.
 
@@ -234,7 +236,8 @@ class SpeculatorsSafetensors(SourceFormat):
     they are (an FP8 store keeps them; `h5feed.store.fp8`).
     """
 
-    name: FormatName = "speculators-safetensors"
+    name = "speculators-safetensors"
+    detection = Detection(Detected.BY_FOLDER, "hidden_states/hs_{i}.safetensors")
     last_state_norm: LastStateNorm | None = "pre"
     pattern = re.compile(r"hs_(\d+)\.safetensors")
     what = "hs_{i}.safetensors"
