@@ -125,13 +125,6 @@ def test_the_collate_over_items_is_the_trainers(store: Any, name: str, flavor: s
         assert_same(collate(batch), restated_collate(flavor, max_len)(batch))
 
 
-def test_pipeline_collate_is_a_deprecated_alias(store: Any) -> None:
-    items = [HiddenStatesDataset(store("nemo-full"), "nemo-eagle3")[i] for i in range(3)]
-    with pytest.warns(DeprecationWarning, match=r"use h5feed.trainer_collate\(flavor, max_len\)"):
-        collate = h5feed.pipeline_collate("nemo-eagle3")
-    assert_same(collate(items), trainer_collate("nemo-eagle3")(items))
-
-
 def test_the_collates_say_what_they_need() -> None:
     with pytest.raises(ValueError, match=r"^flavor 'modelopt': Model-Optimizer's collate pads or cuts to "
                                          r"training_seq_len: max_len is required$"):

@@ -12,7 +12,6 @@ from h5feed.loading.follow import Follow
 from h5feed.loading.options import ReadOptions, ScheduleOptions, StoreOptions
 from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
-from h5feed.pipeline_collates import pipeline_collate
 from h5feed.store import RawSample, Store
 from h5feed.verify import describe_store, verify_store
 
@@ -51,7 +50,6 @@ __all__ = [
     "describe_store",
     "monitor",
     "open_writer",
-    "pipeline_collate",
     "repair",
     "select_samples",
     "split_samples",
