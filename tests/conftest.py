@@ -15,8 +15,8 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,7 +195,7 @@ def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., S
     Each store is written and converted (in this process) once per session; a name returns the same store.
     """
     import h5feed
-    from h5feed.synthetic import sample_lengths, write_synthetic
+    from h5feed.testing.synthetic import sample_lengths, write_synthetic
 
     made: dict[str, SyntheticStore] = {}
 

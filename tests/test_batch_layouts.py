@@ -14,7 +14,7 @@ from test_trainers import angelslim_collate, assert_same, modelopt_collate, nemo
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from h5feed import bench
-from h5feed.baseline import Eagle3SampleFileDataset, list_files
 from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_set, run_bench
 from h5feed.bench.loaders import BASELINE, GPU_DECODE, ITEMS, SHORT_LABELS, USABLE, compare_digests, digest
 from h5feed.bench.report import TABLE_COLUMNS
@@ -27,7 +26,8 @@ from h5feed.cli import main
 from h5feed.gpu import why_unavailable
 from h5feed.loading.datasets import HiddenStatesDataset
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.baseline import Eagle3SampleFileDataset, list_files
+from h5feed.testing.synthetic import write_synthetic
 
 MEASURED = tuple(n for n in LOADERS if n != GPU_DECODE or why_unavailable() is None)  # on this machine
 

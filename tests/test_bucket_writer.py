@@ -39,7 +39,7 @@ from h5feed.conversion.writer_sites.bucket import BucketSite
 from h5feed.store import Store
 from h5feed.store.layout import COMMIT_KEY, Commit
 from h5feed.store.writer_state import JOURNAL_FILE, LOCK_FILE, WRITERS_DIR, bucket_writers, read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 
 def store_files(root: Path) -> dict[str, bytes]:

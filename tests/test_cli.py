@@ -23,7 +23,7 @@ from h5feed.conversion.converter import convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
 from h5feed.store.writer_state import read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H = 32

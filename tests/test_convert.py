@@ -21,7 +21,7 @@ from h5feed.errors import StoreError
 from h5feed.store import ReadStats, Store
 from h5feed.store.layout import EMPTY, decode_shard_index
 from h5feed.store.writer_state import JOURNAL_FILE, PLAN_FILE, read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H = 32

@@ -27,7 +27,7 @@ from h5feed.conversion.publish import UPLOADS_FILE, is_shard
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import AccessDenied, open_url
 from h5feed.store.writer_state import LOCK_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 N = 8
 CHUNK = 16

@@ -27,7 +27,7 @@ from h5feed.formats import (
     SourceSample,
     detect_format,
 )
-from h5feed.synthetic import column_scales, make_sample, sample_lengths, write_synthetic
+from h5feed.testing.synthetic import column_scales, make_sample, sample_lengths, write_synthetic
 
 H = 48
 K = 3

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_batch_loader
 from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor, quantize_tensor_to_fp8
 from hs_connectors.transfer import FP8Transfer
 from numcodecs import Blosc
@@ -22,7 +23,6 @@ from safetensors.torch import save_file
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError
-from conftest import make_batch_loader
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
 from h5feed.gpu import why_unavailable
@@ -31,7 +31,7 @@ from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import HIDDEN_ARRAYS, Store, plain_allocator
 from h5feed.store import layout as store_layout
 from h5feed.store.fp8 import CPU_BLOCK_VALUES, MAX_SCALE, MIN_SCALE, dequantize_into, quantize, token_scales
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -26,7 +26,7 @@ from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
 from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 from specforge.training.vocab_mapping import count_effective_feature_tokens
 from test_specforge_flavors import specforge_provider
-from test_specforge_formats import H, LENGTHS, write_capture
+from test_specforge_formats import LENGTHS, H, write_capture
 
 import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
@@ -203,7 +203,7 @@ def test_a_store_without_the_algorithms_keys_is_refused_before_training(run, ins
 
 def test_a_pre_norm_store_is_refused_for_specforge_targets(tmp_path: Path, installed) -> None:
     """speculators' files hold the pre-norm last state; SpecForge's lm_head needs the post-norm one."""
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, 3, lengths=(6, 8), seed=1)
     h5feed.convert(tmp_path / "src", tmp_path / "hs.zarr", workers=0, progress=False)

@@ -27,7 +27,7 @@ from h5feed.integrations.speculators import H5feedBackend, StoreTransfer
 from h5feed.io import cache_state, open_url
 from h5feed.speculators_train import NEEDS
 from h5feed.store import CHECKSUMMED, Store
-from h5feed.synthetic import VOCAB_SIZE, write_synthetic
+from h5feed.testing.synthetic import VOCAB_SIZE, write_synthetic
 
 H, K = 32, 3
 NUM_SAMPLES = 10

@@ -34,7 +34,7 @@ from h5feed.integrations.speculators import H5feedBackend
 from h5feed.integrations.speculators_tap import TapBackend, TapOptions, TapTransfer, open_tap_writer
 from h5feed.store import Store
 from h5feed.store.writer_state import WriterFiles, journal_records
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 H, K, N = 32, 3, 8
 LENGTHS = (5, 40)

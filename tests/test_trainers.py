@@ -22,7 +22,7 @@ from h5feed.flavors import FLAVORS
 from h5feed.flavors.base import register_flavors
 from h5feed.store import Store
 from h5feed.store.writer_state import LOCK_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H, K, N = 16, 3, 6

@@ -17,7 +17,7 @@ import torch
 import h5feed
 from h5feed import HiddenStatesDataset, SourceError, Store, StoreError, convert, open_writer
 from h5feed.store.writer_state import read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
 LENGTHS = (10, 90)  # some samples span two shards

@@ -119,7 +119,7 @@ def make_data(work: Path, num_samples: int, hidden_size: int, tokens: tuple[int,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import h5feed
-    from h5feed.synthetic import VOCAB_SIZE, write_synthetic
+    from h5feed.testing.synthetic import VOCAB_SIZE, write_synthetic
 
     data, store, verifier = work / "data", work / "hs.zarr", work / "verifier"
     if not (data / "state.json").exists():

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h5feed.baseline import create_collate_fn
 from h5feed.errors import H5feedError
 from h5feed.store import Store
+from h5feed.testing.baseline import create_collate_fn
 
 DRAFT_VOCAB = 32000
-EMBED_VOCAB = 32768  # the verifier's embedding: covers h5feed.synthetic's token ids (the draft vocabulary may be smaller)
+EMBED_VOCAB = 32768  # the verifier's embedding: covers the synthetic sets' token ids (the draft vocabulary may be smaller)
 TTT_STEPS = 3
 Batch = dict[str, torch.Tensor]
 TrainingStep = Callable[[dict[str, Any]], object]  # one optimizer step on the trainer's batch, as the loader yields it

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from h5feed.errors import H5feedError
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 BASELINE_FORMAT = "speculators-legacy-pt"
 DEFAULT_CACHE_DIR = Path("~/.cache/h5feed/bench")

@@ -17,7 +17,7 @@ draft vocabulary, which is sorted by token frequency) with one token per
 position lifted by U(4, 14) (a peaked next-token distribution: top-1 ~0.4 on
 average).
 
-    python -m h5feed.synthetic DST --format speculators-legacy-pt \\
+    python -m h5feed.testing.synthetic DST --format speculators-legacy-pt \\
         --num-samples 100 --hidden-size 7168 --tokens 1500:1900
 """
 
