@@ -305,7 +305,7 @@ class SlowDataset(torch.utils.data.Dataset):
     reading (`stage="read"`) or as decoding ("decode")."""
 
     def __init__(self, n: int, delay: float, stage: str = "read") -> None:
-        from h5feed.metrics import LoaderCounters
+        from h5feed.observe.metrics import LoaderCounters
 
         self.n, self.delay, self.stage = n, delay, stage
         self.counters = LoaderCounters()

@@ -43,7 +43,7 @@ from h5feed.loading.backends.workers import WorkersOptions
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.loading.options import ScheduleOptions
-from h5feed.metrics import MAX_WORKERS, LoaderCounters
+from h5feed.observe.metrics import MAX_WORKERS, LoaderCounters
 from h5feed.store import Store, crc32c
 from h5feed.testing.baseline import Eagle3SampleFileDataset, create_collate_fn
 

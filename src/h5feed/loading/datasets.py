@@ -40,7 +40,7 @@ from h5feed.loading.options import (
 )
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
-from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
+from h5feed.observe.metrics import LoaderCounters, WorkerCounters, check_worker_count
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 from h5feed.store.fp8 import dequantized
 
