@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from h5feed.errors import StoreError, unknown_name
-from h5feed.placement import place_items
+from h5feed.loading.placement import place_items
 from h5feed.store import HIDDEN_ARRAYS, Allocator, LastStateNorm, RawSample, StoreInfo, shared_allocator
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
