@@ -31,7 +31,7 @@ from test_specforge_formats import LENGTHS, H, write_capture
 import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.specforge import StoreAccess, count_loss_tokens, install
-from h5feed.specforge_train import NEEDS, prepared, unmet_requirement
+from h5feed.integrations.specforge_train import NEEDS, prepared, unmet_requirement
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -383,7 +383,7 @@ def test_install_refuses_a_specforge_that_is_not_0_2(installed, monkeypatch) -> 
 def test_a_missing_package_is_named_with_what_to_install(monkeypatch) -> None:
     from importlib import util
 
-    import h5feed.specforge_train as train
+    import h5feed.integrations.specforge_train as train
 
     find_spec = util.find_spec
     monkeypatch.setattr(util, "find_spec", lambda name: None if name == "accelerate" else find_spec(name))
@@ -395,7 +395,7 @@ def test_a_missing_package_is_named_with_what_to_install(monkeypatch) -> None:
 
 
 def test_h5feeds_flags_are_taken_out_before_specforge_reads_the_rest() -> None:
-    from h5feed.specforge_train import h5feed_options
+    from h5feed.integrations.specforge_train import h5feed_options
 
     access, rest = h5feed_options(["train", "--h5feed-on-corrupt", "skip", "-c", "r.yaml", "--h5feed-cache-dir",
                                    "/tmp/c", "a.b=1"])
