@@ -14,7 +14,7 @@ from test_trainers import angelslim_collate, assert_same, modelopt_collate, nemo
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
-from h5feed.testing.synthetic import write_synthetic
+from h5feed.testing.synthetic import PipelineOptions, write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -55,7 +55,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if name not in made:
             fmt, variant, norm = STORES[name]
             root = tmp_path_factory.mktemp(name)
-            write_synthetic(root / "src", fmt, len(LENGTHS), H, K, lengths=LENGTHS, seed=11, variant=variant)
+            write_synthetic(root / "src", fmt, len(LENGTHS), H, K, lengths=LENGTHS, seed=11,
+                            pipeline=PipelineOptions(variant=variant))
             h5feed.convert(root / "src", root / "store", workers=0, chunk_tokens=CHUNK, progress=False,
                            last_state_norm=norm)
             made[name] = root / "store"

@@ -23,7 +23,7 @@ import torch
 
 import h5feed
 from h5feed.store import Store
-from h5feed.testing.synthetic import draft_probs, write_synthetic
+from h5feed.testing.synthetic import PipelineOptions, draft_probs, write_synthetic
 
 SETS = (("modelopt-pt", "hf", "post"), ("angelslim-ckpt", "vllm", "post"), ("nemo-eagle3-cache", "full", None),
         ("nemo-eagle3-cache", "topk", None))
@@ -77,8 +77,9 @@ def main() -> None:
     print("| format | codec | array | ratio |\n| --- | --- | --- | --- |")
     for fmt, variant, norm in SETS:
         src = a.out / f"{fmt}-{variant}"
-        write_synthetic(src, fmt, a.samples, a.hidden_size, lengths=(lo, hi), seed=0, variant=variant,
-                        draft_vocab_size=a.draft_vocab_size, topk=a.topk, seq_length=hi, shard_size=2)
+        write_synthetic(src, fmt, a.samples, a.hidden_size, lengths=(lo, hi), seed=0,
+                        pipeline=PipelineOptions(variant=variant, draft_vocab_size=a.draft_vocab_size, topk=a.topk,
+                                                 seq_length=hi, shard_size=2))
         for codec in ("zstd", "lz4"):
             dst = a.out / f"{fmt}-{variant}.{codec}.zarr"
             report = h5feed.convert(src, dst, workers=0, codec=codec, progress=False, last_state_norm=norm)

@@ -117,7 +117,7 @@ def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, conv
     builder; Model-Optimizer's HF dumps, post-norm last state, written and converted here; both reused when
     complete)."""
     from h5feed.bench import SyntheticSpec, ensure_default_set
-    from h5feed.testing.synthetic import write_synthetic
+    from h5feed.testing.synthetic import PipelineOptions, write_synthetic
 
     if flavor == "speculators-legacy":
         spec = SyntheticSpec(num_samples=n, hidden_size=hidden, tokens=tokens)
@@ -132,7 +132,7 @@ def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, conv
         pass
     shutil.rmtree(folder, ignore_errors=True)
     log.info("writing %d synthetic Model-Optimizer samples (H=%d) to %s", n, hidden, folder / "src")
-    write_synthetic(folder / "src", "modelopt-pt", n, hidden, 3, tokens, 0, variant="hf")
+    write_synthetic(folder / "src", "modelopt-pt", n, hidden, 3, tokens, 0, pipeline=PipelineOptions(variant="hf"))
     log.info("converting with %d worker(s)", convert_workers)
     h5feed.convert(folder / "src", folder / "store", workers=convert_workers, progress=False, last_state_norm="post")
     return Store(folder / "store")
