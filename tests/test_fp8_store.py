@@ -437,13 +437,13 @@ def test_the_cli_says_fp8_is_lossy_and_inspect_names_it(tmp_path, cli, capsys):
 def test_bench_runs_no_baseline_on_a_lossy_store(tmp_path):
     """The speculators 0.4 baseline reads the bf16 files: its batches cannot equal an FP8 store's, and are not
     compared; h5feed's loaders are, with each other."""
-    from h5feed.bench import run_bench
+    from h5feed.bench import Passes, run_bench
     from h5feed.bench.loaders import BASELINE
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, K, lengths=(20, 40), seed=5)
     h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False, precision="fp8")
-    result = run_bench(tmp_path / "fp8", workers=0, max_len=32, cold=False,
-                       loaders=[BASELINE, "BatchLoader-threads", "StreamLoader"], progress=False)
+    result = run_bench(tmp_path / "fp8", workers=0, max_len=32,
+                       passes=Passes([BASELINE, "BatchLoader-threads", "StreamLoader"], cold=False), progress=False)
     assert result.checks == {"BatchLoader-threads": "reference", "StreamLoader": "equal"}
     assert ("no baseline: this store's hidden states were quantized to FP8 (lossy), so its batches are not the "
             "source files'; h5feed benched alone") in result.notes

@@ -40,6 +40,20 @@ REPRESENTATIVE = "drafter"  # --step's name for `DrafterStep` at the store's sha
 
 
 @dataclass(frozen=True)
+class StepOptions:
+    """The training step `h5feed bench` runs beside every loader, as a trainer's loop runs it.
+
+    name: "drafter" (`REPRESENTATIVE`, the default), the representative EAGLE-3 drafter step at the store's shape,
+        or "package.module:function" (your own: function(store, device) returns a callable that runs one step).
+    device: where it runs (default: the GPU, where CUDA is; without it no step runs unless a device is given, as
+        tests give the CPU).
+    """
+
+    name: str = REPRESENTATIVE
+    device: torch.device | str | None = None
+
+
+@dataclass(frozen=True)
 class Shape:
     hidden: int
     aux_layers: int

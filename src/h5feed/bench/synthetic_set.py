@@ -46,6 +46,16 @@ class SyntheticSpec:
 DEFAULT_SPEC = SyntheticSpec()
 
 
+@dataclass(frozen=True)
+class DefaultSet:
+    """The embedded default set `h5feed bench` builds (or reuses) when given no store: its shape, the folder it is
+    kept in, and the workers converting it (None: all cores)."""
+
+    spec: SyntheticSpec = DEFAULT_SPEC
+    cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR
+    convert_workers: int | None = None
+
+
 def set_folder(cache_dir: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
     """Where `ensure_default_set` keeps a set and its store: one folder for both, which one `rm -rf` removes."""
     return Path(cache_dir).expanduser() / spec.name
