@@ -15,8 +15,8 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,20 +196,21 @@ class SyntheticStore:
 
 @pytest.fixture(scope="session")
 def synthetic_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SyntheticStore]:
-    """`synthetic_store(name, fmt, n, hidden_size, lengths, chunk_tokens=16, codec="zstd", seed=0, **write_kwargs)`.
+    """`synthetic_store(name, fmt, n, hidden_size, lengths, chunk_tokens=16, codec="zstd", seed=0, files=...)`, the
+    files as `FileOptions` lay them out.
 
     Each store is written and converted (in this process) once per session; a name returns the same store.
     """
     import h5feed
-    from h5feed.synthetic import sample_lengths, write_synthetic
+    from h5feed.testing.synthetic import FileOptions, sample_lengths, write_synthetic
 
     made: dict[str, SyntheticStore] = {}
 
     def make(name: str, fmt: str, n: int, hidden_size: int, lengths: Any, chunk_tokens: int = 16,
-             codec: str = "zstd", seed: int = 0, **write_kwargs: Any) -> SyntheticStore:
+             codec: str = "zstd", seed: int = 0, files: FileOptions = FileOptions()) -> SyntheticStore:
         if name not in made:
             root = tmp_path_factory.mktemp(name)
-            files = write_synthetic(root / "src", fmt, n, hidden_size, lengths=lengths, seed=seed, **write_kwargs)
+            files = write_synthetic(root / "src", fmt, n, hidden_size, lengths=lengths, seed=seed, files=files)
             h5feed.convert(root / "src", root / "store", workers=0, progress=False,
                            settings=h5feed.StoreSettings(chunk_tokens=chunk_tokens, codec=codec))
             made[name] = SyntheticStore(root / "src", files, root / "store", sample_lengths(n, lengths, seed))
@@ -311,7 +312,7 @@ class SlowDataset(torch.utils.data.Dataset):
     reading (`stage="read"`) or as decoding ("decode")."""
 
     def __init__(self, n: int, delay: float, stage: str = "read") -> None:
-        from h5feed.metrics import LoaderCounters
+        from h5feed.observe.metrics import LoaderCounters
 
         self.n, self.delay, self.stage = n, delay, stage
         self.counters = LoaderCounters()

@@ -27,7 +27,7 @@ from h5feed.errors import SourceError, StoreError
 from h5feed.store import Store
 from h5feed.store.journal import read_journal
 from h5feed.store.writer_state import PLAN_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import FileOptions, write_synthetic
 from h5feed.verify import verify_store
 
 H = 32
@@ -60,7 +60,8 @@ def tree(root: Path) -> dict[str, tuple[bytes, int]]:
 def staged(tmp_path) -> Path:
     """Eight sample files written once, in two rows_* folders, to be moved into SRC as they 'arrive'."""
     staging = tmp_path / "staging"
-    write_synthetic(staging, LEGACY, len(LENGTHS), H, lengths=LENGTHS, seed=7, layout="rows", rows_per_folder=4)
+    write_synthetic(staging, LEGACY, len(LENGTHS), H, lengths=LENGTHS, seed=7,
+                    files=FileOptions(layout="rows", rows_per_folder=4))
     return staging
 
 
@@ -189,7 +190,8 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
 
 def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_path, assert_same_tree):
     staging, src, dst, ref = (tmp_path / n for n in ("staging", "src", "store", "ref"))
-    write_synthetic(staging, LEGACY, 24, 128, lengths=(200, 400), seed=2, layout="rows", rows_per_folder=8)
+    write_synthetic(staging, LEGACY, 24, 128, lengths=(200, 400), seed=2,
+                    files=FileOptions(layout="rows", rows_per_folder=8))
     shutil.copytree(staging / "rows_0-8", src / "rows_0-8")
     for store in (dst, ref):
         convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
@@ -266,7 +268,8 @@ def test_appending_from_another_folder_is_refused(tmp_path, staged):
 
 def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypatch, assert_same_tree):
     staging, src, dst, ref = (tmp_path / n for n in ("staging", "src", "store", "ref"))
-    write_synthetic(staging, LEGACY, 12, H, lengths=(5, 40), seed=3, layout="rows", rows_per_folder=4)
+    write_synthetic(staging, LEGACY, 12, H, lengths=(5, 40), seed=3,
+                    files=FileOptions(layout="rows", rows_per_folder=4))
     shutil.copytree(staging / "rows_0-4", src / "rows_0-4")
     for store in (dst, ref):
         convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))

@@ -14,7 +14,7 @@ from test_trainers import angelslim_collate, assert_same, modelopt_collate, nemo
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, HiddenStatesStream, StreamLoader, trainer_collate
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import PipelineOptions, write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -55,7 +55,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if name not in made:
             fmt, variant, norm = STORES[name]
             root = tmp_path_factory.mktemp(name)
-            write_synthetic(root / "src", fmt, len(LENGTHS), H, K, lengths=LENGTHS, seed=11, variant=variant)
+            write_synthetic(root / "src", fmt, len(LENGTHS), H, K, lengths=LENGTHS, seed=11,
+                            pipeline=PipelineOptions(variant=variant))
             h5feed.convert(root / "src", root / "store", workers=0, progress=False,
                            settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm=norm))
             made[name] = root / "store"
@@ -123,13 +124,6 @@ def test_the_collate_over_items_is_the_trainers(store: Any, name: str, flavor: s
     collate = trainer_collate(flavor, max_len)
     for batch in (items[:3], items[3:], items[5:6]):
         assert_same(collate(batch), restated_collate(flavor, max_len)(batch))
-
-
-def test_pipeline_collate_is_a_deprecated_alias(store: Any) -> None:
-    items = [HiddenStatesDataset(store("nemo-full"), "nemo-eagle3")[i] for i in range(3)]
-    with pytest.warns(DeprecationWarning, match=r"use h5feed.trainer_collate\(flavor, max_len\)"):
-        collate = h5feed.pipeline_collate("nemo-eagle3")
-    assert_same(collate(items), trainer_collate("nemo-eagle3")(items))
 
 
 def test_the_collates_say_what_they_need() -> None:

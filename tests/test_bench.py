@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from h5feed import bench
-from h5feed.baseline import Eagle3SampleFileDataset, list_files
-from h5feed.bench import LOADER_LABELS, LOADERS, SyntheticSpec, ensure_default_set, run_bench
+from h5feed.bench import LOADER_LABELS, LOADERS, Passes, SyntheticSpec, ensure_default_set, run_bench
 from h5feed.bench.loaders import BASELINE, GPU_DECODE, ITEMS, SHORT_LABELS, USABLE, compare_digests, digest
 from h5feed.bench.report import TABLE_COLUMNS
 from h5feed.cli import main
 from h5feed.gpu import why_unavailable
 from h5feed.loading.datasets import HiddenStatesDataset
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.baseline import Eagle3SampleFileDataset, list_files
+from h5feed.testing.synthetic import write_synthetic
 
 MEASURED = tuple(n for n in LOADERS if n != GPU_DECODE or why_unavailable() is None)  # on this machine
 
@@ -58,7 +58,8 @@ def test_baseline_items_equal_h5feed_items(tiny) -> None:
 
 def test_every_loader_delivers_the_baselines_batches_and_the_report_says_so(tiny) -> None:
     """max_len 48 cuts the longer samples: every loader must cut them as speculators 0.4's collate does."""
-    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=LOADERS, progress=False, step=None)
+    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, passes=Passes(LOADERS, cold=False), progress=False,
+                       step=None)
     assert [(p.loader, p.cache) for p in result.passes] == [(name, "warm") for name in MEASURED]
     assert not result.cold and result.collate == f"speculators 0.4 create_collate_fn({MAX_LEN})"
     assert result.checks == {name: "reference" if name == BASELINE else "equal" for name in MEASURED}
@@ -118,8 +119,8 @@ def test_a_loader_with_other_batches_is_caught(synthetic_store, tmp_path) -> Non
     altered = synthetic_store("bench-altered", "speculators-legacy-pt", 4, H, LENGTHS, chunk_tokens=16)
     other = write_synthetic(tmp_path / "other", "speculators-legacy-pt", 4, H, lengths=LENGTHS, seed=7)
     shutil.copyfile(other[2], altered.files[2])
-    result = run_bench(altered.path, workers=0, max_len=MAX_LEN, cold=False,
-                       loaders=[BASELINE, "BatchLoader-threads", ITEMS], progress=False)
+    result = run_bench(altered.path, workers=0, max_len=MAX_LEN,
+                       passes=Passes([BASELINE, "BatchLoader-threads", ITEMS], cold=False), progress=False)
     assert result.checks[BASELINE] == "reference"
     assert result.checks["BatchLoader-threads"].startswith("DIFFER: batch 2 (")
     assert "hidden_states" in result.checks["BatchLoader-threads"]
@@ -221,9 +222,15 @@ def test_html_fails_before_the_bench_without_matplotlib_or_a_folder_for_the_page
             "pip install 'h5feed[report]'") in r.output
 
 
+def test_an_unknown_loader_is_refused_when_the_passes_are_made() -> None:
+    with pytest.raises(ValueError) as info:
+        Passes(["BatchLoader-threads", "DataLoader-fast"])
+    assert str(info.value) == f"unknown loader(s) ['DataLoader-fast']: choose from {', '.join(LOADERS)}"
+
+
 def test_max_len_must_be_given(tiny, capsys) -> None:
     with pytest.raises(ValueError, match="max_len must be >= 1"):
-        run_bench(tiny.path, max_len=0, cold=False, progress=False)
+        run_bench(tiny.path, max_len=0, passes=Passes(cold=False), progress=False)
     with pytest.raises(SystemExit):
         main(["-q", "bench", str(tiny.path), "--max-len", "0"])
     assert "--max-len: must be >= 1, not 0" in capsys.readouterr().err
@@ -231,7 +238,7 @@ def test_max_len_must_be_given(tiny, capsys) -> None:
 
 def test_cold_impossible_says_so(tiny, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(bench.synthetic_set, "DROP_CACHES", tmp_path)  # a folder: opening it for writing fails
-    result = run_bench(tiny.path, workers=0, cold=True, loaders=["BatchLoader-threads"], progress=False)
+    result = run_bench(tiny.path, workers=0, passes=Passes(["BatchLoader-threads"], cold=True), progress=False)
     assert not result.cold and [p.cache for p in result.passes] == ["warm"]
     assert any("cannot drop the page cache" in note for note in result.notes)
 
@@ -239,8 +246,8 @@ def test_cold_impossible_says_so(tiny, tmp_path, monkeypatch) -> None:
 def test_non_pt_store_benches_h5feed_alone(synthetic_store) -> None:
     """No baseline for a SpecForge store: h5feed's loaders run SpecForge's collate, the first is the reference."""
     ckpt = synthetic_store("bench-ckpt", "specforge-ckpt", 3, H, LENGTHS, chunk_tokens=16)
-    result = run_bench(ckpt.path, workers=0, max_len=MAX_LEN, cold=False,
-                       loaders=[BASELINE, "BatchLoader-threads", "StreamLoader"], progress=False)
+    result = run_bench(ckpt.path, workers=0, max_len=MAX_LEN,
+                       passes=Passes([BASELINE, "BatchLoader-threads", "StreamLoader"], cold=False), progress=False)
     assert [p.loader for p in result.passes] == ["BatchLoader-threads", "StreamLoader"]
     assert result.flavor == "specforge" and result.collate == f"h5feed.trainer_collate('specforge')({MAX_LEN})"
     assert result.checks == {"BatchLoader-threads": "reference", "StreamLoader": "equal"}

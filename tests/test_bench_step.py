@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
+import h5feed
 from h5feed import trainer_collate
-from h5feed.bench import run_bench
+from h5feed.bench import Passes, StepOptions, run_bench
 from h5feed.bench.loaders import BASELINE, ITEMS, SHORT_LABELS, USABLE, digest
 from h5feed.bench.report import STEP_COLUMNS, BenchResult, PassResult
 from h5feed.bench.runner import STEP_ALONE_STEPS
@@ -20,7 +21,6 @@ from h5feed.cli import main
 from h5feed.errors import H5feedError
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
-import h5feed
 
 H, K = 64, 3
 LENGTHS = (30, 60)
@@ -66,8 +66,8 @@ def user_step(tmp_path, monkeypatch):
 
 
 def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_step) -> None:
-    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, cold=False, loaders=(*LOADERS, ITEMS), progress=False,
-                       step="bench_user_step:make", step_device="cpu")
+    result = run_bench(tiny.path, workers=2, max_len=MAX_LEN, passes=Passes((*LOADERS, ITEMS), cold=False),
+                       progress=False, step=StepOptions("bench_user_step:make", device="cpu"))
     n = len(tiny.files)
     assert result.step is not None and result.step.name == "bench_user_step:make" and result.step.device == "CPU"
     # warm-up, the step alone (both on the first batch), then every batch of each loader's timed pass
@@ -105,8 +105,8 @@ def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_
 def test_without_a_step_device_no_step_runs_and_the_notes_say_so(tiny, user_step) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the step runs on the GPU")
-    result = run_bench(tiny.path, workers=0, max_len=MAX_LEN, cold=False, loaders=("BatchLoader-threads",),
-                       progress=False, step="bench_user_step:make")
+    result = run_bench(tiny.path, workers=0, max_len=MAX_LEN, passes=Passes(("BatchLoader-threads",), cold=False),
+                       progress=False, step=StepOptions("bench_user_step:make"))
     assert result.step is None and user_step.SEEN == []
     assert any(note.startswith("no GPU here: no training step ran") for note in result.notes)
     assert all(p.step_share is None for p in result.passes)

@@ -50,7 +50,7 @@ from h5feed.store import Store
 from h5feed.store.journal import JOURNAL_FILE, read_journal
 from h5feed.store.layout import COMMIT_KEY, Commit
 from h5feed.store.writer_state import LOCK_FILE, WRITERS_DIR, bucket_writers
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 
 def store_files(root: Path) -> dict[str, bytes]:

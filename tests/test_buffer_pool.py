@@ -2,9 +2,9 @@
 
 import torch
 
-from h5feed.store import BufferPool
 import h5feed
 from h5feed import StoreSettings
+from h5feed.store import BufferPool
 
 MB = 1 << 20
 
@@ -51,7 +51,7 @@ def test_items_through_dataloader_workers_stay_intact_with_big_buffers(tmp_path)
     from torch.utils.data import DataLoader
 
     from h5feed import HiddenStatesDataset, HiddenStatesStream, Store, convert
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 8, 1024, lengths=(300, 400), seed=3)
     convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, settings=StoreSettings(chunk_tokens=128))
@@ -77,7 +77,7 @@ def test_worker_learns_that_items_leave_uncollated_and_decodes_into_shared_memor
     from torch.utils.data import DataLoader
 
     from h5feed import HiddenStatesDataset, Store, convert
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 10, 1024, lengths=(300, 400), seed=5)
     convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False, settings=StoreSettings(chunk_tokens=128))

@@ -24,7 +24,7 @@ from h5feed.conversion.converter import convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.store import Store
 from h5feed.store.journal import read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import FileOptions, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H = 32
@@ -76,7 +76,8 @@ BAD = {
 
 def make_source(root: Path, kind: str = "", lengths: list[int] = LENGTHS) -> list[Path]:
     if kind == "truncated-ckpt-gz":
-        return write_synthetic(root, "specforge-ckpt", len(lengths), H, lengths=lengths, seed=1, compress=True)
+        return write_synthetic(root, "specforge-ckpt", len(lengths), H, lengths=lengths, seed=1,
+                               files=FileOptions(compress=True))
     return write_synthetic(root, LEGACY, len(lengths), H, lengths=lengths, seed=1)
 
 

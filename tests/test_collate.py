@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from h5feed import trainer_collate
 from h5feed.loading.datasets import HiddenStatesDataset
-from h5feed.placement import zero_pads
+from h5feed.loading.placement import zero_pads
 
 H = 32
 K = 3

@@ -28,7 +28,7 @@ from h5feed.io import open_url
 from h5feed.io.paths import UnsafeName, contained_path, regular_file
 from h5feed.store.attributes import KeptCompanion
 from h5feed.store.layout import INDEX_COLUMNS, IndexDigest, crc32c, read_info, write_info
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 WORKTREE = Path(__file__).resolve().parents[1]
 H = 32

@@ -27,7 +27,7 @@ from h5feed.conversion.converter import PLAN_FILE, convert
 from h5feed.errors import SourceError
 from h5feed.formats import FORMATS
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 H = 32
 CHUNK = 16

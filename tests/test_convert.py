@@ -23,7 +23,7 @@ from h5feed.store import ReadStats, Store
 from h5feed.store.journal import JOURNAL_FILE, read_journal
 from h5feed.store.layout import EMPTY, decode_shard_index
 from h5feed.store.writer_state import PLAN_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import FileOptions, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H = 32
@@ -54,18 +54,20 @@ def legacy_source(root: Path, lengths: list[int] | tuple[int, int] = LENGTHS, **
 @pytest.mark.parametrize(
     "fmt, layout, norm, relpath_5",
     [
-        pytest.param(LEGACY, {}, "pre", "data_5.pt", id="legacy-flat"),
-        pytest.param(LEGACY, {"layout": "rows", "rows_per_folder": 4}, "pre", "rows_4-8/data_5.pt", id="legacy-rows"),
-        pytest.param("speculators-v0-pt", {}, "post", "data_5.pt", id="v0"),
-        pytest.param("specforge-ckpt", {"layout": "rows"}, "post", "rows_0-2000/data_5.ckpt", id="specforge"),
-        pytest.param("specforge-ckpt", {"layout": "rows", "compress": True}, "post", "rows_0-2000/data_5.ckpt.gz",
+        pytest.param(LEGACY, FileOptions(), "pre", "data_5.pt", id="legacy-flat"),
+        pytest.param(LEGACY, FileOptions(layout="rows", rows_per_folder=4), "pre", "rows_4-8/data_5.pt",
+                     id="legacy-rows"),
+        pytest.param("speculators-v0-pt", FileOptions(), "post", "data_5.pt", id="v0"),
+        pytest.param("specforge-ckpt", FileOptions(layout="rows"), "post", "rows_0-2000/data_5.ckpt", id="specforge"),
+        pytest.param("specforge-ckpt", FileOptions(layout="rows", compress=True), "post", "rows_0-2000/data_5.ckpt.gz",
                      id="specforge-gz"),
-        pytest.param("speculators-safetensors", {}, "pre", "hidden_states/hs_5.safetensors", id="safetensors"),
+        pytest.param("speculators-safetensors", FileOptions(), "pre", "hidden_states/hs_5.safetensors",
+                     id="safetensors"),
     ],
 )
 def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_source, fmt, layout, norm, relpath_5):
     src, dst = tmp_path / "src", tmp_path / "store"
-    files = write_synthetic(src, fmt, len(LENGTHS), H, lengths=LENGTHS, seed=3, **layout)
+    files = write_synthetic(src, fmt, len(LENGTHS), H, lengths=LENGTHS, seed=3, files=layout)
 
     report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
@@ -100,7 +102,7 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
 @pytest.mark.parametrize("fmt", [LEGACY, "speculators-safetensors"])
 def test_missing_loss_mask_is_stored_as_ones_and_flagged(tmp_path, assert_sample_matches_source, fmt):
     src, dst = tmp_path / "src", tmp_path / "store"
-    write_synthetic(src, fmt, 3, H, lengths=[1, 20, 7], loss_mask=False)
+    write_synthetic(src, fmt, 3, H, lengths=[1, 20, 7], files=FileOptions(loss_mask=False))
     convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
     store = Store(dst)
     assert store.has_loss_mask.tolist() == [False] * 3

@@ -27,7 +27,7 @@ from h5feed.conversion.publish import UPLOADS_FILE, is_shard
 from h5feed.errors import SourceError, StoreError
 from h5feed.io import AccessDenied, open_url
 from h5feed.store.writer_state import LOCK_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import FileOptions, write_synthetic
 
 N = 8
 CHUNK = 16
@@ -38,7 +38,8 @@ WORKTREE = Path(__file__).resolve().parents[1]
 def source(tmp_path_factory) -> Path:
     """8 speculators-legacy samples of 10..60 tokens, H=32, in the seeds' rows_*/data_*.pt layout."""
     root = tmp_path_factory.mktemp("remote-src") / "src"
-    write_synthetic(root, "speculators-legacy-pt", N, 32, lengths=(10, 60), seed=7, layout="rows", rows_per_folder=3)
+    write_synthetic(root, "speculators-legacy-pt", N, 32, lengths=(10, 60), seed=7,
+                    files=FileOptions(layout="rows", rows_per_folder=3))
     return root
 
 
@@ -137,8 +138,8 @@ def test_a_new_staging_folder_is_rebuilt_from_the_bucket_and_appends(source, src
     h5feed.convert(src_url, dst, workers=0, progress=False, settings=h5feed.StoreSettings(chunk_tokens=CHUNK),
                    bucket=h5feed.BucketOptions(storage_options=options, staging_dir=tmp_path / "first"))
     extra = tmp_path / "extra"
-    write_synthetic(extra, "speculators-legacy-pt", N + 1, 32, lengths=(10, 60), seed=7, layout="rows",
-                    rows_per_folder=3)
+    write_synthetic(extra, "speculators-legacy-pt", N + 1, 32, lengths=(10, 60), seed=7,
+                    files=FileOptions(layout="rows", rows_per_folder=3))
     new = extra / "rows_6-9" / "data_8.pt"
     s3.client.put_object(Bucket=bucket, Key="src/rows_6-9/data_8.pt", Body=new.read_bytes())
     s3.proxy.reset()

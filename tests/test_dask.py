@@ -22,7 +22,7 @@ from h5feed.conversion.converter import convert
 from h5feed.errors import H5feedError, StoreError
 from h5feed.store import Store
 from h5feed.store.journal import read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import FileOptions, write_synthetic
 
 H = 64
 CHUNK = 16
@@ -42,7 +42,7 @@ def cluster():
 @pytest.fixture
 def source(tmp_path) -> Path:
     src = tmp_path / "src"
-    write_synthetic(src, LEGACY, 12, H, lengths=(20, 120), seed=4, layout="rows", rows_per_folder=6)
+    write_synthetic(src, LEGACY, 12, H, lengths=(20, 120), seed=4, files=FileOptions(layout="rows", rows_per_folder=6))
     return src
 
 

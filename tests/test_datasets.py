@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from h5feed import Store, StoreError
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, split_samples
+from h5feed.testing.synthetic import FileOptions
 
 H = 32
 K = 3
@@ -33,7 +34,7 @@ SPECFORGE_LENGTHS = [30, 1, 65, 2, 130, 17]
 @pytest.fixture(scope="module")
 def legacy(synthetic_store):
     return synthetic_store("ds_legacy", "speculators-legacy-pt", len(LEGACY_LENGTHS), H, LEGACY_LENGTHS,
-                           chunk_tokens=16, layout="rows", rows_per_folder=5)
+                           chunk_tokens=16, files=FileOptions(layout="rows", rows_per_folder=5))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def safetensors_src(synthetic_store):
 def specforge(request, synthetic_store):
     gz = request.param == "ckpt.gz"
     return synthetic_store(f"ds_specforge_{'gz' if gz else 'plain'}", "specforge-ckpt", len(SPECFORGE_LENGTHS), H,
-                           SPECFORGE_LENGTHS, chunk_tokens=64, seed=2, layout="rows", rows_per_folder=4, compress=gz)
+                           SPECFORGE_LENGTHS, chunk_tokens=64, seed=2,
+                           files=FileOptions(layout="rows", rows_per_folder=4, compress=gz))
 
 
 # --------------------------------------------------------------------------- exact comparison

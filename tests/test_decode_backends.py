@@ -21,6 +21,7 @@ from test_batching import H as BATCHING_H
 from test_loader_trust import assert_a_killed_worker_is_named, stores  # noqa: F401 (stores: fixture)
 from test_trainers import assert_same
 
+import h5feed
 from h5feed import (
     BatchLoader,
     HiddenStatesDataset,
@@ -34,7 +35,6 @@ from h5feed.gpu import why_unavailable
 from h5feed.loading.backends import BACKENDS, DecodeBackend
 from h5feed.loading.backends.cuda import CudaOptions, store_refusal
 from h5feed.store import Store
-import h5feed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -294,7 +294,7 @@ def test_auto_stays_on_the_cpu_where_the_gpu_cannot_run(legacy_store: Any, monke
 
 def test_auto_stays_on_the_cpu_for_a_store_the_gpu_cannot_decode(tmp_path: Path, monkeypatch: Any) -> None:
     from h5feed import convert
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, 32, lengths=[5, 9, 3], seed=1)
     convert(tmp_path / "src", tmp_path / "store", workers=0, progress=False,

@@ -76,7 +76,7 @@ def test_the_readmes_quickstart_runs_as_written(tmp_path, cli, monkeypatch):
     changed; the batch has the keys its comment lists."""
     import re
 
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     text = (ROOT / "README.md").read_text()
     section = text.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]

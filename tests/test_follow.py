@@ -35,8 +35,8 @@ from h5feed import (
 )
 from h5feed.loading import follow as follow_module
 from h5feed.loading.follow import FollowedPositions, FollowedShare
-from h5feed.metrics import LoaderCounters
-from h5feed.synthetic import write_synthetic
+from h5feed.observe.metrics import LoaderCounters
+from h5feed.testing.synthetic import write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

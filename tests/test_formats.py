@@ -27,7 +27,14 @@ from h5feed.formats import (
     SourceSample,
     detect_format,
 )
-from h5feed.synthetic import column_scales, make_sample, sample_lengths, write_synthetic
+from h5feed.testing.synthetic import (
+    FileOptions,
+    PipelineOptions,
+    column_scales,
+    make_sample,
+    sample_lengths,
+    write_synthetic,
+)
 
 H = 48
 K = 3
@@ -111,10 +118,10 @@ def check_sample(s: SourceSample, fmt: str, path: Path, index: int, root: Path |
         assert s.loss_mask.is_contiguous()
 
 
-def write(tmp_path: Path, fmt: str, **kw) -> tuple[Path, list[Path]]:
+def write(tmp_path: Path, fmt: str, files: FileOptions = FileOptions()) -> tuple[Path, list[Path]]:
     root = tmp_path / "src"
-    files = write_synthetic(root, fmt, N, H, K, lengths=LENGTHS, seed=7, **kw)
-    return root, files
+    written = write_synthetic(root, fmt, N, H, K, lengths=LENGTHS, seed=7, files=files)
+    return root, written
 
 
 def one_sample_dir(tmp_path: Path, d: dict, name: str = "data_0.pt") -> tuple[Path, Path]:
@@ -156,7 +163,7 @@ def expect_error(fn, path: Path, fragment: str) -> SourceError:
     ],
 )
 def test_round_trip_exact(tmp_path: Path, fmt: str, layout: str) -> None:
-    root, files = write(tmp_path, fmt, layout=layout, rows_per_folder=2)
+    root, files = write(tmp_path, fmt, FileOptions(layout=layout, rows_per_folder=2))
     f = FORMATS[fmt]
     assert detect_format(root) is f
     found = f.discover(root)
@@ -181,7 +188,7 @@ def test_round_trip_exact(tmp_path: Path, fmt: str, layout: str) -> None:
 
 
 def test_specforge_gz_round_trip(tmp_path: Path) -> None:
-    root, files = write(tmp_path, "specforge-ckpt", compress=True, layout="rows", rows_per_folder=3)
+    root, files = write(tmp_path, "specforge-ckpt", FileOptions(compress=True, layout="rows", rows_per_folder=3))
     assert all(p.name.endswith(".ckpt.gz") for p in files)
     f = detect_format(root)
     assert f.name == "specforge-ckpt" and f.last_state_norm == "post"
@@ -232,7 +239,7 @@ def test_norm_and_names() -> None:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_no_loss_mask_gives_none(tmp_path: Path, fmt: str) -> None:
-    root, _ = write(tmp_path, fmt, loss_mask=False)
+    root, _ = write(tmp_path, fmt, FileOptions(loss_mask=False))
     f = FORMATS[fmt]
     for s in f.discover(root):
         sample = f.load(s)
@@ -294,7 +301,8 @@ def test_discover_sorts_by_index_ignores_other_files_and_nests(tmp_path: Path) -
 def test_safetensors_sharded_dirs_and_arrow_shards(tmp_path: Path) -> None:
     """Newer speculators shard hidden_states/ into sub-folders; save_to_disk may write several Arrow shards."""
     root = tmp_path / "st"
-    write_synthetic(root, "speculators-safetensors", 7, H, K, lengths=LENGTHS, seed=3, arrow_shards=3)
+    write_synthetic(root, "speculators-safetensors", 7, H, K, lengths=LENGTHS, seed=3,
+                    files=FileOptions(arrow_shards=3))
     shard = root / "hidden_states" / "0000"
     shard.mkdir()
     for p in list((root / "hidden_states").glob("hs_*.safetensors"))[:4]:
@@ -320,9 +328,10 @@ def test_load_never_unpickles_code(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         return real(*a, **kw)
 
     monkeypatch.setattr(torch, "load", spy)
-    for fmt, kw in [("speculators-legacy-pt", {}), ("speculators-v0-pt", {}), ("specforge-ckpt", {"compress": True})]:
+    for fmt, files in [("speculators-legacy-pt", FileOptions()), ("speculators-v0-pt", FileOptions()),
+                       ("specforge-ckpt", FileOptions(compress=True))]:
         root = tmp_path / fmt
-        write_synthetic(root, fmt, 2, H, K, lengths=LENGTHS, **kw)
+        write_synthetic(root, fmt, 2, H, K, lengths=LENGTHS, files=files)
         f = detect_format(root)
         for s in f.discover(root):
             f.probe(s)
@@ -352,7 +361,7 @@ def test_empty_pt_file(tmp_path: Path) -> None:
 
 
 def test_truncated_ckpt_gz(tmp_path: Path) -> None:
-    root, files = write(tmp_path, "specforge-ckpt", compress=True)
+    root, files = write(tmp_path, "specforge-ckpt", FileOptions(compress=True))
     data = files[1].read_bytes()
     files[1].write_bytes(data[: len(data) - 100])
     f = FORMATS["specforge-ckpt"]
@@ -673,7 +682,8 @@ def test_gz_probe_reads_the_pickle_at_the_head_only(tmp_path):
     decompression); the data itself is checked when the sample is loaded."""
     from h5feed.formats import FORMATS
 
-    write_synthetic(tmp_path / "src", "specforge-ckpt", 3, 32, lengths=[40, 41, 42], compress=True, seed=2)
+    write_synthetic(tmp_path / "src", "specforge-ckpt", 3, 32, lengths=[40, 41, 42], seed=2,
+                    files=FileOptions(compress=True))
     fmt = FORMATS["specforge-ckpt"]
     sources = fmt.discover(tmp_path / "src")
     assert [fmt.probe(s) for s in sources] == [fmt.load(s).shape for s in sources]
@@ -986,7 +996,8 @@ def test_links_out_of_the_source_are_not_followed(tmp_path: Path) -> None:
 
 def test_links_inside_the_source_are_read_once(tmp_path: Path) -> None:
     root = tmp_path / "src"
-    write_synthetic(root, "speculators-legacy-pt", 3, H, K, lengths=LENGTHS, seed=1, layout="rows", rows_per_folder=2)
+    write_synthetic(root, "speculators-legacy-pt", 3, H, K, lengths=LENGTHS, seed=1,
+                    files=FileOptions(layout="rows", rows_per_folder=2))
     (root / "blobs").mkdir()
     (root / "rows_2-4" / "data_2.pt").rename(root / "blobs" / "sample.bin")
     os.symlink("../blobs/sample.bin", root / "rows_2-4" / "data_2.pt")  # a sample whose data lies elsewhere in SRC
@@ -1039,7 +1050,8 @@ def run_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_an_unreadable_folder_is_an_error_or_a_skip(shared_tmp: Path) -> None:
     """A real chmod 000 folder, read by a real unprivileged process."""
     src = shared_tmp / "src"
-    write_synthetic(src, "speculators-legacy-pt", 4, H, K, lengths=LENGTHS, seed=1, layout="rows", rows_per_folder=2)
+    write_synthetic(src, "speculators-legacy-pt", 4, H, K, lengths=LENGTHS, seed=1,
+                    files=FileOptions(layout="rows", rows_per_folder=2))
     out = shared_tmp / "out"
     out.mkdir()
     out.chmod(0o777)
@@ -1208,9 +1220,9 @@ def test_angelslim_files_that_would_lose_something_are_refused(tmp_path: Path) -
         assert info.value.problem == problem
 
 
-def nemo_cache(tmp_path: Path, **kw) -> Path:
+def nemo_cache(tmp_path: Path, pipeline: PipelineOptions = PipelineOptions()) -> Path:
     root = tmp_path / "nemo"
-    write_synthetic(root, "nemo-eagle3-cache", 5, H, K, lengths=[4, 9, 6, 9, 3], seed=1, **kw)
+    write_synthetic(root, "nemo-eagle3-cache", 5, H, K, lengths=[4, 9, 6, 9, 3], seed=1, pipeline=pipeline)
     return root
 
 
@@ -1258,7 +1270,7 @@ def test_nemo_padding_is_dropped_only_when_nothing_in_it_is_lost(tmp_path: Path)
 
 
 def test_nemo_caches_that_are_incomplete_or_of_another_version_are_refused(tmp_path: Path) -> None:
-    root = nemo_cache(tmp_path, shard_size=2)
+    root = nemo_cache(tmp_path, PipelineOptions(shard_size=2))
     f = FORMATS["nemo-eagle3-cache"]
     assert [s.relpath for s in f.discover(root)] == ["shard-000000.safetensors#0", "shard-000000.safetensors#1",
                                                       "shard-000001.safetensors#0", "shard-000001.safetensors#1",

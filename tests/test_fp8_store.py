@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_batch_loader
 from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor, quantize_tensor_to_fp8
 from hs_connectors.transfer import FP8Transfer
 from numcodecs import Blosc
@@ -22,7 +23,6 @@ from safetensors.torch import save_file
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError, StoreSettings
-from conftest import make_batch_loader
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
 from h5feed.gpu import why_unavailable
@@ -31,7 +31,7 @@ from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import HIDDEN_ARRAYS, Store, plain_allocator
 from h5feed.store import layout as store_layout
 from h5feed.store.fp8 import CPU_BLOCK_VALUES, MAX_SCALE, MIN_SCALE, dequantize_into, quantize, token_scales
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -437,14 +437,14 @@ def test_the_cli_says_fp8_is_lossy_and_inspect_names_it(tmp_path, cli, capsys):
 def test_bench_runs_no_baseline_on_a_lossy_store(tmp_path):
     """The speculators 0.4 baseline reads the bf16 files: its batches cannot equal an FP8 store's, and are not
     compared; h5feed's loaders are, with each other."""
-    from h5feed.bench import run_bench
+    from h5feed.bench import Passes, run_bench
     from h5feed.bench.loaders import BASELINE
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, K, lengths=(20, 40), seed=5)
     h5feed.convert(tmp_path / "src", tmp_path / "fp8", workers=0, progress=False,
                    settings=h5feed.StoreSettings(precision="fp8"))
-    result = run_bench(tmp_path / "fp8", workers=0, max_len=32, cold=False,
-                       loaders=[BASELINE, "BatchLoader-threads", "StreamLoader"], progress=False)
+    result = run_bench(tmp_path / "fp8", workers=0, max_len=32,
+                       passes=Passes([BASELINE, "BatchLoader-threads", "StreamLoader"], cold=False), progress=False)
     assert result.checks == {"BatchLoader-threads": "reference", "StreamLoader": "equal"}
     assert ("no baseline: this store's hidden states were quantized to FP8 (lossy), so its batches are not the "
             "source files'; h5feed benched alone") in result.notes

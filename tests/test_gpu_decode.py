@@ -27,15 +27,15 @@ from h5feed.gpu import (
     FrameError,
     FramePlacement,
     UnsupportedFrame,
+    nvcomp,
     parse_frame,
     parse_frames,
     reference_decode_into,
     reference_decode_placed,
 )
 from h5feed.gpu import frames as frame_parser
-from h5feed.gpu import nvcomp
 from h5feed.store.layout import chunk_codec, frame_encoder
-from h5feed.synthetic import column_scales, make_sample
+from h5feed.testing.synthetic import column_scales, make_sample
 
 MIB = 1 << 20
 gpu = pytest.mark.skipif(not nvcomp.available(), reason=f"GPU decode unavailable: {nvcomp.why_unavailable()}")

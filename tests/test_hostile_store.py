@@ -25,14 +25,14 @@ import torch
 import zarr
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
+import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreSettings, convert
 from h5feed.errors import CorruptSampleError, StoreError
 from h5feed.io import open_url
 from h5feed.store import Store
 from h5feed.store.layout import CRC_BYTES, INDEX_COLUMNS, IndexDigest, crc32c, shard_index_nbytes
 from h5feed.store.sources import DamagedObject, LocalSource
-from h5feed.synthetic import write_synthetic
-import h5feed
+from h5feed.testing.synthetic import write_synthetic
 
 H = 32  # three aux layers: aux rows are 96 wide
 CHUNK = 16

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
-from h5feed.io import AccessDenied, IOStats, ObjectNotFound, ObjectUnavailable, RetryPolicy, S3Store, TransferMismatch
 import h5feed
+from h5feed.io import AccessDenied, IOStats, ObjectNotFound, ObjectUnavailable, RetryPolicy, S3Store, TransferMismatch
 
 FAST = RetryPolicy(attempts=4, base=0.001, cap=0.01)
 STALLED = RetryPolicy(attempts=4, base=0.001, cap=0.01, timeout=1.0)
@@ -201,7 +201,7 @@ def test_a_store_converted_through_garbled_uploads_holds_the_bytes_of_a_clean_ru
     """Shards, index and metadata PUT bodies changed on the way: the bucket's store is object for object the
     local conversion's, and every garbled upload was sent again."""
     import h5feed
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 4, 32, lengths=(10, 40), seed=3)
     kwargs = {"workers": 0, "progress": False, "settings": h5feed.StoreSettings(chunk_tokens=16)}

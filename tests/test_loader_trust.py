@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_batch_loader
 
+import h5feed
 from h5feed import (
     BatchLoader,
     HiddenStatesDataset,
@@ -28,9 +30,7 @@ from h5feed import (
 from h5feed.errors import WorkerDiedError
 from h5feed.gpu import why_unavailable
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
-import h5feed
-from conftest import make_batch_loader
+from h5feed.testing.synthetic import write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

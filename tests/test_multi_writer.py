@@ -34,7 +34,7 @@ from h5feed.store.writer_state import (
     being_converted,
     current_writer,
 )
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 H, K, CHUNK, SHARD, BLOCK = 32, 2, 16, 64, 2
 LENGTHS = ((5, 20), (60, 140), (1, 64), (30, 200))  # writer w's samples: some span two or four shards

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = 8

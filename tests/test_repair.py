@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import _tree, bits
 
 import h5feed
-from conftest import _tree, bits
 from h5feed.errors import StoreError
 from h5feed.store import Store
 from h5feed.store.layout import read_info, write_info
 from h5feed.store.writer_state import LOCK_FILE, PLAN_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 CHUNK = 16
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 import h5feed
-from h5feed.metrics import LoaderCounters
+from h5feed.observe.metrics import LoaderCounters
 from h5feed.observe.report import plot_figure, write_report
 from h5feed.observe.tracks import load_runs
 from h5feed.observe.watch import frame

@@ -26,12 +26,12 @@ from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
 from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 from specforge.training.vocab_mapping import count_effective_feature_tokens
 from test_specforge_flavors import specforge_provider
-from test_specforge_formats import H, LENGTHS, write_capture
+from test_specforge_formats import LENGTHS, H, write_capture
 
 import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.specforge import StoreAccess, count_loss_tokens, install
-from h5feed.specforge_train import NEEDS, prepared, unmet_requirement
+from h5feed.integrations.specforge_train import NEEDS, prepared, unmet_requirement
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -204,7 +204,7 @@ def test_a_store_without_the_algorithms_keys_is_refused_before_training(run, ins
 
 def test_a_pre_norm_store_is_refused_for_specforge_targets(tmp_path: Path, installed) -> None:
     """speculators' files hold the pre-norm last state; SpecForge's lm_head needs the post-norm one."""
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     write_synthetic(tmp_path / "src", "speculators-legacy-pt", 3, H, 3, lengths=(6, 8), seed=1)
     h5feed.convert(tmp_path / "src", tmp_path / "hs.zarr", workers=0, progress=False)
@@ -384,7 +384,7 @@ def test_install_refuses_a_specforge_that_is_not_0_2(installed, monkeypatch) -> 
 def test_a_missing_package_is_named_with_what_to_install(monkeypatch) -> None:
     from importlib import util
 
-    import h5feed.specforge_train as train
+    import h5feed.integrations.specforge_train as train
 
     find_spec = util.find_spec
     monkeypatch.setattr(util, "find_spec", lambda name: None if name == "accelerate" else find_spec(name))
@@ -396,7 +396,7 @@ def test_a_missing_package_is_named_with_what_to_install(monkeypatch) -> None:
 
 
 def test_h5feeds_flags_are_taken_out_before_specforge_reads_the_rest() -> None:
-    from h5feed.specforge_train import h5feed_options
+    from h5feed.integrations.specforge_train import h5feed_options
 
     access, rest = h5feed_options(["train", "--h5feed-on-corrupt", "skip", "-c", "r.yaml", "--h5feed-cache-dir",
                                    "/tmp/c", "a.b=1"])

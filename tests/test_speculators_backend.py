@@ -24,10 +24,10 @@ from speculators.train.data import ArrowDataset
 import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.speculators import H5feedBackend, StoreTransfer
+from h5feed.integrations.speculators_train import NEEDS
 from h5feed.io import cache_state, open_url
-from h5feed.speculators_train import NEEDS
 from h5feed.store import CHECKSUMMED, Store
-from h5feed.synthetic import VOCAB_SIZE, write_synthetic
+from h5feed.testing.synthetic import VOCAB_SIZE, write_synthetic
 
 H, K = 32, 3
 NUM_SAMPLES = 10
@@ -287,7 +287,7 @@ def test_without_an_accelerator_the_command_says_so_before_anything_runs(run, ve
 def test_a_missing_package_is_named_with_what_to_install(monkeypatch):
     from importlib import util
 
-    import h5feed.speculators_train as command
+    import h5feed.integrations.speculators_train as command
 
     find_spec = util.find_spec
     monkeypatch.setattr(util, "find_spec", lambda name: None if name == "transformers" else find_spec(name))

@@ -35,7 +35,7 @@ from h5feed.integrations.speculators_tap import TapBackend, TapOptions, TapTrans
 from h5feed.store import Store
 from h5feed.store.journal import journal_records
 from h5feed.store.writer_state import WriterFiles
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 H, K, N = 32, 3, 8
 LENGTHS = (5, 40)

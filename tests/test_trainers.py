@@ -22,7 +22,7 @@ from h5feed.flavors import FLAVORS
 from h5feed.flavors.base import register_flavors
 from h5feed.store import Store
 from h5feed.store.writer_state import LOCK_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import PipelineOptions, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H, K, N = 16, 3, 6
@@ -182,7 +182,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Any:
              **write: Any) -> tuple[Path, Path]:
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
-            write_synthetic(root / "src", fmt, N, H, K, lengths=LENGTHS, seed=5, variant=variant, **write)
+            write_synthetic(root / "src", fmt, N, H, K, lengths=LENGTHS, seed=5,
+                            pipeline=PipelineOptions(variant=variant, **write))
             h5feed.convert(root / "src", root / "store", workers=0, progress=False,
                            settings=h5feed.StoreSettings(chunk_tokens=CHUNK, last_state_norm=last_state_norm))
             cache[name] = (root / "src", root / "store")
@@ -383,7 +384,8 @@ def test_angelslim_items_and_batches(made: Any, name: str) -> None:
 def test_angelslim_position_ids_come_back_in_their_own_shape(tmp_path: Path) -> None:
     """AngelSlim's backends write position_ids as [T], [1, T], [3, T] (mrope) or [3, 1, T], or None."""
     src = tmp_path / "src"
-    write_synthetic(src, "angelslim-ckpt", 4, H, K, lengths=[5, 9, 7, 3], seed=2, variant="vllm", ranks=1)
+    write_synthetic(src, "angelslim-ckpt", 4, H, K, lengths=[5, 9, 7, 3], seed=2,
+                    pipeline=PipelineOptions(variant="vllm", ranks=1))
     for path in src.rglob("data_*.ckpt"):
         d = torch.load(path, weights_only=True)
         t = d["input_ids"].shape[1]
@@ -395,7 +397,8 @@ def test_angelslim_position_ids_come_back_in_their_own_shape(tmp_path: Path) -> 
     assert Store(store).info.extra_arrays["position_ids"].record() == {"dtype": "int64", "width": 3}
     assert_same(items(store, "angelslim"), [angelslim_item(p) for p in sources(store, src)])
     none_src = tmp_path / "none"
-    write_synthetic(none_src, "angelslim-ckpt", 2, H, K, lengths=[5, 9], seed=2, variant="vllm", ranks=1)
+    write_synthetic(none_src, "angelslim-ckpt", 2, H, K, lengths=[5, 9], seed=2,
+                    pipeline=PipelineOptions(variant="vllm", ranks=1))
     for path in none_src.rglob("data_*.ckpt"):
         d = torch.load(path, weights_only=True)
         d["position_ids"] = None  # the vLLM backend when its hook did not capture them
@@ -529,7 +532,7 @@ def test_the_nemo_flavor_refuses_other_stores(made: Any) -> None:
 
 def test_model_optimizer_dumps_need_the_norm_stated(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    write_synthetic(src, "modelopt-pt", 3, H, K, lengths=[5, 7, 9], seed=1, variant="vllm")
+    write_synthetic(src, "modelopt-pt", 3, H, K, lengths=[5, 7, 9], seed=1, pipeline=PipelineOptions(variant="vllm"))
     with pytest.raises(SourceError) as info:
         h5feed.convert(src, tmp_path / "store", workers=0, progress=False)
     assert (info.value.path, info.value.problem) == (str(src.resolve() / "conv_000000.pt"), (
@@ -548,7 +551,8 @@ def test_model_optimizer_dumps_need_the_norm_stated(tmp_path: Path) -> None:
 
 def test_a_norm_that_contradicts_the_files_or_the_format_is_refused(tmp_path: Path) -> None:
     flagged = tmp_path / "flagged"
-    write_synthetic(flagged, "modelopt-pt", 2, H, K, lengths=[5, 7], seed=1, prenorm_flag=False)
+    write_synthetic(flagged, "modelopt-pt", 2, H, K, lengths=[5, 7], seed=1,
+                    pipeline=PipelineOptions(prenorm_flag=False))
     with pytest.raises(SourceError) as info:
         h5feed.convert(flagged, tmp_path / "a", workers=0, progress=False,
                        settings=h5feed.StoreSettings(last_state_norm="pre"))
@@ -557,7 +561,8 @@ def test_a_norm_that_contradicts_the_files_or_the_format_is_refused(tmp_path: Pa
     h5feed.convert(flagged, tmp_path / "a", workers=0, progress=False)  # the flag says it
     assert Store(tmp_path / "a").info.last_state_norm == "post"
     mixed = tmp_path / "mixed"
-    write_synthetic(mixed, "modelopt-pt", 2, H, K, lengths=[5, 7], seed=1, prenorm_flag=True)
+    write_synthetic(mixed, "modelopt-pt", 2, H, K, lengths=[5, 7], seed=1,
+                    pipeline=PipelineOptions(prenorm_flag=True))
     d = torch.load(mixed / "conv_000001.pt", weights_only=True)
     torch.save({**d, "hidden_states_prenorm": False}, mixed / "conv_000001.pt")
     with pytest.raises(SourceError, match="says its last hidden state is post-norm, but conv_000000.pt says pre-norm"):
@@ -579,7 +584,7 @@ def test_a_norm_that_contradicts_the_files_or_the_format_is_refused(tmp_path: Pa
 
 def test_the_cli_names_the_missing_option(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    write_synthetic(src, "angelslim-ckpt", 2, H, K, lengths=[5, 7], seed=1, variant="vllm")
+    write_synthetic(src, "angelslim-ckpt", 2, H, K, lengths=[5, 7], seed=1, pipeline=PipelineOptions(variant="vllm"))
 
     def run(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(tmp_path / "store"),

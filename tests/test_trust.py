@@ -17,13 +17,13 @@ import pytest
 import torch
 from conftest import bits
 
+import h5feed
 from h5feed import HiddenStatesDataset, HiddenStatesStream, SkipPolicy, Store, StoreSettings, StreamLoader, convert
 from h5feed.store.journal import JOURNAL_FILE
 from h5feed.errors import CorruptSampleError, SourceError, StoreError
 from h5feed.store.writer_state import LOCK_FILE
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import verify_store
-import h5feed
 
 H = 32
 CHUNK = 16

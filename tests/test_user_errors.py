@@ -118,7 +118,7 @@ def test_source_error_is_what_verify_raises_for_the_api(pre_norm_store, tmp_path
 
 
 def test_a_resumed_conversion_says_so_and_how_much_was_done(tmp_path, cli, interrupted_convert):
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, "speculators-legacy-pt", 5, H, lengths=(4, 20), seed=9)
@@ -136,7 +136,7 @@ def test_inspect_and_verify_of_a_store_being_converted_name_the_writer_and_its_p
     import subprocess
     import sys
 
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, "speculators-legacy-pt", 5, H, lengths=(4, 20), seed=9)
@@ -173,7 +173,7 @@ def test_a_script_that_converts_unguarded_is_told_to_guard_the_call(tmp_path):
     import sys
     from pathlib import Path
 
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     src = tmp_path / "src"
     write_synthetic(src, "speculators-legacy-pt", 2, H, lengths=(4, 8), seed=5)
@@ -199,7 +199,7 @@ def test_a_script_that_converts_unguarded_is_told_to_guard_the_call(tmp_path):
 def test_a_loader_pointed_at_the_sample_files_says_to_convert_them(tmp_path):
     """The folder the samples were written to, given where their store was meant: the error names what the
     folder holds and the command that makes a store of it."""
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     src = tmp_path / "hidden_states"
     write_synthetic(src, "speculators-v0-pt", 2, H, lengths=(4, 8), seed=6)

@@ -25,7 +25,7 @@ from h5feed.conversion import convert
 from h5feed.errors import SourceError, StoreError
 from h5feed.formats import FORMATS, detect_format
 from h5feed.store import SkippedFile, Store
-from h5feed.synthetic import column_scales, make_sample, write_synthetic
+from h5feed.testing.synthetic import column_scales, make_sample, write_synthetic
 from h5feed.verify import describe_store, verify_store
 
 H, K = 32, 4  # K layers in each file: 3 aux, then the final one (its id is num_hidden_layers)
@@ -340,7 +340,7 @@ def test_a_lock_alone_is_a_request_never_written(tmp_path: Path) -> None:
 
 
 def test_synthetic_vllm_files_convert_with_their_arrow_loss_masks(tmp_path: Path) -> None:
-    """`h5feed.synthetic` writes vLLM's layout too (for benches): the Arrow dataset beside gives the masks."""
+    """`h5feed.testing.synthetic` writes vLLM's layout too (for benches): the Arrow dataset beside gives the masks."""
     src, dst = tmp_path / "vllm", tmp_path / "hs.zarr"
     lengths = [7, 19, 3, 11]
     write_synthetic(src, "vllm-safetensors", len(lengths), H, K - 1, lengths=lengths, seed=5)

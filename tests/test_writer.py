@@ -26,7 +26,7 @@ from h5feed import (
     open_writer,
 )
 from h5feed.store.journal import read_journal
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
 LENGTHS = (10, 90)  # some samples span two shards

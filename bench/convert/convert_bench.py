@@ -48,7 +48,7 @@ from h5feed.bench import (
 from h5feed.conversion import RunOptions, convert
 from h5feed.conversion.cluster import local_cluster
 from h5feed.store import Store, chunk_encoder
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 
 @dataclass

@@ -26,7 +26,7 @@ import h5feed
 from h5feed.bench.synthetic_set import DEFAULT_SPEC
 from h5feed.store import RawSample, Store, plain_allocator
 from h5feed.store.fp8 import dequantized
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 NOISE_STD = 0.05  # speculators 0.4's AddUniformNoise (examples/speculators_04.py): uniform in [-std, std]
 NOISE_RMS = NOISE_STD / 3**0.5  # the RMS of that uniform noise: 0.029

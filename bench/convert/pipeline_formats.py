@@ -3,7 +3,7 @@ NeMo's stored target distribution (bf16 probabilities, not activations).
 
     python bench/convert/pipeline_formats.py --hidden-size 4096 --samples 4 --tokens 768:1024 --out /tmp/pipeline-bench
 
-1. Writes a synthetic set in each format (h5feed.synthetic: realistic activations; NeMo's target
+1. Writes a synthetic set in each format (h5feed.testing.synthetic: realistic activations; NeMo's target
    distribution a bf16 softmax of realistic logits over a 32000-token draft vocabulary), converts it
    with `--codec zstd` and `--codec lz4`, and prints each array's ratio (raw bytes / stored bytes) and the
    source files' bytes over the store's (a NeMo cache also loses its padding).
@@ -23,7 +23,7 @@ import torch
 
 import h5feed
 from h5feed.store import Store
-from h5feed.synthetic import draft_probs, write_synthetic
+from h5feed.testing.synthetic import PipelineOptions, draft_probs, write_synthetic
 
 SETS = (("modelopt-pt", "hf", "post"), ("angelslim-ckpt", "vllm", "post"), ("nemo-eagle3-cache", "full", None),
         ("nemo-eagle3-cache", "topk", None))
@@ -77,8 +77,9 @@ def main() -> None:
     print("| format | codec | array | ratio |\n| --- | --- | --- | --- |")
     for fmt, variant, norm in SETS:
         src = a.out / f"{fmt}-{variant}"
-        write_synthetic(src, fmt, a.samples, a.hidden_size, lengths=(lo, hi), seed=0, variant=variant,
-                        draft_vocab_size=a.draft_vocab_size, topk=a.topk, seq_length=hi, shard_size=2)
+        write_synthetic(src, fmt, a.samples, a.hidden_size, lengths=(lo, hi), seed=0,
+                        pipeline=PipelineOptions(variant=variant, draft_vocab_size=a.draft_vocab_size, topk=a.topk,
+                                                 seq_length=hi, shard_size=2))
         for codec in ("zstd", "lz4"):
             dst = a.out / f"{fmt}-{variant}.{codec}.zarr"
             report = h5feed.convert(src, dst, workers=0, progress=False,

@@ -1,7 +1,7 @@
 """GPU decode throughput of the store's chunks (Blosc1 zstd-1, byte shuffle, 1 MiB blocks) with nvCOMP.
 
 Kimi-shaped hidden-state chunks (256 tokens x 3 x 7168 bf16 = 10.5 MiB each) of
-realistic activations (h5feed.synthetic), encoded by the store's own encoder,
+realistic activations (h5feed.testing.synthetic), encoded by the store's own encoder,
 are decoded in batches of 16, 64 and 256 chunks into rows of one CUDA batch
 tensor.  Per batch size it reports the CPU time to parse and to stage the
 compressed bytes into pinned memory (or none, for frames a loader has already
@@ -42,7 +42,7 @@ from numcodecs import blosc
 from h5feed import gpu
 from h5feed.bench import format_ruled_table
 from h5feed.store.layout import chunk_codec, frame_encoder
-from h5feed.synthetic import column_scales, make_sample
+from h5feed.testing.synthetic import column_scales, make_sample
 
 
 @dataclass

@@ -87,7 +87,7 @@ print(json.dumps(figures))
 def stores(work: Path, hidden_size: int, tokens: tuple[int, int], samples: int) -> tuple[Path, Path]:
     """The exact and the FP8 store of one synthetic source set, written once per shape under `work`."""
     import h5feed  # this checkout's, to write the stores (both precisions read the same way in every version)
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import write_synthetic
 
     folder = work / f"H{hidden_size}-K3-T{tokens[0]}-{tokens[1]}-n{samples}"
     made = {precision: folder / precision for precision in ("exact", "fp8")}

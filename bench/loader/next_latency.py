@@ -23,7 +23,7 @@ import torch
 
 import h5feed
 from h5feed import BatchLoader
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 SHAPES = {"tiny": (64, (64, 128)), "medium": (1024, (512, 1024))}  # hidden size, token lengths
 SAMPLES = 96

@@ -10,7 +10,7 @@ Kimi-shaped EAGLE-3 drafter step on one H200).  A box with one GPU thus stands f
 
 Loaders (`--loaders`):
 
-- `pt-baseline`: speculators 0.4's `.pt` dataset (`h5feed.baseline`) in a DataLoader with its collate
+- `pt-baseline`: speculators 0.4's `.pt` dataset (`h5feed.testing.baseline`) in a DataLoader with its collate
   (`create_collate_fn(max_len)`) and pin_memory, as its trainer runs it;
 - `workers`: `h5feed.BatchLoader` with `--workers` DataLoader worker processes (with CUDA, `device="cuda"`: the
   batch copied to the GPU one batch ahead, an FP8 store's hidden states dequantized there);
@@ -80,10 +80,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside th
 from train_step import add_data_options, evict, fp8_store, make_data
 
 import h5feed
-from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.bench import format_ruled_table
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import Store
+from h5feed.testing.baseline import Eagle3SampleFileDataset, create_collate_fn
 
 log = logging.getLogger("node_bench")
 

@@ -61,10 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step beside th
 from train_step import DrafterStep, Shape, add_data_options, evict, filesystem, make_data, step_seconds, train
 
 import h5feed
-from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.bench import format_ruled_table
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.store import Store
+from h5feed.testing.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.verify import describe_store
 
 log = logging.getLogger("train_multi_gpu")

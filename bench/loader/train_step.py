@@ -20,7 +20,7 @@ the same model, the same samples in the same order, speculators 0.4's own collat
 loaders that hand items to a collate, each from a cold page cache with `--cold`,
 each wrapped in `h5feed.monitor` (data-wait %, GPU idle %):
 
-- `baseline`: speculators 0.4's `.pt` dataset (`h5feed.baseline`) in a DataLoader;
+- `baseline`: speculators 0.4's `.pt` dataset (`h5feed.testing.baseline`) in a DataLoader;
 - `h5feed-stream`: the drop-in `HiddenStatesStream` in the same DataLoader (same collate);
 - `h5feed-batch`: `BatchLoader`, DataLoader worker processes decoding straight into
   page-locked batch slots (no item, no collate copy, no pin copy);
@@ -64,10 +64,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the h5feed of this checkout
 
 import h5feed
-from h5feed.baseline import create_collate_fn
 from h5feed.bench.step import TTT_STEPS, Batch, DrafterStep, Shape, warm_batch
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.store import Store
+from h5feed.testing.baseline import create_collate_fn
 
 log = logging.getLogger("train_step")
 
@@ -117,7 +117,7 @@ def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, conv
     builder; Model-Optimizer's HF dumps, post-norm last state, written and converted here; both reused when
     complete)."""
     from h5feed.bench import SyntheticSpec, ensure_default_set
-    from h5feed.synthetic import write_synthetic
+    from h5feed.testing.synthetic import PipelineOptions, write_synthetic
 
     if flavor == "speculators-legacy":
         spec = SyntheticSpec(num_samples=n, hidden_size=hidden, tokens=tokens)
@@ -132,7 +132,7 @@ def make_data(n: int, hidden: int, tokens: tuple[int, int], data_dir: Path, conv
         pass
     shutil.rmtree(folder, ignore_errors=True)
     log.info("writing %d synthetic Model-Optimizer samples (H=%d) to %s", n, hidden, folder / "src")
-    write_synthetic(folder / "src", "modelopt-pt", n, hidden, 3, tokens, 0, variant="hf")
+    write_synthetic(folder / "src", "modelopt-pt", n, hidden, 3, tokens, 0, pipeline=PipelineOptions(variant="hf"))
     log.info("converting with %d worker(s)", convert_workers)
     h5feed.convert(folder / "src", folder / "store", workers=convert_workers, progress=False,
                    settings=h5feed.StoreSettings(last_state_norm="post"))
@@ -234,7 +234,7 @@ def loaders(store: Store, args: argparse.Namespace, workers: int, pin: bool) -> 
     common: dict[str, Any] = {"batch_size": 1, "num_workers": workers, "collate_fn": collate, "pin_memory": pin}
 
     def baseline() -> DataLoader:
-        from h5feed.baseline import Eagle3SampleFileDataset  # speculators 0.4's loader, re-stated
+        from h5feed.testing.baseline import Eagle3SampleFileDataset  # speculators 0.4's loader, re-stated
 
         root = Path(store.info.source_root)
         if modelopt:

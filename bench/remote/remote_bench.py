@@ -71,10 +71,10 @@ from h5feed import (
     StreamLoader,
     WorkersOptions,
 )
-from h5feed.baseline import create_collate_fn
 from h5feed.bench import DEFAULT_CACHE_DIR, MemorySampler, format_ruled_table
 from h5feed.io import PART_BYTES, ObjectStore, S3Store, part_ranges, process_stats
 from h5feed.store.layout import CHECKSUMMED, object_key
+from h5feed.testing.baseline import create_collate_fn
 
 BUCKET = "remote-bench"
 CLIENTS = ("plain", "s3fs", "obstore")

@@ -53,7 +53,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "convert"))  # fp8_siz
 from fp8_sizes import NOISE_RMS, figures, hidden_rows, hidden_state_bytes, store_token_errors
 
 import h5feed
-from h5feed.synthetic import column_scales, make_sample
+from h5feed.testing.synthetic import column_scales, make_sample
 
 FLAVOR = "speculators-legacy"
 VOCAB = 256  # bytes
@@ -315,7 +315,7 @@ def model_samples(model: Any, corpus: Corpus, args: argparse.Namespace,
 
 def synthetic_samples(lengths: list[int], hidden_size: int, layers: int,
                       seed: int) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """h5feed.synthetic's values (Gaussian, a log-normal scale per channel) at the real samples' shape."""
+    """h5feed.testing.synthetic's values (Gaussian, a log-normal scale per channel) at the real samples' shape."""
     scales = column_scales(hidden_size, layers, seed)
     for i, length in enumerate(lengths):
         ids, _, parts = make_sample(i, length, scales, seed)

@@ -91,7 +91,7 @@ def child(arm: str, record: Path, train_argv: list[str]) -> None:
 
     import h5feed
     from h5feed.integrations.speculators import samples_by_file_index
-    from h5feed.speculators_train import main  # registers the backend; speculators builds its parser in main
+    from h5feed.integrations.speculators_train import main  # registers the backend; speculators parses in main
 
     build_loaders = train_cli.create_train_val_loaders
 
@@ -119,7 +119,7 @@ def make_data(work: Path, num_samples: int, hidden_size: int, tokens: tuple[int,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import h5feed
-    from h5feed.synthetic import VOCAB_SIZE, write_synthetic
+    from h5feed.testing.synthetic import VOCAB_SIZE, write_synthetic
 
     data, store, verifier = work / "data", work / "hs.zarr", work / "verifier"
     if not (data / "state.json").exists():

@@ -41,7 +41,7 @@ from hs_connectors.transfer import MooncakeTransfer
 
 from h5feed.integrations.mooncake_local import LocalMaster, MooncakeProducer, ProducerOptions
 from h5feed.integrations.speculators_tap import TapOptions, TapTransfer, prepare_store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 
 def trainer_client(master: str, segment_bytes: int) -> MooncakeTransfer:

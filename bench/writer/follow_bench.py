@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import h5feed
-from h5feed.baseline import create_collate_fn
+from h5feed.testing.baseline import create_collate_fn
 
 
 def sample(i: int, hidden: int, aux: int, lengths: tuple[int, int]) -> dict[str, Any]:

@@ -23,9 +23,8 @@ from h5feed.loading.batch_loader import BatchLoader, CudaBatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader, select_samples, split_samples
 from h5feed.loading.follow import Follow
 from h5feed.loading.options import ReadOptions, ScheduleOptions, StoreOptions
-from h5feed.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.observe import Monitor, monitor
-from h5feed.pipeline_collates import pipeline_collate
+from h5feed.observe.metrics import LoaderCounters, LoaderSnapshot
 from h5feed.store import RawSample, Store
 from h5feed.verify import describe_store, verify_store
 
@@ -69,7 +68,6 @@ __all__ = [
     "describe_store",
     "monitor",
     "open_writer",
-    "pipeline_collate",
     "repair",
     "select_samples",
     "split_samples",

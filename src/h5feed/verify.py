@@ -64,7 +64,7 @@ def verify_store(
     report.mismatches += _unreadable_arrays(store)
     if not store.remote:
         report.mismatches += _damaged_companions(Path(path), store.info)
-    source_format = FORMATS[store.info.source_format] if against is not None else None  # type: ignore[index]
+    source_format = FORMATS[store.info.source_format] if against is not None else None
     if against is not None:
         _check_source_folder(Path(against), store)
     for i in tqdm(range(len(store)), desc="verifying", unit="sample", disable=not progress):

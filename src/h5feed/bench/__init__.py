@@ -10,8 +10,15 @@
 from h5feed.bench.cli import add_bench_parser
 from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS, WorkerPass
 from h5feed.bench.report import BenchResult, PassResult, format_ruled_table
-from h5feed.bench.runner import MemorySampler, run_bench
-from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec, drop_page_cache, ensure_default_set
+from h5feed.bench.runner import MemorySampler, Passes, run_bench
+from h5feed.bench.step import StepOptions
+from h5feed.bench.synthetic_set import (
+    DEFAULT_CACHE_DIR,
+    DefaultSet,
+    SyntheticSpec,
+    drop_page_cache,
+    ensure_default_set,
+)
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
@@ -19,8 +26,11 @@ __all__ = [
     "LOADERS",
     "LOADER_LABELS",
     "BenchResult",
+    "DefaultSet",
     "MemorySampler",
     "PassResult",
+    "Passes",
+    "StepOptions",
     "SyntheticSpec",
     "WorkerPass",
     "add_bench_parser",

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from h5feed.bench.loaders import DEFAULT_LOADERS, LOADER_LABELS, LOADERS
-from h5feed.bench.runner import run_bench
-from h5feed.bench.step import REPRESENTATIVE
-from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, SyntheticSpec, set_folder
+from h5feed.bench.runner import Passes, run_bench
+from h5feed.bench.step import REPRESENTATIVE, StepOptions
+from h5feed.bench.synthetic_set import DEFAULT_CACHE_DIR, DefaultSet, SyntheticSpec, set_folder
 from h5feed.cli.options import add_location_options, location_options
 from h5feed.errors import H5feedError
+from h5feed.loading.options import StoreOptions
 from h5feed.observe.page import pyplot
 
 
@@ -50,20 +51,14 @@ def _keep_or_remove(folder: Path, keep: bool, quiet: bool) -> None:
 
 def _run_and_print(args: argparse.Namespace, where: dict[str, Any], spec: SyntheticSpec) -> None:
     result = run_bench(
-        args.store,
+        StoreOptions(args.store, **where) if args.store is not None else None,
         workers=args.workers,
         max_len=args.max_len,
-        cold=args.cold,
-        warm=args.warm,
-        loaders=args.loaders,
         flavor=args.flavor,
-        cache_dir=args.cache_dir,
-        spec=spec,
+        passes=Passes(args.loaders, cold=args.cold, warm=args.warm),
+        step=None if args.step == "none" else StepOptions(args.step),
+        default_set=DefaultSet(spec, args.cache_dir),
         progress=not args.quiet,
-        storage_options=where["storage_options"],
-        read_cache_dir=where["cache_dir"],
-        read_cache_limit=where["cache_limit"],
-        step=None if args.step == "none" else args.step,
         verbose=args.verbose,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(verbose=args.verbose))

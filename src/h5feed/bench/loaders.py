@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from h5feed.baseline import Eagle3SampleFileDataset, create_collate_fn
 from h5feed.flavors import trainer_collate
 from h5feed.loading.backends.cuda import CudaOptions
 from h5feed.loading.backends.threads import ThreadsOptions
@@ -44,8 +43,9 @@ from h5feed.loading.backends.workers import WorkersOptions
 from h5feed.loading.batch_loader import BatchLoader
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, StreamLoader
 from h5feed.loading.options import ScheduleOptions
-from h5feed.metrics import MAX_WORKERS, LoaderCounters
+from h5feed.observe.metrics import MAX_WORKERS, LoaderCounters
 from h5feed.store import Store, crc32c
+from h5feed.testing.baseline import Eagle3SampleFileDataset, create_collate_fn
 
 Batch = dict[str, Any]
 

@@ -47,7 +47,8 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,17 +70,11 @@ from h5feed.bench.loaders import (
     make_loader,
 )
 from h5feed.bench.report import BenchResult, PassResult
-from h5feed.bench.step import REPRESENTATIVE, StepRunner, on_device, training_step
-from h5feed.bench.synthetic_set import (
-    BASELINE_FORMAT,
-    DEFAULT_CACHE_DIR,
-    DEFAULT_SPEC,
-    SyntheticSpec,
-    drop_page_cache,
-    ensure_default_set,
-)
+from h5feed.bench.step import REPRESENTATIVE, StepOptions, StepRunner, on_device, training_step
+from h5feed.bench.synthetic_set import BASELINE_FORMAT, DefaultSet, drop_page_cache, ensure_default_set
 from h5feed.errors import H5feedError
 from h5feed.loading.backends.cuda import gpu_decode_refusal
+from h5feed.loading.options import StoreOptions
 from h5feed.store import Store
 
 if TYPE_CHECKING:  # typing.Self is 3.11+
@@ -88,6 +83,26 @@ if TYPE_CHECKING:  # typing.Self is 3.11+
 MEMORY_INTERVAL_S = 0.05
 DISTURBED_SHARE = 0.05  # other processes' share of the CPUs above which a pass is flagged
 STEP_ALONE_STEPS = 20  # steps the training step is timed alone
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The passes `run_bench` times: each loader's, cold (the page cache dropped first) and warm.
+
+    loaders: a subset of `LOADERS` (default `DEFAULT_LOADERS`); the baseline, when asked for, runs first.
+    cold: None = cold passes when the page cache can be dropped; True = asked for (said so when impossible);
+        False = warm only.
+    warm: measure warm passes.
+    """
+
+    loaders: Sequence[str] = DEFAULT_LOADERS
+    cold: bool | None = None
+    warm: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.loaders if name not in LOADERS]
+        if unknown:
+            raise ValueError(f"unknown loader(s) {unknown}: choose from {', '.join(LOADERS)}")
 
 
 def _pss_available() -> bool:
@@ -256,65 +271,49 @@ def _machine() -> dict[str, Any]:
 
 
 def run_bench(
-    store: str | os.PathLike[str] | None = None,
+    store: str | os.PathLike[str] | StoreOptions | None = None,
     *,
     workers: int = 4,
     max_len: int = 2048,
-    cold: bool | None = None,
-    warm: bool = True,
-    loaders: Sequence[str] = DEFAULT_LOADERS,
     flavor: str | None = None,
     hidden_states_dtype: torch.dtype = torch.bfloat16,
-    cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR,
-    spec: SyntheticSpec = DEFAULT_SPEC,
-    convert_workers: int | None = None,
+    passes: Passes = Passes(),
+    step: StepOptions | None = StepOptions(),
+    default_set: DefaultSet = DefaultSet(),
     progress: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
-    read_cache_dir: str | os.PathLike[str] | None = None,
-    read_cache_limit: int | None = None,
-    step: str | None = REPRESENTATIVE,
-    step_device: torch.device | str | None = None,
     verbose: bool = False,
 ) -> BenchResult:
     """Time the loaders on the same samples, check their batches equal, and return the figures (module docstring).
 
     Args:
-        store: an h5feed store; None builds (or reuses) the embedded default set in `cache_dir`.
+        store: an h5feed store, or for a store in a bucket its `StoreOptions` (storage options, node cache); None
+            builds (or reuses) the embedded default set (`default_set`).
         workers: DataLoader `num_workers` of every loader (reader threads for BatchLoader-threads).
         max_len: the trainer's max_len (its collate pads and cuts to it).
-        cold: None = cold passes when the page cache can be dropped; True = asked for (said so when
-            impossible); False = warm only.
-        warm: measure warm passes.
-        loaders: a subset of `LOADERS` (default `DEFAULT_LOADERS`); the baseline, when asked for, runs first.
         flavor: the trainer's flavor (default speculators-legacy, or specforge for a post-norm store).
-        spec, convert_workers: the embedded default set and the workers converting it (default all cores).
+        passes: the loaders timed, cold and warm (`Passes`).
+        step: the training step run beside every loader on a GPU (`StepOptions`: the representative drafter step
+            by default); None: the loaders alone.
+        default_set: the embedded default set, where it is kept and the workers converting it (`DefaultSet`).
         progress: one line per pass on stderr.
-        storage_options, read_cache_dir, read_cache_limit: for a STORE URL, `Store`'s `storage_options`,
-            `cache_dir` and `cache_limit`.
-        step: the training step run beside every loader on a GPU (`h5feed.bench.step`): "drafter", the
-            representative EAGLE-3 drafter step at the store's shape, or "package.module:function" (your own);
-            None: the loaders alone.
         verbose: also a line for each loader's untimed checking pass.
-        step_device: where the step runs (default: the GPU, where CUDA is; without it no step runs unless
-            a device is given, as tests give the CPU).
     """
     def say(message: str) -> None:
         if progress:
             print(f"[h5feed bench] {message}", file=sys.stderr, flush=True)
 
-    unknown = [name for name in loaders if name not in LOADERS]
-    if unknown:
-        raise ValueError(f"unknown loader(s) {unknown}: choose from {', '.join(LOADERS)}")
+    loaders = passes.loaders
     if workers < 0:
         raise ValueError("workers must be >= 0")
     if max_len < 1:
         raise ValueError("max_len must be >= 1: the trainer's collate pads and cuts to it")
     notes: list[str] = []
     if store is None:
-        store_path = ensure_default_set(cache_dir, spec, convert_workers=convert_workers, progress=progress, log=say)
-    else:
-        store_path = store
-    opened = Store(store_path, storage_options=storage_options, cache_dir=read_cache_dir, cache_limit=read_cache_limit)
+        store = ensure_default_set(default_set.cache_dir, default_set.spec, convert_workers=default_set.convert_workers,
+                                   progress=progress, log=say)
+    where = store if isinstance(store, StoreOptions) else StoreOptions(store)
+    opened = where.open()
+    store_path = opened.path if isinstance(where.location, Store) else where.location
     info = opened.info
     source_root = Path(info.source_root)
     if flavor is None:
@@ -357,14 +356,14 @@ def run_bench(
                     key=lambda name: name != BASELINE)  # the baseline first: its batches are the reference
 
     caches: list[str] = []
-    if cold is not False:
+    if passes.cold is not False:
         problem = drop_page_cache()
         if problem is None:
             caches.append("cold")
         else:
             notes.append(f"{problem}: cold figures not measured, warm only")
             say(notes[-1])
-    if warm:
+    if passes.warm:
         caches.append("warm")
     if not caches:
         raise H5feedError("nothing to measure: cold passes are off or impossible, and warm passes are off")
@@ -376,13 +375,13 @@ def run_bench(
                      "process that maps them (an overestimate)")
     machine = _machine()
     trainer: StepRunner | None = None
-    step_device = torch.device(step_device) if step_device is not None else (
+    step_device = torch.device(step.device) if step is not None and step.device is not None else (
         torch.device("cuda") if machine["cuda"] else None)
     if step is not None and step_device is None:
         notes.append("no GPU here: no training step ran, so the loaders are ranked by their own samples/s; on a GPU "
                      "box the bench runs a drafter step beside each loader and ranks them by the trainer's speed")
     elif step is not None:
-        trainer = StepRunner(step, training_step(step, opened, step_device), step_device)
+        trainer = StepRunner(step.name, training_step(step.name, opened, step_device), step_device)
     # a GPU trainer's BatchLoader delivers its batches on the GPU, copied one batch ahead on a stream of its own
     setup = Setup(opened, flavor, max_len, hidden_states_dtype, workers, baseline_files, missing_loss_mask,
                   step_device if trainer is not None and step_device is not None and step_device.type == "cuda"
@@ -435,8 +434,8 @@ def run_bench(
                     if problem is not None:
                         raise H5feedError(problem)
                 # warm: the pass before (cold, or the checking pass) left every file it read in the page cache
-                step = trainer if name != ITEMS else None  # items are not a batch: no trainer steps on them
-                result.passes.append(_timed_pass(built, name, cache, sampler, step))
+                beside = trainer if name != ITEMS else None  # items are not a batch: no trainer steps on them
+                result.passes.append(_timed_pass(built, name, cache, sampler, beside))
                 report(result.passes[-1])
             del built
     machine["load_average"]["end"] = os.getloadavg()[0]

@@ -27,16 +27,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h5feed.baseline import create_collate_fn
 from h5feed.errors import H5feedError
 from h5feed.store import Store
+from h5feed.testing.baseline import create_collate_fn
 
 DRAFT_VOCAB = 32000
-EMBED_VOCAB = 32768  # the verifier's embedding: covers h5feed.synthetic's token ids (the draft vocabulary may be smaller)
+EMBED_VOCAB = 32768  # the verifier's embedding: covers the synthetic sets' token ids (the draft vocabulary may be smaller)
 TTT_STEPS = 3
 Batch = dict[str, torch.Tensor]
 TrainingStep = Callable[[dict[str, Any]], object]  # one optimizer step on the trainer's batch, as the loader yields it
 REPRESENTATIVE = "drafter"  # --step's name for `DrafterStep` at the store's shape
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The training step `h5feed bench` runs beside every loader, as a trainer's loop runs it.
+
+    name: "drafter" (`REPRESENTATIVE`, the default), the representative EAGLE-3 drafter step at the store's shape,
+        or "package.module:function" (your own: function(store, device) returns a callable that runs one step).
+    device: where it runs (default: the GPU, where CUDA is; without it no step runs unless a device is given, as
+        tests give the CPU).
+    """
+
+    name: str = REPRESENTATIVE
+    device: torch.device | str | None = None
 
 
 @dataclass(frozen=True)

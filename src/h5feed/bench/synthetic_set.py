@@ -16,7 +16,7 @@ from pathlib import Path
 
 from h5feed.errors import H5feedError
 from h5feed.store import Store
-from h5feed.synthetic import write_synthetic
+from h5feed.testing.synthetic import write_synthetic
 
 BASELINE_FORMAT = "speculators-legacy-pt"
 DEFAULT_CACHE_DIR = Path("~/.cache/h5feed/bench")
@@ -44,6 +44,16 @@ class SyntheticSpec:
 
 
 DEFAULT_SPEC = SyntheticSpec()
+
+
+@dataclass(frozen=True)
+class DefaultSet:
+    """The embedded default set `h5feed bench` builds (or reuses) when given no store: its shape, the folder it is
+    kept in, and the workers converting it (None: all cores)."""
+
+    spec: SyntheticSpec = DEFAULT_SPEC
+    cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR
+    convert_workers: int | None = None
 
 
 def set_folder(cache_dir: str | os.PathLike[str], spec: SyntheticSpec) -> Path:

@@ -16,7 +16,6 @@ from h5feed.flavors.base import (
     Batch,
     BatchPlan,
     Flavor,
-    FlavorName,
     Item,
     RowKey,
     TensorSpec,
@@ -27,5 +26,5 @@ from h5feed.flavors.base import (
     trainer_collate,
 )
 
-__all__ = ["FLAVORS", "Batch", "BatchPlan", "Flavor", "FlavorName", "Item", "RowKey", "TensorSpec", "TrainerCollate",
+__all__ = ["FLAVORS", "Batch", "BatchPlan", "Flavor", "Item", "RowKey", "TensorSpec", "TrainerCollate",
            "Transform", "flavors_for_norm", "get_flavor", "trainer_collate"]

@@ -23,16 +23,14 @@ import copy
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from h5feed.errors import StoreError, unknown_name
-from h5feed.placement import place_items
+from h5feed.loading.placement import place_items
 from h5feed.store import HIDDEN_ARRAYS, Allocator, LastStateNorm, RawSample, StoreInfo, shared_allocator
 
-FlavorName = Literal["speculators-legacy", "speculators", "specforge", "specforge-shifted", "specforge-dflash",
-                     "specforge-dspark", "modelopt", "modelopt-answer-only", "modelopt-0.45", "angelslim", "nemo-eagle3"]
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 Item = dict[str, Any]
 Build = Callable[[RawSample, StoreInfo, "torch.dtype | None", "Transform | None", Allocator], Item]
@@ -45,7 +43,7 @@ _NORM_WORDS = {"pre": "before the final norm (pre-norm)", "post": "after the fin
 
 @dataclass(frozen=True)
 class Flavor:
-    name: FlavorName
+    name: str  # its name in the registry (`FLAVORS`), which the loaders and `trainer_collate` take
     last_state_norm: LastStateNorm | None  # what the trainer's last state must be; None: either (the item says)
     default_hidden_states_dtype: torch.dtype | None  # None: keep the stored dtype
     extra_tokens: int  # tokens read beyond max_len: the shift needs one more
@@ -332,7 +330,7 @@ def get_flavor(name: str) -> Flavor:
 
 
 def trainer_collate(
-    flavor: FlavorName | str, max_len: int | None = None, *, hidden_states_dtype: torch.dtype | None = None
+    flavor: str, max_len: int | None = None, *, hidden_states_dtype: torch.dtype | None = None
 ) -> TrainerCollate:
     """The collate of the flavor's trainer, for `DataLoader(collate_fn=...)` over h5feed's items: one entry
     point for every flavor, the same layout BatchLoader decodes into.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import Companion, ExtraArray, FormatName
+from h5feed.formats.base import Companion, Detected, Detection, ExtraArray
 from h5feed.formats.checks import (
     CheckedSample,
     aux_and_last,
@@ -24,7 +25,9 @@ from h5feed.formats.checks import (
     require_tensor,
     token_vector,
 )
+from h5feed.formats.registry import register_format
 from h5feed.formats.safe_load import load_torch_dict
+from h5feed.formats.specforge import CKPT_FILES
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.store.layout import LastStateNorm, dtype_name
 
@@ -48,6 +51,7 @@ def position_ids_from_rows(rows: torch.Tensor, layout: str) -> torch.Tensor:
     return {"[T]": planes[0], "[1, T]": planes, "[3, T]": planes, "[3, 1, T]": planes[:, None, :]}[layout]
 
 
+@register_format
 class AngelSlimCkpt(TorchDictFormat):
     """F: AngelSlim ``rank_<r>/rows_<s>-<s+5000>/data_<i>.ckpt``: ``hidden_states`` [1, T, K*H] is the AUX concat,
     ``target_hiddens`` [1, T, H] the last state, ``input_ids`` and ``loss_mask`` [1, T]; the vLLM backend adds
@@ -59,7 +63,8 @@ class AngelSlimCkpt(TorchDictFormat):
     user's ``--last-state-norm``.
     """
 
-    name: FormatName = "angelslim-ckpt"
+    name = "angelslim-ckpt"
+    detection = Detection(Detected.BY_NAME, CKPT_FILES, CKPT_FILES, ("AngelSlim ('hidden_states' + 'target_hiddens')",))
     last_state_norm: LastStateNorm | None = None
     pattern = re.compile(r"data_(\d+)\.ckpt")
     what = "data_{i}.ckpt"
@@ -68,6 +73,9 @@ class AngelSlimCkpt(TorchDictFormat):
                  "then the pre-norm one, saying so only in its log")
     _required = ("input_ids", "loss_mask", "hidden_states", "target_hiddens")
     _optional = ("inputs_embeds", "position_ids")  # written by the vLLM backends
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        return "target_hiddens" in keys
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         require_keys(path, d, self._required, self.name)

@@ -2,7 +2,9 @@
 
 Every format finds its sample files (``scan``, ``discover``), tells their shape cheaply
 (``probe``) and reads them into one standard `SourceSample` (``load``), with errors that name
-the file and say what is wrong with it.
+the file and say what is wrong with it.  It declares how a source of it is told from the
+others (`Detection`), which `h5feed.formats.registry.detect_format` asks of every format
+registered, so a new format is one module that registers itself (`register_format`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 
@@ -22,15 +25,52 @@ from h5feed.formats.discovery import Discovery, SourceFile, check_root, find_sam
 from h5feed.store.attributes import ExtraArray
 from h5feed.store.layout import LastStateNorm, dtype_name
 
-__all__ = ["DEFAULT_LOCK_TIMEOUT_S", "Companion", "ExtraArray", "FormatName", "SampleShape", "SourceFormat",
+__all__ = ["DEFAULT_LOCK_TIMEOUT_S", "Companion", "Detected", "Detection", "ExtraArray", "SampleShape", "SourceFormat",
            "SourceSample"]
 
 DEFAULT_LOCK_TIMEOUT_S = 60.0  # how long a conversion waits for files their writer still holds locked (vLLM's)
 
-FormatName = Literal[
-    "speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "specforge-dflash-ckpt", "speculators-safetensors",
-    "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors",
-]
+
+
+class Detected(IntEnum):
+    """What of a source tells `detect_format` that it holds a format's files.  The formats are asked stage by
+    stage, in this order, each stage's in the order they registered; the first that finds its files decides."""
+
+    BY_LAYOUT = 1
+    """Something only its sources have (`SourceFormat.recognizes`): NeMo's manifest.json beside its shards."""
+    BY_FOLDER = 2
+    """Its files in a folder of their own (`SourceFormat.folder`): found there, the source is this format's whatever
+    lies beside them (speculators' hidden_states/hs_{i}.safetensors)."""
+    BY_NAME = 3
+    """Its files' names, which only formats that a file's keys tell apart share (`Detection.key_group`): data_{i}.pt.
+    Files of two such names in one source are an error: each set converts from its own folder."""
+    BY_EXTENSION = 4
+    """Any file of its extensions, once no name said more; `SourceFormat.confirm` checks what was found: vLLM's
+    {req_id}.safetensors."""
+    BY_LEFTOVERS = 5
+    """The files the searches by name passed over as misnamed, when every one of them is a file of this format:
+    Model-Optimizer's <conversation_id>.pt."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    """How `detect_format` tells a source holds a format's files: each format declares its own.
+
+    stage: when the format is asked (`Detected`).
+    sought: what the error for a source of no known format calls the files this format looks for.
+    key_group: formats whose sample files share a name and are told apart by the keys of one (each format's
+        `claims`) share a group, named by that file name; the group's files are found by its first format's
+        search.  "" (the default): the format's file names are its own.  Such files are torch.save dicts.
+    keys: each key set the format claims, in words, for the error about a file no format of its group claims.
+    asked_last: the format claims what the others of its group leave (a key that theirs hold too): it is asked
+        after them.
+    """
+
+    stage: Detected
+    sought: str
+    key_group: str = ""
+    keys: tuple[str, ...] = ()
+    asked_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,7 +150,8 @@ class Companion:
 class SourceFormat(ABC):
     """One input format: finds, probes and reads its sample files."""
 
-    name: FormatName
+    name: str  # its name in the registry (`FORMATS`), which --format takes
+    detection: ClassVar[Detection]  # how `detect_format` tells its sources from the other formats'
     last_state_norm: LastStateNorm | None  # None: the files (or the user) say it; see `last_state_norm_of`
     has_last_state = True  # False: the format stores no last hidden state (NeMo's cache)
     ids_shifted = False  # True: input_ids and loss_mask are stored shifted left by one (NeMo's cache)
@@ -149,6 +190,19 @@ class SourceFormat(ABC):
 
     def _none_found(self, root: Path) -> SourceError:
         return SourceError(root, f"no {self.what} files found (searched all sub-folders)")
+
+    def recognizes(self, root: Path) -> bool:
+        """Whether the source at root is this format's by its layout alone (formats detected `BY_LAYOUT`)."""
+        return False
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        """Whether a sample file of its key group holding this dict is this format's (`Detection.key_group`).  The
+        dict may be a gzipped file's head, whose tensors have no data."""
+        return False
+
+    def confirm(self, root: Path, found: Discovery) -> None:
+        """Raise a SourceError naming the first file found by its extension alone (formats detected `BY_EXTENSION`)
+        that is not this format's, or the source when its files are another format's."""
 
     def companions(self, root: Path) -> list[Companion]:
         """Files beside the samples that the store must keep or record (checked here: never unpickled unsafely)."""

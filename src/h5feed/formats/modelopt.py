@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import FormatName
+from h5feed.formats.base import Detected, Detection
 from h5feed.formats.checks import (
     CheckedSample,
     aux_and_last,
@@ -19,12 +20,15 @@ from h5feed.formats.checks import (
     require_keys,
     token_vector,
 )
+from h5feed.formats.registry import register_format
+from h5feed.formats.speculators import PT_FILES
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.store.layout import LastStateNorm
 
 __all__ = ["ModelOptPt"]
 
 
+@register_format
 class ModelOptPt(TorchDictFormat):
     """E: Model-Optimizer ``<conversation_id>.pt``: ``hidden_states`` [T, H] is the LAST state (not a list), the aux
     concat [T, K*H] is ``aux_hidden_states`` (HF and vLLM dumpers, newer TRT-LLM) or ``hidden_state_features``
@@ -36,7 +40,11 @@ class ModelOptPt(TorchDictFormat):
     neither says which (see `last_state_norm_of`).
     """
 
-    name: FormatName = "modelopt-pt"
+    name = "modelopt-pt"
+    # any *.pt file may be a dump: they count only where the data_{i}.pt search passed over nothing but them, and
+    # their keys are told apart from speculators' (a dump may be named data_{i}.pt)
+    detection = Detection(Detected.BY_LEFTOVERS, "Model-Optimizer's <conversation_id>.pt", PT_FILES,
+                          ("Model-Optimizer ('hidden_states' + 'aux_hidden_states' or 'hidden_state_features')",))
     last_state_norm: LastStateNorm | None = None
     pattern = re.compile(r"(.+)\.pt")
     what = "<conversation_id>.pt"
@@ -46,6 +54,9 @@ class ModelOptPt(TorchDictFormat):
                  "pre-norm one; only the optional 'hidden_states_prenorm' flag says which")
     aux_keys = ("aux_hidden_states", "hidden_state_features")
     _known_keys = ("input_ids", "hidden_states", *aux_keys, "loss_mask", "conversation_id", "hidden_states_prenorm")
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        return "hidden_states" in keys and any(k in keys for k in self.aux_keys)
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         require_keys(path, d, ("input_ids", "hidden_states"), self.name)

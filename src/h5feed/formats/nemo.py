@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import Companion, ExtraArray, FormatName, SampleShape, SourceFormat, SourceSample
+from h5feed.formats.base import Companion, Detected, Detection, ExtraArray, SampleShape, SourceFormat, SourceSample
 from h5feed.formats.checks import fmt_shape, require_keys
 from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile, check_root
+from h5feed.formats.registry import register_format
 from h5feed.formats.safetensors_file import open_safetensors, tensor_meta
 from h5feed.io.paths import regular_file
 from h5feed.store.layout import LastStateNorm, dtype_name
@@ -40,6 +41,7 @@ class _NemoManifest:
         return ("target_probs_values", "target_probs_indices") if self.topk else ("target_probs",)
 
 
+@register_format
 class NemoEagle3Cache(SourceFormat):
     """G: NeMo Automodel's EAGLE-3 cache: ``manifest.json`` and ``shard-NNNNNN.safetensors``, each holding
     ``shard_size`` samples padded to ``seq_length`` S: ``input_ids``, ``loss_mask`` (both shifted left by one
@@ -52,7 +54,8 @@ class NemoEagle3Cache(SourceFormat):
     out): the padding must be exactly what the precompute writes, or the sample is refused.
     """
 
-    name: FormatName = "nemo-eagle3-cache"
+    name = "nemo-eagle3-cache"
+    detection = Detection(Detected.BY_LAYOUT, "a NeMo cache: manifest.json + shard-NNNNNN.safetensors")
     last_state_norm: LastStateNorm | None = None
     has_last_state = False
     ids_shifted = True
@@ -66,6 +69,10 @@ class NemoEagle3Cache(SourceFormat):
         self._lock = threading.Lock()
 
     # --- the cache ------------------------------------------------------------------------------
+    def recognizes(self, root: Path) -> bool:
+        """A manifest.json beside shard files at the top of the source."""
+        return (root / "manifest.json").is_file() and any(self.pattern.fullmatch(p.name) for p in root.iterdir())
+
     def _manifest(self, root: Path) -> tuple[_NemoManifest, dict[str, Any]]:
         path = Path(os.path.abspath(root)) / "manifest.json"
         try:

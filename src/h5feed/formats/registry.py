@@ -1,75 +1,70 @@
-"""Every format by name, telling a source's format from its files, and the norm of its last state.
+"""The registry of formats: every format by name, telling a source's format from its files, and its last state's norm.
 
-The key ``hidden_states`` means a list, the last state or the aux concat depending on the
-pipeline: formats are told apart by their file names, then by their companion keys and shapes,
-not by that key alone.
+Each format's module registers its formats when it is imported (`register_format`), each declaring how its sources
+are told from the others (`Detection`); `detect_format` asks them all, stage by stage (`Detected`), and knows no
+format itself.  The key ``hidden_states`` means a list, the last state or the aux concat depending on the pipeline:
+formats are told apart by their file names, then by their keys and shapes, not by that key alone.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 from h5feed.errors import SourceError
-from h5feed.formats.angelslim import AngelSlimCkpt
-from h5feed.formats.base import FormatName, SampleShape, SourceFormat
+from h5feed.formats.base import Detected, Detection, SampleShape, SourceFormat
 from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile, check_root, nothing_readable
-from h5feed.formats.modelopt import ModelOptPt
-from h5feed.formats.nemo import NemoEagle3Cache
 from h5feed.formats.safe_load import gz_head_dict, load_torch_dict
-from h5feed.formats.safetensors_file import open_safetensors
-from h5feed.formats.specforge import DSPARK_KEYS, EAGLE3_KEYS, SpecForgeCkpt, SpecForgeDFlashCkpt
-from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors, SpeculatorsV0Pt
-from h5feed.formats.vllm import VllmSafetensors
-from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
+from h5feed.store.layout import LastStateNorm
 
-__all__ = ["FORMATS", "detect_format", "last_state_norm_of"]
+__all__ = ["FORMATS", "detect_format", "last_state_norm_of", "register_format", "unregister_format"]
 
+F = TypeVar("F", bound=type[SourceFormat])
 
-FORMATS: dict[FormatName, SourceFormat] = {
-    f.name: f
-    for f in (cls.shared() for cls in (SpeculatorsLegacyPt, SpeculatorsV0Pt, SpecForgeCkpt, SpecForgeDFlashCkpt,
-                                       SpeculatorsSafetensors, ModelOptPt, AngelSlimCkpt, NemoEagle3Cache,
-                                       VllmSafetensors))
-}
+FORMATS: dict[str, SourceFormat] = {}  # by name, in the order the formats' modules registered them
 
 
-def _format_of_keys(d: dict, extension: str) -> FormatName | None:
-    """The format a sample file's keys say (None: no known one).  ``hidden_states`` is a list in speculators
-    legacy, the last state in Model-Optimizer and the aux concat in AngelSlim and SpecForge DSpark and DFlash: the
-    companions decide (a DFlash-family file has none)."""
-    if extension == ".pt":
-        if isinstance(d.get("hidden_states"), (list, tuple)):
-            return "speculators-legacy-pt"
-        if "hidden_state" in d and "target" in d:
-            return "speculators-v0-pt"
-        if "hidden_states" in d and any(k in d for k in ModelOptPt.aux_keys):
-            return "modelopt-pt"
-        return None
-    if EAGLE3_KEYS[0] in d or DSPARK_KEYS[1] in d:
-        return "specforge-ckpt"
-    if "target_hiddens" in d:
-        return "angelslim-ckpt"
-    if "hidden_states" in d:
-        return "specforge-dflash-ckpt"
-    return None
+def register_format(cls: F) -> F:
+    """Make a format known by its name: `@register_format` on its class, in its module (its shared instance is the
+    registry's).  Its `detection` says how `detect_format` tells its sources."""
+    if not isinstance(getattr(cls, "detection", None), Detection):
+        raise TypeError(f"{cls.__name__} declares no detection: say how its sources are told from the others' "
+                        "(h5feed.formats.base.Detection)")
+    fmt = cls.shared()
+    if fmt.name in FORMATS:
+        raise ValueError(f"a format named {fmt.name!r} is registered already")
+    FORMATS[fmt.name] = fmt
+    return cls
 
 
-_KEYS_EXPECTED = {
-    ".pt": "speculators legacy ('hidden_states' list), speculators v0 ('hidden_state' + 'target') nor "
-           "Model-Optimizer ('hidden_states' + 'aux_hidden_states' or 'hidden_state_features')",
-    ".ckpt": "SpecForge EAGLE-3 ('aux_hidden_state' + 'hidden_state'), SpecForge DSpark ('hidden_states' + "
-             "'target_last_hidden_states'), SpecForge DFlash/Domino ('hidden_states' alone) nor AngelSlim "
-             "('hidden_states' + 'target_hiddens')",
-}
+def unregister_format(name: str) -> None:
+    """Forget the format of that name (one registered for a while, as a test's own)."""
+    if FORMATS.pop(name, None) is None:
+        raise ValueError(f"no format named {name!r} is registered")
 
 
-def _detect_by_keys(root: Path, found: Discovery, extension: str, skip_bad: bool) -> SourceFormat:
-    """The format of sample files by the keys of the first one that loads.
+def _asked(stage: Detected) -> list[SourceFormat]:
+    """The formats detected at `stage`, in the order they registered."""
+    return [fmt for fmt in FORMATS.values() if fmt.detection.stage == stage]
+
+
+def _listed(words: list[str], conjunction: str, serial_comma: bool = False) -> str:
+    """``a, b and c``, or with `serial_comma` ``a, b, and c``."""
+    if len(words) < 2:
+        return "".join(words)
+    return f"{', '.join(words[:-1])}{',' if serial_comma else ''} {conjunction} {words[-1]}"
+
+
+def _detect_by_keys(root: Path, found: Discovery, group: str, skip_bad: bool) -> SourceFormat:
+    """The format of a key group's sample files by the keys of the first one that loads (each format's `claims`).
 
     A bad file is passed over (probing reports it, or skips it with skip_bad); when
     none of the first 8 loads, the first one's error is raised.  With skip_bad every
     file is tried, and when none loads the error lists what was wrong.
     """
+    members = [fmt for fmt in FORMATS.values() if fmt.detection.key_group == group]
+    asked = sorted(members, key=lambda fmt: fmt.detection.asked_last)
+    expected = _listed([words for fmt in members for words in fmt.detection.keys], "nor")
     failed: list[SkippedEntry] = []
     for source in found.files if skip_bad else found.files[:8]:
         path = source.path
@@ -79,10 +74,10 @@ def _detect_by_keys(root: Path, found: Discovery, extension: str, skip_bad: bool
         except SourceError as exc:
             failed.append(SkippedEntry(path, source.relpath, exc.problem))
             continue
-        name = _format_of_keys(d, extension)
-        if name is not None:
-            return FORMATS[name]
-        problem = f"keys ({', '.join(repr(k) for k in d) or 'none'}) match neither {_KEYS_EXPECTED[extension]}"
+        claimant = next((fmt for fmt in asked if fmt.claims(d)), None)
+        if claimant is not None:
+            return claimant
+        problem = f"keys ({', '.join(repr(k) for k in d) or 'none'}) match neither {expected}"
         if not skip_bad:
             raise SourceError(path, problem)
         failed.append(SkippedEntry(path, source.relpath, problem))
@@ -91,75 +86,72 @@ def _detect_by_keys(root: Path, found: Discovery, extension: str, skip_bad: bool
     raise nothing_readable(root, sorted(found.skipped + failed, key=lambda s: s.relpath))
 
 
-def _detect_vllm(root: Path, found: Discovery) -> SourceFormat:
-    """vLLM's files (or hs-connectors' FP8 ones, with their scales), by the keys of the first of them whose header
-    reads (one still being written may not).
+def _of_files(fmt: SourceFormat, root: Path, found: Discovery, skip_bad: bool) -> SourceFormat:
+    """The format of files `fmt` found: by their keys when its key group shares their names, else `fmt`."""
+    group = fmt.detection.key_group
+    return _detect_by_keys(root, found, group, skip_bad) if group else fmt
 
-    speculators' hs_{i}.safetensors hold the same keys: outside the hidden_states/ folder beside their
-    Arrow dataset they are refused with where to point instead, since read as vLLM's they lose its loss masks."""
-    speculators = FORMATS["speculators-safetensors"]
-    if all(speculators.pattern.fullmatch(f.path.name) for f in found.files):
-        raise SourceError(root, "holds speculators' hs_{i}.safetensors files: pass the folder that holds "
-                          "hidden_states/ and state.json (their loss masks are there), or --format vllm-safetensors "
-                          "to read them as vLLM's files, without a loss mask")
-    failed: list[SourceError] = []
-    for source in found.files[:8]:
-        try:
-            with open_safetensors(source.path) as f:
-                keys = sorted(f.keys())
-        except SourceError as exc:
-            failed.append(exc)
-            continue
-        if keys in (["hidden_states", "token_ids"], ["hidden_states", HIDDEN_SCALES, "token_ids"]):  # FP8: scales
-            return FORMATS["vllm-safetensors"]
-        raise SourceError(source.path, f"keys ({', '.join(map(repr, keys)) or 'none'}) are not those of vLLM's "
-                          "hidden-state files ('hidden_states' + 'token_ids')")
-    raise failed[0]
+
+def _nothing_known(root: Path) -> SourceError:
+    """What a source with no sample file of any format is told to hold: the file names first, then the sources
+    known by other means, each from the broadest search to the narrowest (the reverse of the order they are asked)."""
+    named: list[str] = []
+    other: list[str] = []
+    for stage in reversed(Detected):
+        for fmt in _asked(stage):
+            words = other if stage not in (Detected.BY_NAME, Detected.BY_FOLDER) else named
+            if fmt.detection.sought not in words:
+                words.append(fmt.detection.sought)
+    also = f" (or {_listed(other, 'or', serial_comma=True)})" if other else ""
+    return SourceError(root, f"no sample files of any known format found: expected {_listed(named, 'or')}{also}")
 
 
 def detect_format(root: Path, skip_bad: bool = False) -> SourceFormat:
-    """The format of the sample files under root, by their names, then by the keys of the first file that loads.
+    """The format of the sample files under root, asking every registered format stage by stage (`Detected`): by
+    the source's layout, by a folder of the format's own, by the files' names (then the keys of the first file
+    that loads, where formats share those names), by their extension alone, then by the files the others passed
+    over as misnamed.
 
     Entries that cannot be sample files are the chosen format's ``scan``'s business; here
     they count only when no sample file is found at all (then the first is an error, or
-    with skip_bad the error lists them).  ``.pt`` files not named ``data_{i}.pt`` are
-    Model-Optimizer's ``<conversation_id>.pt`` when nothing else is amiss.
+    with skip_bad the error lists them).
     """
     root = check_root(Path(root))
-    if (root / "manifest.json").is_file() and any(FORMATS["nemo-eagle3-cache"].pattern.fullmatch(p.name)
-                                                   for p in root.iterdir()):
-        return FORMATS["nemo-eagle3-cache"]
-    names: tuple[FormatName, ...] = ("speculators-safetensors", "specforge-ckpt", "speculators-legacy-pt")
-    searched = [FORMATS[name].search(root) for name in names]
-    safetensors, ckpts, pts = searched
-    if safetensors.files:
-        return FORMATS["speculators-safetensors"]
-    requests = FORMATS["vllm-safetensors"].search(root)
-    if requests.files and not (ckpts.files or pts.files):
-        return _detect_vllm(root, requests)
-    if ckpts.files and pts.files:
-        raise SourceError(
-            root,
-            f"holds both data_{{i}}.pt ({len(pts.files)}) and data_{{i}}.ckpt[.gz] ({len(ckpts.files)}) files; "
-            "convert each set from its own folder",
-        )
-    if ckpts.files:
-        return _detect_by_keys(root, ckpts, ".ckpt", skip_bad)
-    if pts.files:
-        return _detect_by_keys(root, pts, ".pt", skip_bad)
+    for fmt in _asked(Detected.BY_LAYOUT):
+        if fmt.recognizes(root):
+            return fmt
+    in_folders = [(fmt, fmt.search(root)) for fmt in _asked(Detected.BY_FOLDER)]
+    groups: dict[str, SourceFormat] = {}  # a key group (or a format of names its own) -> the format whose search finds its files
+    for fmt in _asked(Detected.BY_NAME):
+        groups.setdefault(fmt.detection.key_group or fmt.name, fmt)
+    by_name = [(fmt.detection.key_group or fmt.detection.sought, fmt, fmt.search(root)) for fmt in groups.values()]
+    for fmt, found in in_folders:
+        if found.files:
+            return fmt
+    named = [(group, fmt, found) for group, fmt, found in by_name if found.files]
+    if not named:
+        for fmt in _asked(Detected.BY_EXTENSION):
+            found = fmt.search(root)
+            if found.files:
+                fmt.confirm(root, found)
+                return fmt
+    if len(named) > 1:
+        counts = [f"{group} ({len(found.files)})" for group, _, found in named]
+        raise SourceError(root, f"holds {'both ' if len(counts) == 2 else ''}{_listed(counts, 'and')} files; "
+                          "convert each set from its own folder")
+    if named:
+        _, fmt, found = named[0]
+        return _of_files(fmt, root, found, skip_bad)
+    searched = [found for _, found in in_folders] + [found for _, _, found in by_name]
     skipped = sorted({s.relpath: s for found in searched for s in found.skipped}.values(), key=lambda s: s.relpath)
-    dumps = FORMATS["modelopt-pt"].search(root)
-    dump_names = {f.relpath for f in dumps.files}
-    if dumps.files and all(s.relpath in dump_names for s in skipped):  # only .pt files that are not data_{i}.pt
-        return _detect_by_keys(root, dumps, ".pt", skip_bad)
+    for fmt in _asked(Detected.BY_LEFTOVERS):
+        found = fmt.search(root)
+        its_own = {f.relpath for f in found.files}
+        if found.files and all(s.relpath in its_own for s in skipped):
+            return _of_files(fmt, root, found, skip_bad)
     if skipped:
         raise nothing_readable(root, skipped) if skip_bad else skipped[0].error()
-    raise SourceError(
-        root,
-        "no sample files of any known format found: expected data_{i}.pt, data_{i}.ckpt[.gz] or "
-        "hidden_states/hs_{i}.safetensors (or Model-Optimizer's <conversation_id>.pt, vLLM's {req_id}.safetensors, "
-        "or a NeMo cache: manifest.json + shard-NNNNNN.safetensors)",
-    )
+    raise _nothing_known(root)
 
 
 def last_state_norm_of(

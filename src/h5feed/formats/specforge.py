@@ -17,6 +17,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import Companion, FormatName, SampleShape, SourceFormat, SourceSample
+from h5feed.formats.base import Companion, Detected, Detection, SampleShape, SourceFormat, SourceSample
 from h5feed.formats.checks import (
     CheckedSample,
     aux_and_last,
@@ -35,12 +36,13 @@ from h5feed.formats.checks import (
     token_vector,
 )
 from h5feed.formats.discovery import SourceFile
+from h5feed.formats.registry import register_format
 from h5feed.formats.safe_load import gz_head_dict, load_torch_dict
 from h5feed.formats.torch_dict import TorchDictFormat
 from h5feed.io.paths import regular_file
 from h5feed.store.layout import LastStateNorm
 
-__all__ = ["DFLASH_KEYS", "DSPARK_KEYS", "EAGLE3_KEYS", "TARGET_CONFIG", "CapturedLayers", "SpecForgeCkpt",
+__all__ = ["CKPT_FILES", "DFLASH_KEYS", "DSPARK_KEYS", "EAGLE3_KEYS", "TARGET_CONFIG", "CapturedLayers", "SpecForgeCkpt",
            "SpecForgeDFlashCkpt"]
 
 # (aux, last) keys of each SpecForge pipeline's files; the last key of DSpark's tells them apart, since AngelSlim's
@@ -48,6 +50,7 @@ __all__ = ["DFLASH_KEYS", "DSPARK_KEYS", "EAGLE3_KEYS", "TARGET_CONFIG", "Captur
 EAGLE3_KEYS = ("aux_hidden_state", "hidden_state")
 DSPARK_KEYS = ("hidden_states", "target_last_hidden_states")
 DFLASH_KEYS = ("input_ids", "loss_mask", "hidden_states")  # DFlash, Domino, DFlash2: every key their files hold
+CKPT_FILES = "data_{i}.ckpt[.gz]"  # the key group of the formats whose files are named so (AngelSlim's too)
 TARGET_CONFIG = "config.json"  # where a DFlash-family source says H (and K)
 _MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KB: a larger file is not one, and is not read whole
 _PATTERN = re.compile(r"data_(\d+)\.ckpt(?:\.gz)?")
@@ -55,16 +58,23 @@ _WHAT = "data_{i}.ckpt or data_{i}.ckpt.gz"
 _EXTENSIONS = (".ckpt", ".ckpt.gz")
 
 
+@register_format
 class SpecForgeCkpt(TorchDictFormat):
     """C: SpecForge ``data_{i}.ckpt[.gz]``: ``input_ids`` [T] or [1, T], ``loss_mask`` [T], and either EAGLE-3's
     ``aux_hidden_state`` [1, T, K*H] + ``hidden_state`` [1, T, H] or DSpark's ``hidden_states`` [1, T, K*H] +
     ``target_last_hidden_states`` [1, T, H]; the last state is post-norm in both."""
 
-    name: FormatName = "specforge-ckpt"
+    name = "specforge-ckpt"
+    detection = Detection(Detected.BY_NAME, CKPT_FILES, CKPT_FILES,
+                          ("SpecForge EAGLE-3 ('aux_hidden_state' + 'hidden_state')",
+                           "SpecForge DSpark ('hidden_states' + 'target_last_hidden_states')"))
     last_state_norm: LastStateNorm | None = "post"
     pattern = _PATTERN
     what = _WHAT
     extensions = _EXTENSIONS
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        return EAGLE3_KEYS[0] in keys or DSPARK_KEYS[1] in keys
 
     def _check(self, path: Path, d: dict) -> CheckedSample:
         aux_key, last_key = _keys_of(path, d)
@@ -110,12 +120,16 @@ class CapturedLayers:
         return h
 
 
+@register_format
 class SpecForgeDFlashCkpt(SourceFormat):
     """C': SpecForge DFlash / Domino / DFlash2 ``data_{i}.ckpt[.gz]``: ``input_ids`` [T] (or [1, T]),
     ``loss_mask`` [T] and ``hidden_states`` [1, T, K*H] (or [T, K*H]), the captured target layers
     concatenated; no last state.  H (or K) comes from the source folder's ``config.json``, kept in the store."""
 
-    name: FormatName = "specforge-dflash-ckpt"
+    name = "specforge-dflash-ckpt"
+    # 'hidden_states' is in AngelSlim's and DSpark's files too: asked after them, the files with nothing else claim it
+    detection = Detection(Detected.BY_NAME, CKPT_FILES, CKPT_FILES, ("SpecForge DFlash/Domino ('hidden_states' alone)",),
+                          asked_last=True)
     last_state_norm: LastStateNorm | None = None
     has_last_state = False
     pattern = _PATTERN
@@ -132,6 +146,9 @@ class SpecForgeDFlashCkpt(SourceFormat):
 
     def load(self, source: SourceFile) -> SourceSample:
         return self._check(source, load_torch_dict(source.path)).materialize(source.path)
+
+    def claims(self, keys: Mapping[str, Any]) -> bool:
+        return "hidden_states" in keys
 
     def companions(self, root: Path) -> list[Companion]:
         layers = self.captured_layers(root)

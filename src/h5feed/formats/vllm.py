@@ -37,11 +37,12 @@ from pathlib import Path
 import torch
 
 from h5feed.errors import SourceError
-from h5feed.formats.base import FormatName, SampleShape, SourceFormat, SourceSample
+from h5feed.formats.base import Detected, Detection, SampleShape, SourceFormat, SourceSample
 from h5feed.formats.checks import ids_to_int64, mask_to_int64, refuse_unknown_keys
 from h5feed.formats.discovery import Discovery, SkippedEntry, SourceFile, check_root, find_samples, nothing_readable
+from h5feed.formats.registry import register_format
 from h5feed.formats.safetensors_file import fp8_scales, open_safetensors
-from h5feed.formats.speculators import ArrowRows, layers_file_shape, split_layers
+from h5feed.formats.speculators_safetensors import ArrowRows, SpeculatorsSafetensors, layers_file_shape, split_layers
 from h5feed.io.paths import regular_file
 from h5feed.store.layout import HIDDEN_SCALES, LastStateNorm
 
@@ -52,11 +53,13 @@ _KEYS = ("hidden_states", "token_ids", HIDDEN_SCALES)  # the scales: hs-connecto
 _POLL_S = 0.05  # how often a held lock is tried again
 
 
+@register_format
 class VllmSafetensors(SourceFormat):
     """H: vLLM's ``{req_id}.safetensors`` (``hidden_states`` [T, K, H], ``token_ids`` [T]), each written under its
     ``.lock``; with speculators' Arrow dataset beside them, or without a loss mask."""
 
-    name: FormatName = "vllm-safetensors"
+    name = "vllm-safetensors"
+    detection = Detection(Detected.BY_EXTENSION, "vLLM's {req_id}.safetensors")
     last_state_norm: LastStateNorm | None = None
     stated_norms: tuple[LastStateNorm, ...] = ("pre",)
     norm_hint = ("vLLM's connector stores the layers of eagle_aux_hidden_state_layer_ids and no metadata: the last "
@@ -70,6 +73,30 @@ class VllmSafetensors(SourceFormat):
     def search(self, root: Path) -> Discovery:
         files, _, skipped = self._listing(Path(os.path.abspath(root)))
         return Discovery(_ranked(files), skipped)
+
+    def confirm(self, root: Path, found: Discovery) -> None:
+        """vLLM's files (or hs-connectors' FP8 ones, with their scales), by the keys of the first of them whose header
+        reads (one still being written may not).
+
+        speculators' hs_{i}.safetensors hold the same keys: outside the hidden_states/ folder beside their
+        Arrow dataset they are refused with where to point instead, since read as vLLM's they lose its loss masks."""
+        if all(SpeculatorsSafetensors.pattern.fullmatch(f.path.name) for f in found.files):
+            raise SourceError(root, "holds speculators' hs_{i}.safetensors files: pass the folder that holds "
+                              "hidden_states/ and state.json (their loss masks are there), or --format vllm-safetensors "
+                              "to read them as vLLM's files, without a loss mask")
+        failed: list[SourceError] = []
+        for source in found.files[:8]:
+            try:
+                with open_safetensors(source.path) as f:
+                    keys = sorted(f.keys())
+            except SourceError as exc:
+                failed.append(exc)
+                continue
+            if keys in (["hidden_states", "token_ids"], ["hidden_states", HIDDEN_SCALES, "token_ids"]):  # FP8: scales
+                return
+            raise SourceError(source.path, f"keys ({', '.join(map(repr, keys)) or 'none'}) are not those of vLLM's "
+                              "hidden-state files ('hidden_states' + 'token_ids')")
+        raise failed[0]
 
     def scan(self, root: Path, skip_bad: bool = False, lock_timeout: float = 0.0) -> Discovery:
         """The finished files under root: the locks held are waited for until `lock_timeout` seconds have passed."""

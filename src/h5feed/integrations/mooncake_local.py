@@ -143,7 +143,7 @@ class VllmStandIn:
 
         from hs_connectors.transfer import FileTransfer
 
-        from h5feed.formats.speculators import ArrowRows
+        from h5feed.formats.speculators_safetensors import ArrowRows
 
         self.rows, self.files = ArrowRows.of(Path(data).resolve()), FileTransfer(Path(data) / "hidden_states")
         self.producer, self.model = producer, model

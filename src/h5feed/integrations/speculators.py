@@ -28,7 +28,8 @@ from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from h5feed.conversion.writer import UNIQUE_SOURCE_INDEX
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
-from h5feed.formats.speculators import SpeculatorsLegacyPt, SpeculatorsSafetensors
+from h5feed.formats.speculators import SpeculatorsLegacyPt
+from h5feed.formats.speculators_safetensors import SpeculatorsSafetensors
 from h5feed.loading.datasets import OnCorrupt
 from h5feed.store import Store, plain_allocator
 from h5feed.store.fp8 import dequantized

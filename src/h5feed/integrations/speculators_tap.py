@@ -48,7 +48,8 @@ from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer, Mo
 from h5feed.conversion.options import WriteOptions
 from h5feed.conversion.writer import StoreWriter, WriterReport, open_writer
 from h5feed.errors import H5feedError, SourceError, StoreError
-from h5feed.formats.speculators import ArrowRows, SpeculatorsLegacyPt
+from h5feed.formats.speculators import SpeculatorsLegacyPt
+from h5feed.formats.speculators_safetensors import ArrowRows
 from h5feed.integrations.mooncake_local import INSTALL_HINT, master_answers
 from h5feed.integrations.speculators import H5feedBackend, StoreTransfer
 from h5feed.io import is_remote

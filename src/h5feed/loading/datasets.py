@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert, get_worker_info
 
 from h5feed.errors import CorruptSampleError, StoreError, WorkerDiedError
-from h5feed.flavors import FLAVORS, Flavor, FlavorName, Item, Transform, get_flavor
+from h5feed.flavors import FLAVORS, Flavor, Item, Transform, get_flavor
 from h5feed.loading.follow import FollowedPositions, FollowedShare, open_followed
 from h5feed.loading.options import (
     ItemOptions,
@@ -40,7 +40,7 @@ from h5feed.loading.options import (
 )
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule, current_worker
-from h5feed.metrics import LoaderCounters, WorkerCounters, check_worker_count
+from h5feed.observe.metrics import LoaderCounters, WorkerCounters, check_worker_count
 from h5feed.store import Allocator, BufferPool, Store, shared_allocator
 from h5feed.store.fp8 import dequantized
 
@@ -110,7 +110,7 @@ class _FlavoredReader:
     def __init__(
         self,
         store: StoreLike,
-        flavor: FlavorName | str,
+        flavor: str,
         max_len: int | None,
         transform: Transform | None,
         hidden_states_dtype: torch.dtype | None,
@@ -241,7 +241,7 @@ class HiddenStatesDataset(_FlavoredReader, Dataset[Item]):
     def __init__(
         self,
         store: StoreLike,
-        flavor: FlavorName | str = "speculators-legacy",
+        flavor: str = "speculators-legacy",
         max_len: int | None = None,
         transform: Transform | None = None,
         hidden_states_dtype: torch.dtype | None = None,
@@ -288,7 +288,7 @@ class HiddenStatesStream(_FlavoredReader, IterableDataset[Item]):
     def __init__(
         self,
         store: StoreLike,
-        flavor: FlavorName | str = "speculators-legacy",
+        flavor: str = "speculators-legacy",
         max_len: int | None = None,
         transform: Transform | None = None,
         hidden_states_dtype: torch.dtype | None = None,

@@ -46,7 +46,7 @@ from typing import Any
 from h5feed.errors import StoreError
 from h5feed.io import FsspecStore, is_remote, open_url
 from h5feed.loading.sample_folder import open_or_explain
-from h5feed.metrics import WorkerCounters
+from h5feed.observe.metrics import WorkerCounters
 from h5feed.store import Store
 from h5feed.store.layout import read_info
 from h5feed.store.opening import local_path

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from h5feed.metrics import WorkerCounters
+from h5feed.observe.metrics import WorkerCounters
 
 Work = TypeVar("Work")
 Result = TypeVar("Result")

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from h5feed.metrics import CountedReader, LoaderCounters
+from h5feed.observe.metrics import CountedReader, LoaderCounters
 from h5feed.observe.watchdog import LoaderSetup
 from h5feed.store import Store
 

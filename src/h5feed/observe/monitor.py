@@ -60,9 +60,9 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from h5feed import tracing
-from h5feed.metrics import LoaderSnapshot, WorkerSnapshot
 from h5feed.observe.headspace import Headspace, StepKind, headspace_text
 from h5feed.observe.loader_view import LoaderView, distributed_rank
+from h5feed.observe.metrics import LoaderSnapshot, WorkerSnapshot
 from h5feed.observe.monitor_log import RecordFile, say
 from h5feed.observe.renderer import (
     Record,

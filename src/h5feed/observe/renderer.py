@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from h5feed.metrics import LoaderSnapshot
+from h5feed.observe.metrics import LoaderSnapshot
 from h5feed.observe.timers import StepTotals
 
 Record = dict[str, Any]

@@ -16,7 +16,7 @@ from typing import Literal
 
 import psutil
 
-from h5feed.metrics import LoaderSnapshot
+from h5feed.observe.metrics import LoaderSnapshot
 from h5feed.observe.renderer import Record, num
 
 RECENT_S = 10.0  # the window of a stall report's "recent" throughput

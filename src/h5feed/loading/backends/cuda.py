@@ -33,8 +33,8 @@ from h5feed.loading.backends.base import DecodeBackend, ReadyBatch, register_bac
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
 from h5feed.loading.options import Batching
+from h5feed.loading.placement import place_items
 from h5feed.loading.readahead import ReadAhead
-from h5feed.placement import place_items
 from h5feed.store import Store
 from h5feed.store.fp8 import dequantize_into
 from h5feed.store.layout import HIDDEN_ARRAYS, HIDDEN_SCALES

@@ -45,9 +45,9 @@ from h5feed.loading.backends.fp8_crossing import DeviceDequantization
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.loading.delivery import TrainerStream
 from h5feed.loading.options import Batching
+from h5feed.loading.placement import place_items
 from h5feed.loading.slots import FILLED, FILLING, FREE, SlotLayout, SlotReturns, SlotRing
-from h5feed.metrics import WorkerCounters
-from h5feed.placement import place_items
+from h5feed.observe.metrics import WorkerCounters
 from h5feed.store import HIDDEN_ARRAYS, HIDDEN_SCALES, BufferPool, ReadStats, shared_allocator
 from h5feed.store.fp8 import dequantize_into
 

@@ -21,7 +21,7 @@ from h5feed.loading.backends.ring import BatchWriter, FilledBatch, RingBackend
 from h5feed.loading.datasets import HiddenStatesStream, naming_dead_workers
 from h5feed.loading.options import Batching
 from h5feed.loading.schedule import current_worker
-from h5feed.metrics import check_worker_count
+from h5feed.observe.metrics import check_worker_count
 
 READ_AHEAD_BATCHES = 3  # a worker's batches the disk is asked for ahead of the one it decodes (a cold cache
 # needs several requests in flight to reach the disk's rate: one sample ahead per worker left 2 workers at ~60% of it)

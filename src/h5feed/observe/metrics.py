@@ -1,4 +1,5 @@
-"""Per-worker loader counters in shared memory, readable by the main process while training runs.
+"""Per-worker loader counters in shared memory, readable by the main process while training runs: the loaders
+write them, and the monitor (`h5feed.observe.monitor`), its watchdog and `h5feed bench` read them.
 
 The counters are one small float64 tensor in shared memory, created by the
 dataset in the main process before any worker starts.  torch passes it to

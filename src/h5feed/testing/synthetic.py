@@ -17,7 +17,7 @@ draft vocabulary, which is sorted by token frequency) with one token per
 position lifted by U(4, 14) (a peaked next-token distribution: top-1 ~0.4 on
 average).
 
-    python -m h5feed.synthetic DST --format speculators-legacy-pt \\
+    python -m h5feed.testing.synthetic DST --format speculators-legacy-pt \\
         --num-samples 100 --hidden-size 7168 --tokens 1500:1900
 """
 
@@ -32,14 +32,12 @@ import os
 import secrets
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from h5feed.formats import FormatName
 
 FORMAT_NAMES = ("speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors",
                 "modelopt-pt", "angelslim-ckpt", "nemo-eagle3-cache", "vllm-safetensors")
@@ -50,8 +48,53 @@ PAD_ID = VOCAB_SIZE - 1  # the pad id of the synthetic NeMo cache
 LOG_SCALE_SIGMA = 0.7
 ARROW_BATCH_ROWS = 1000  # datasets' ArrowWriter writes record batches of 1000 rows
 
-__all__ = ["FORMAT_NAMES", "VARIANTS", "column_scales", "draft_probs", "main", "make_sample", "sample_lengths",
-           "write_synthetic"]
+__all__ = ["FORMAT_NAMES", "VARIANTS", "FileOptions", "PipelineOptions", "column_scales", "draft_probs", "main",
+           "make_sample", "sample_lengths", "write_synthetic"]
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """How the sample files lie and what they hold beside the hidden states.
+
+    layout: "rows" puts ``.pt``/``.ckpt`` files in ``rows_{g}-{g+rows_per_folder}/`` folders (SpecForge, in-house
+        pipelines); "flat" (the default) all in the root.
+    compress: SpecForge only: ``.ckpt.gz``.
+    loss_mask: False leaves the mask out (no key; no Arrow column for safetensors).
+    arrow_shards: the shards of the safetensors format's Arrow dataset.
+    """
+
+    layout: Literal["flat", "rows"] = "flat"
+    rows_per_folder: int = 2000
+    compress: bool = False
+    loss_mask: bool = True
+    arrow_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("flat", "rows"):
+            raise ValueError(f"layout must be 'flat' or 'rows', got {self.layout!r}")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the other pipelines' writers choose (Model-Optimizer, AngelSlim, NeMo Automodel).
+
+    variant: the writer (see ``VARIANTS``; None: the first).  modelopt-pt: Model-Optimizer's HF, vLLM or TRT-LLM
+        dumper; angelslim-ckpt: AngelSlim's HF or vLLM backend; nemo-eagle3-cache: the target distribution in full
+        or as its top ``topk``.
+    ranks: angelslim-ckpt: its generator ranks (``rank_<r>`` folders).
+    prenorm_flag: modelopt-pt: the ``hidden_states_prenorm`` flag to write (None: none).
+    seq_length: nemo-eagle3-cache: S, the length every sample is padded to (None: the longest sample).
+    draft_vocab_size: angelslim-ckpt and nemo-eagle3-cache: the draft vocabulary.
+    topk, shard_size: nemo-eagle3-cache: k of the top-k variant, samples per shard.
+    """
+
+    variant: str | None = None
+    ranks: int = 2
+    prenorm_flag: bool | None = None
+    seq_length: int | None = None
+    draft_vocab_size: int = 64
+    topk: int = 8
+    shard_size: int = 4
 
 
 def _seed(*parts: int) -> int:
@@ -195,54 +238,39 @@ def write_arrow_dataset(
 
 def write_synthetic(
     root: Path,
-    fmt: FormatName,
+    fmt: str,
     num_samples: int,
     hidden_size: int,
     num_aux_layers: int = 3,
     lengths: Sequence[int] | tuple[int, int] = (64, 128),
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
-    layout: Literal["flat", "rows"] = "flat",
-    compress: bool = False,
-    rows_per_folder: int = 2000,
-    loss_mask: bool = True,
     *,
-    arrow_shards: int = 1,
-    variant: str | None = None,
-    ranks: int = 2,
-    prenorm_flag: bool | None = None,
-    seq_length: int | None = None,
-    draft_vocab_size: int = 64,
-    topk: int = 8,
-    shard_size: int = 4,
+    files: FileOptions = FileOptions(),
+    pipeline: PipelineOptions = PipelineOptions(),
 ) -> list[Path]:
     """Write ``num_samples`` samples under root in format ``fmt``; returns the sample files in index order.
 
     ``lengths``: a 2-tuple is an inclusive token range, any other sequence one
-    length per sample.  ``layout="rows"`` puts ``.pt``/``.ckpt`` files in
-    ``rows_{g}-{g+rows_per_folder}/`` folders (SpecForge, in-house pipelines).
-    ``compress`` (SpecForge only) writes ``.ckpt.gz``.  ``loss_mask=False``
-    leaves the mask out (no key; no Arrow column for safetensors).
-    ``arrow_shards`` splits the safetensors format's Arrow dataset in shards.
+    length per sample.  `files`: how the files lie and what they hold beside the states (`FileOptions`).
     ``vllm-safetensors`` writes ``req-{i:06d}.safetensors`` as vLLM's connector does (under a released
-    ``.lock``), with speculators' Arrow dataset beside them for the loss masks (none with ``loss_mask=False``).
+    ``.lock``), with speculators' Arrow dataset beside them for the loss masks (none without a loss mask).
 
-    The other pipelines (Model-Optimizer, AngelSlim, NeMo Automodel) take a ``variant`` (see ``VARIANTS``, the first is the default):
-    ``modelopt-pt`` writes ``conv_{i:06d}.pt`` as Model-Optimizer's HF, vLLM or TRT-LLM dumper does
-    (``prenorm_flag`` adds the ``hidden_states_prenorm`` flag); ``angelslim-ckpt`` writes
-    ``rank_<r>/rows_0-5000/data_<i>.ckpt`` for ``ranks`` generator ranks (i counts within a rank) and
-    ``vocab_mapping.pt``, from its HF backend or its vLLM backend (``inputs_embeds``, ``position_ids``);
-    ``nemo-eagle3-cache`` writes NeMo Automodel's cache: samples padded to ``seq_length`` (default: the
-    longest), shifted, ``shard_size`` per shard, with the ``draft_vocab_size``-wide target distribution in
-    full or as its top ``topk``.  For those, the returned paths are the samples' source files as
-    ``FORMATS[fmt].discover`` lists them (``shard-NNNNNN.safetensors#row`` for NeMo).
+    The other pipelines (Model-Optimizer, AngelSlim, NeMo Automodel) take the choices of their writers in
+    `pipeline` (`PipelineOptions`): ``modelopt-pt`` writes ``conv_{i:06d}.pt`` as Model-Optimizer's HF, vLLM or
+    TRT-LLM dumper does; ``angelslim-ckpt`` writes ``rank_<r>/rows_0-5000/data_<i>.ckpt`` for its generator ranks
+    (i counts within a rank) and ``vocab_mapping.pt``, from its HF backend or its vLLM backend (``inputs_embeds``,
+    ``position_ids``); ``nemo-eagle3-cache`` writes NeMo Automodel's cache: samples padded to ``seq_length``,
+    shifted, ``shard_size`` per shard, with the draft-vocab target distribution in full or as its top k.  For
+    those, the returned paths are the samples' source files as ``FORMATS[fmt].discover`` lists them
+    (``shard-NNNNNN.safetensors#row`` for NeMo).
     """
+    layout, compress, rows_per_folder, loss_mask = files.layout, files.compress, files.rows_per_folder, files.loss_mask
+    variant = pipeline.variant
     if fmt not in FORMAT_NAMES:
         raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMAT_NAMES)}")
     if variant is not None and variant not in VARIANTS.get(fmt, ()):
         raise ValueError(f"{fmt} has no variant {variant!r} (variants: {', '.join(VARIANTS.get(fmt, ())) or 'none'})")
-    if layout not in ("flat", "rows"):
-        raise ValueError(f"layout must be 'flat' or 'rows', got {layout!r}")
     if compress and fmt != "specforge-ckpt":
         raise ValueError("compress=True exists only for specforge-ckpt (.ckpt.gz)")
     if layout == "rows" and fmt in ("speculators-safetensors", "vllm-safetensors"):
@@ -258,12 +286,13 @@ def write_synthetic(
         variant = variant or VARIANTS[fmt][0]
         if fmt == "modelopt-pt":
             return _write_modelopt(root, lens, hidden_size, num_aux_layers, seed, dtype, loss_mask, variant,
-                                   prenorm_flag)
+                                   pipeline.prenorm_flag)
         if fmt == "angelslim-ckpt":
-            return _write_angelslim(root, lens, hidden_size, num_aux_layers, seed, dtype, variant, ranks,
-                                    draft_vocab_size)
+            return _write_angelslim(root, lens, hidden_size, num_aux_layers, seed, dtype, variant, pipeline.ranks,
+                                    pipeline.draft_vocab_size)
         return _write_nemo_cache(root, lens, hidden_size, num_aux_layers, seed, dtype, variant,
-                                 seq_length or max(lens, default=1), draft_vocab_size, topk, shard_size)
+                                 pipeline.seq_length or max(lens, default=1), pipeline.draft_vocab_size, pipeline.topk,
+                                 pipeline.shard_size)
     scales = column_scales(hidden_size, num_aux_layers + 1, seed)
     written: list[Path] = []
     all_ids: list[torch.Tensor] = []
@@ -325,7 +354,7 @@ def write_synthetic(
         # speculators' generator writes exact lengths beside the files
         (root / "sample_lengths.json").write_text(json.dumps({str(i): t for i, t in enumerate(lens)}))
     if fmt == "speculators-safetensors" or (fmt == "vllm-safetensors" and loss_mask):
-        write_arrow_dataset(root, all_ids, all_masks if loss_mask else None, shards=arrow_shards)
+        write_arrow_dataset(root, all_ids, all_masks if loss_mask else None, shards=files.arrow_shards)
     return written
 
 
@@ -501,32 +530,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shard-size", type=int, default=4, help="nemo-eagle3-cache: samples per shard (default 4)")
     a = p.parse_args(argv)
     try:
-        files = write_synthetic(
-            a.dst,
-            a.format,
-            a.num_samples,
-            a.hidden_size,
-            a.aux_layers,
-            a.tokens,
-            a.seed,
-            _DTYPES[a.dtype],
-            a.layout,
-            a.compress,
-            a.rows_per_folder,
-            not a.no_loss_mask,
-            arrow_shards=a.arrow_shards,
-            variant=a.variant,
-            ranks=a.ranks,
-            prenorm_flag=None if a.prenorm_flag is None else a.prenorm_flag == "true",
-            seq_length=a.seq_length,
-            draft_vocab_size=a.draft_vocab_size,
-            topk=a.topk,
-            shard_size=a.shard_size,
+        written = write_synthetic(
+            a.dst, a.format, a.num_samples, a.hidden_size, a.aux_layers, a.tokens, a.seed, _DTYPES[a.dtype],
+            files=FileOptions(a.layout, a.rows_per_folder, a.compress, not a.no_loss_mask, a.arrow_shards),
+            pipeline=PipelineOptions(a.variant, a.ranks, None if a.prenorm_flag is None else a.prenorm_flag == "true",
+                                     a.seq_length, a.draft_vocab_size, a.topk, a.shard_size),
         )
     except ValueError as e:
         p.error(str(e))
-    total = sum(f.stat().st_size for f in {f.with_name(f.name.partition("#")[0]) for f in files})
-    print(f"wrote {len(files)} {a.format} samples to {a.dst} ({total / 1e6:.1f} MB)")
+    total = sum(f.stat().st_size for f in {f.with_name(f.name.partition("#")[0]) for f in written})
+    print(f"wrote {len(written)} {a.format} samples to {a.dst} ({total / 1e6:.1f} MB)")
     return 0
 
 
