@@ -23,13 +23,13 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from h5feed.errors import H5feedError
+from h5feed.integrations.requirements import missing_install
 
 NEEDS = ("SpecForge 0.2 (`pip install --no-deps specforge==0.2.0`: the release pins torch 2.11 and sglang, which "
          "its offline training never imports) and what that training imports: transformers, accelerate, datasets, "
@@ -41,16 +41,7 @@ _IMPORTED = (("specforge", "specforge"), ("transformers", "transformers"), ("acc
 def unmet_requirement() -> str | None:
     """What this machine lacks for the command, or None: said before SpecForge starts, which would end on an
     import error only once its trainer is being assembled."""
-    for module, package in _IMPORTED:
-        if util.find_spec(module) is None:
-            return f"{package} is not installed"
-    try:
-        version = metadata.version("specforge")
-    except metadata.PackageNotFoundError:  # on sys.path without its metadata (a source checkout): taken as it is
-        version = "0.2"
-    if not version.startswith("0.2"):
-        return f"specforge {version} is installed; h5feed's integration is written for SpecForge 0.2's runtime"
-    return None
+    return missing_install(_IMPORTED, "specforge", "0.2", "h5feed's integration is written for SpecForge 0.2's runtime")
 
 
 def h5feed_options(argv: Sequence[str]) -> tuple[Any, list[str]]:

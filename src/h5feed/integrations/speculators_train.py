@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from importlib import metadata, util
-
 import torch
+
+from h5feed.integrations.requirements import missing_install
 
 NEEDS = ("speculators 0.9 (`pip install 'speculators>=0.9,<0.10'`, which brings transformers and hs-connectors) "
          "and a GPU")
@@ -29,16 +29,11 @@ def unmet_requirement(argv: Sequence[str]) -> str | None:
     """What this machine lacks for the command, or None.  Said up front: without speculators the command would end
     on an import error, and without a GPU only once speculators' Trainer moves the model there, after the
     verifier, the draft model and the data loaders were set up."""
-    for module, package in (("speculators", "speculators"), ("hs_connectors", "hs-connectors"),
-                            ("transformers", "transformers")):
-        if util.find_spec(module) is None:
-            return f"{package} is not installed"
-    try:
-        version = metadata.version("speculators")
-    except metadata.PackageNotFoundError:  # on sys.path without its metadata (a source checkout): taken as it is
-        version = "0.9"
-    if not version.startswith("0.9"):
-        return f"speculators {version} is installed; its train command and backends differ"
+    missing = missing_install((("speculators", "speculators"), ("hs_connectors", "hs-connectors"),
+                               ("transformers", "transformers")), "speculators", "0.9",
+                              "its train command and backends differ")
+    if missing is not None:
+        return missing
     if not any(arg in WITHOUT_TRAINING for arg in argv) and not torch.accelerator.is_available():
         return "torch sees no GPU (speculators' Trainer places the model on one)"
     return None
