@@ -7,7 +7,7 @@ how long `next()` blocked (torchtitan's `data_loading(s)` and `data_loading(%)`)
 and, with CUDA, how long the GPU had no work meanwhile (the stream's `query()` at
 each `next()` call, and CUDA events where the CPU runs ahead of the GPU, read once
 complete: nothing waits on the GPU in the hot path).  A thread adds the workers' shared counters
-(`h5feed.metrics`) and writes a line every `every` seconds, a JSON-lines record
+(`h5feed.observe.metrics`) and writes a line every `every` seconds, a JSON-lines record
 for `h5feed watch`, TensorBoard and Weights & Biases scalars if asked, and a stall report that says
 what every worker is doing when the trainer or the workers stop moving.
 
