@@ -1,4 +1,4 @@
-"""Appending (issue 10): `h5feed convert SRC DST` on a complete store takes SRC's new files.
+"""Appending: `h5feed convert SRC DST` on a complete store takes SRC's new files.
 
 Existing samples keep their indices and their shard files, readers that opened
 the store before keep their view (and one that opens it in the middle of an
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import REPO, same_item
 
 from h5feed import HiddenStatesDataset, SkipPolicy, StoreSettings
 from h5feed.conversion.converter import convert
@@ -37,18 +37,6 @@ LEGACY = "speculators-legacy-pt"
 # 64-token samples are longer than a shard and span 3 and 2
 LENGTHS = [5, 40, 17, 33, 100, 1, 64, 20]
 FIRST, SECOND = "rows_0-4", "rows_4-8"
-REPO = Path(__file__).resolve().parents[1]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same_item(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(bits(a[k]) if a[k].is_floating_point() else a[k], bits(b[k]) if b[k].is_floating_point() else b[k])
-        for k in a
-    )
 
 
 def tree(root: Path) -> dict[str, tuple[bytes, int]]:

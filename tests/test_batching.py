@@ -1,7 +1,7 @@
 """BatchLoader: batches decoded straight into recycled slots equal the trainer's collate of h5feed's items.
 
 The reference is what a trainer runs today: a DataLoader over `HiddenStatesStream` with
-`trainer_collate` (itself checked against the released collates in test_collate.py).
+`trainer_collate` (itself checked against the released collates in test_trainer_collate.py).
 """
 
 from __future__ import annotations
@@ -12,25 +12,18 @@ import warnings
 
 import pytest
 import torch
+from conftest import BATCH_H, BATCH_LENGTHS
 
+import h5feed
 from h5feed import BatchLoader, StoreError, trainer_collate
 from h5feed.loading.datasets import HiddenStatesStream, StreamLoader
 from h5feed.loading.slots import FREE
 from h5feed.store import Store
-import h5feed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
-H = 32
-K = 3
-# 1-token samples, chunk-sized ones (16), samples past every max_len used here
-LENGTHS = [1, 5, 16, 17, 33, 64, 100, 3, 48, 31, 2, 90, 16, 7]
+H, K, LENGTHS = BATCH_H, 3, BATCH_LENGTHS
 N = len(LENGTHS)
-
-
-@pytest.fixture(scope="module")
-def legacy_store(synthetic_store):
-    return synthetic_store("ba_legacy", "speculators-legacy-pt", N, H, LENGTHS, chunk_tokens=16, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +31,8 @@ def specforge_store(synthetic_store):
     return synthetic_store("ba_specforge", "specforge-ckpt", N, H, LENGTHS, chunk_tokens=16, seed=8)
 
 
-def store_for(flavor, legacy_store, specforge_store):
-    return (specforge_store if flavor.startswith("specforge") else legacy_store).path
+def store_for(flavor, batch_loader_store, specforge_store):
+    return (specforge_store if flavor.startswith("specforge") else batch_loader_store).path
 
 
 def reference(path, flavor, max_len, batch_size, hidden_states_dtype=None, **schedule):
@@ -67,8 +60,9 @@ def assert_same_batches(got, want, assert_same_batch):
 @pytest.mark.parametrize("flavor", ["speculators-legacy", "speculators", "specforge", "specforge-shifted"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("max_len", [20, 64])
-def test_threads_equal_collated_items(legacy_store, specforge_store, assert_same_batch, flavor, batch_size, max_len):
-    path = store_for(flavor, legacy_store, specforge_store)
+def test_threads_equal_collated_items(batch_loader_store, specforge_store, assert_same_batch, flavor, batch_size,
+                                      max_len):
+    path = store_for(flavor, batch_loader_store, specforge_store)
     dtype = torch.bfloat16 if flavor == "speculators-legacy" else None
     loader = BatchLoader(path, flavor=flavor, max_len=max_len, hidden_states_dtype=dtype, batch_size=batch_size,
                          schedule=h5feed.ScheduleOptions(seed=3), decode=h5feed.ThreadsOptions(threads=2))
@@ -79,17 +73,17 @@ def test_threads_equal_collated_items(legacy_store, specforge_store, assert_same
     assert_same_batches(got, want, assert_same_batch)
 
 
-def test_cast_to_float32_in_the_batch(legacy_store, assert_same_batch):
+def test_cast_to_float32_in_the_batch(batch_loader_store, assert_same_batch):
     """speculators 0.4's default dtype is float32: decoded bf16 rows are cast once, into their place."""
-    got = copies(BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=40, batch_size=2))
+    got = copies(BatchLoader(batch_loader_store.path, flavor="speculators-legacy", max_len=40, batch_size=2))
     assert got[0]["hidden_states"].dtype == torch.float32
-    assert_same_batches(got, reference(legacy_store.path, "speculators-legacy", 40, 2), assert_same_batch)
+    assert_same_batches(got, reference(batch_loader_store.path, "speculators-legacy", 40, 2), assert_same_batch)
 
 
 @pytest.mark.parametrize(("flavor", "context"), [("speculators", "fork"), ("specforge-shifted", "fork"),
                                                  ("speculators-legacy", "spawn"), ("specforge", "forkserver")])
-def test_workers_equal_collated_items(legacy_store, specforge_store, assert_same_batch, flavor, context):
-    path = store_for(flavor, legacy_store, specforge_store)
+def test_workers_equal_collated_items(batch_loader_store, specforge_store, assert_same_batch, flavor, context):
+    path = store_for(flavor, batch_loader_store, specforge_store)
     loader = BatchLoader(path, flavor=flavor, max_len=40, batch_size=2, schedule=h5feed.ScheduleOptions(seed=5),
                          decode=h5feed.WorkersOptions(num_workers=2, multiprocessing_context=context))
     assert_same_batches(copies(loader), reference(path, flavor, 40, 2, seed=5), assert_same_batch)
@@ -106,15 +100,15 @@ def test_drop_last_leaves_out_the_short_batch(specforge_store, assert_same_batch
         assert_same_batches(copies(loader), want[:3], assert_same_batch)
 
 
-def test_speculators_trainer_drives_it_as_its_dataloader(legacy_store, assert_same_batch):
+def test_speculators_trainer_drives_it_as_its_dataloader(batch_loader_store, assert_same_batch):
     """What speculators 0.9's `Trainer.train_epoch` does with its train_loader, on CPU (it would `.to(local_rank)`)."""
-    train_loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=64, batch_size=3,
+    train_loader = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=64, batch_size=3,
                                schedule=h5feed.ScheduleOptions(seed=6), decode=h5feed.ThreadsOptions(threads=2))
     for epoch in range(2):
         if hasattr(train_loader.batch_sampler, "set_epoch"):
             train_loader.batch_sampler.set_epoch(epoch)
         num_steps = len(train_loader)
-        stream = HiddenStatesStream(legacy_store.path, "speculators", 64, schedule=h5feed.ScheduleOptions(seed=6))
+        stream = HiddenStatesStream(batch_loader_store.path, "speculators", 64, schedule=h5feed.ScheduleOptions(seed=6))
         stream.set_epoch(epoch)
         want = list(StreamLoader(stream, batch_size=3, collate_fn=trainer_collate("speculators", 64)))
         steps = 0
@@ -129,30 +123,30 @@ def test_speculators_trainer_drives_it_as_its_dataloader(legacy_store, assert_sa
 # =========================================================================== slots
 
 
-def test_a_kept_batch_is_never_overwritten(legacy_store, assert_same_batch):
+def test_a_kept_batch_is_never_overwritten(batch_loader_store, assert_same_batch):
     """The trainer keeps every batch: the slots run out, later batches come in fresh memory, none is overwritten."""
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1,
+    loader = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=40, batch_size=1,
                          decode=h5feed.ThreadsOptions(threads=1, prefetch=1))
     with pytest.warns(UserWarning, match="holds more batches than the 3 slots"):
         kept = list(loader)
-    assert_same_batches(kept, reference(legacy_store.path, "speculators", 40, 1), assert_same_batch)
+    assert_same_batches(kept, reference(batch_loader_store.path, "speculators", 40, 1), assert_same_batch)
 
 
-def test_workers_never_overwrite_a_kept_batch(legacy_store, assert_same_batch):
-    loader = BatchLoader(legacy_store.path, flavor="speculators-legacy", max_len=24, hidden_states_dtype=torch.bfloat16,
-                         batch_size=1, schedule=h5feed.ScheduleOptions(seed=2),
+def test_workers_never_overwrite_a_kept_batch(batch_loader_store, assert_same_batch):
+    loader = BatchLoader(batch_loader_store.path, flavor="speculators-legacy", max_len=24,
+                         hidden_states_dtype=torch.bfloat16, batch_size=1, schedule=h5feed.ScheduleOptions(seed=2),
                          decode=h5feed.WorkersOptions(num_workers=2, multiprocessing_context="fork"))
     with pytest.warns(UserWarning, match="holds more batches"):
         kept = list(loader)
-    want = reference(legacy_store.path, "speculators-legacy", 24, 1, hidden_states_dtype=torch.bfloat16, seed=2)
+    want = reference(batch_loader_store.path, "speculators-legacy", 24, 1, hidden_states_dtype=torch.bfloat16, seed=2)
     assert_same_batches(kept, want, assert_same_batch)
 
 
-def test_slots_are_recycled_only_after_release(legacy_store, assert_same_batch):
+def test_slots_are_recycled_only_after_release(batch_loader_store, assert_same_batch):
     """One slot more than a plain loop needs (prefetch 1 + 2), for the view the trainer keeps a while."""
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1,
+    loader = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=40, batch_size=1,
                          decode=h5feed.ThreadsOptions(threads=1, prefetch=1, slots_per_worker=4))
-    want = reference(legacy_store.path, "speculators", 40, 1)
+    want = reference(batch_loader_store.path, "speculators", 40, 1)
     held = None
     addresses = []
     with warnings.catch_warnings():
@@ -187,10 +181,10 @@ def test_pad_rows_of_a_reused_slot_are_zero(specforge_store, assert_same_batch):
         assert_same_batch(batch, expected)
 
 
-def test_a_pass_dropped_midway_stops_its_readers(legacy_store):
+def test_a_pass_dropped_midway_stops_its_readers(batch_loader_store):
     import threading
 
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=1,
+    loader = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=40, batch_size=1,
                          decode=h5feed.ThreadsOptions(threads=2))
     iterator = iter(loader)
     next(iterator)
@@ -203,8 +197,8 @@ def test_a_pass_dropped_midway_stops_its_readers(legacy_store):
 # =========================================================================== the store read
 
 
-def test_read_rows_into_equals_read_sample(legacy_store):
-    store = Store(legacy_store.path)
+def test_read_rows_into_equals_read_sample(batch_loader_store):
+    store = Store(batch_loader_store.path)
     for i in (0, 6, 11):
         sample = store.read_sample(i)
         t = sample.num_tokens
@@ -217,10 +211,10 @@ def test_read_rows_into_equals_read_sample(legacy_store):
             assert torch.equal(ids, sample.input_ids[start:stop])
 
 
-def test_read_rows_into_checks_the_chunks_and_the_output(legacy_store, tmp_path, flip_byte):
+def test_read_rows_into_checks_the_chunks_and_the_output(batch_loader_store, tmp_path, flip_byte):
     import shutil
 
-    shutil.copytree(legacy_store.path, tmp_path / "store")
+    shutil.copytree(batch_loader_store.path, tmp_path / "store")
     flip_byte(tmp_path / "store", 6, "last_hidden_states", chunk=0, at=10)
     store = Store(tmp_path / "store")
     with pytest.raises(StoreError, match="sample 6 .*inner chunk 0 fails its checksum"):
@@ -231,11 +225,11 @@ def test_read_rows_into_checks_the_chunks_and_the_output(legacy_store, tmp_path,
         store.read_rows_into(6, "input_ids", 0, 101, torch.empty(101, dtype=torch.int64))
 
 
-def test_a_damaged_store_fails_the_batch(legacy_store, tmp_path, flip_byte):
+def test_a_damaged_store_fails_the_batch(batch_loader_store, tmp_path, flip_byte):
     import shutil
 
     copy = tmp_path / "store"
-    shutil.copytree(legacy_store.path, copy)
+    shutil.copytree(batch_loader_store.path, copy)
     shard = flip_byte(copy, 6, "aux_hidden_states", chunk=2, at=100)
     loader = BatchLoader(copy, flavor="speculators", max_len=200, schedule=h5feed.ScheduleOptions(samples=[6]),
                          decode=h5feed.ThreadsOptions(threads=1))
@@ -243,10 +237,10 @@ def test_a_damaged_store_fails_the_batch(legacy_store, tmp_path, flip_byte):
         list(loader)
 
 
-def test_monitor_reads_the_loaders_counters(legacy_store):
+def test_monitor_reads_the_loaders_counters(batch_loader_store):
     import h5feed
 
-    loader = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=3,
+    loader = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=40, batch_size=3,
                          decode=h5feed.ThreadsOptions(threads=2))
     assert sum(1 for _ in h5feed.monitor(loader, every=60)) == len(loader) == 5
     counted = loader.dataset.counters.snapshot()
@@ -256,10 +250,10 @@ def test_monitor_reads_the_loaders_counters(legacy_store):
 # =========================================================================== arguments
 
 
-def test_arguments_are_checked(legacy_store):
+def test_arguments_are_checked(batch_loader_store):
     with pytest.raises(ValueError, match="cannot run a per-item transform"):
-        BatchLoader(HiddenStatesStream(legacy_store.path, "speculators", 20, transform=lambda item: item))
-    stream = HiddenStatesStream(legacy_store.path, "speculators", 20)
+        BatchLoader(HiddenStatesStream(batch_loader_store.path, "speculators", 20, transform=lambda item: item))
+    stream = HiddenStatesStream(batch_loader_store.path, "speculators", 20)
     with pytest.raises(ValueError, match="max_len, schedule belong to the HiddenStatesStream"):
         BatchLoader(stream, max_len=20, schedule=h5feed.ScheduleOptions(seed=1))
     loader = BatchLoader(stream, batch_size=4)
@@ -273,15 +267,16 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_cuda_batches_equal_and_slots_are_page_locked(legacy_store, assert_same_batch, num_workers):
-    want = reference(legacy_store.path, "speculators", 40, 2)
-    on_cpu = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=2, num_workers=num_workers)
+def test_cuda_batches_equal_and_slots_are_page_locked(batch_loader_store, assert_same_batch, num_workers):
+    want = reference(batch_loader_store.path, "speculators", 40, 2)
+    on_cpu = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=40, batch_size=2,
+                         num_workers=num_workers)
     for batch, expected in zip(on_cpu, want, strict=True):
         assert batch["hidden_states"].is_pinned()
         assert_same_batch({k: v.to("cuda", non_blocking=True).cpu() if isinstance(v, torch.Tensor) else v
                            for k, v in batch.items()}, expected)
-    on_gpu = BatchLoader(legacy_store.path, flavor="speculators", max_len=40, batch_size=2, num_workers=num_workers,
-                         device="cuda")
+    on_gpu = BatchLoader(batch_loader_store.path, flavor="speculators", max_len=40, batch_size=2,
+                         num_workers=num_workers, device="cuda")
     got = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in on_gpu]  # copies
     assert_same_batches(got, want, assert_same_batch)
     gc.collect()

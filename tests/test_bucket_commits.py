@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SPAWN, WRITER_CHUNK, WRITER_SHARD, bucket_objects, check_sample, make_sample, name_of
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
-from test_multi_writer import CHUNK, SHARD, SPAWN, check_sample, make_sample, name_of
 
 from h5feed import BucketOptions, StoreError, StoreSettings, WriteOptions, open_writer
 from h5feed.store import Store
@@ -25,7 +25,7 @@ FAST_BY_S = 90.0  # a client clock this far ahead of the bucket's (S3 accepts cl
 
 
 def options() -> dict[str, Any]:
-    return {"settings": StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+    return {"settings": StoreSettings(chunk_tokens=WRITER_CHUNK, shard_tokens=WRITER_SHARD),
             "writing": WriteOptions(block_shards=1, publish_every=1)}
 
 
@@ -196,7 +196,6 @@ def test_verify_opens_the_index_the_root_of_a_bucket_writers_store_names(s3, buc
 
 def test_index_versions_superseded_long_enough_are_deleted_and_the_store_reads_on(s3, bucket, tmp_path, monkeypatch):
     import h5feed.conversion.writer_sites.bucket as bucket_site
-    from test_convert_remote import bucket_objects
 
     monkeypatch.setattr(bucket_site, "OLD_INDEX_AFTER_S", 0.0)  # "long enough": at once, for the test
     url = f"s3://{bucket}/hs.zarr"

@@ -18,19 +18,23 @@ from typing import Any
 
 import pytest
 import torch
-from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
-from test_convert_remote import bucket_objects
-from test_follow import CRASHED, SAFETY_S, kill_9, restarted_once_seen_gone, writer_process
-from test_multi_writer import (
-    CHUNK,
-    SHARD,
+from conftest import (
+    CRASHED,
+    SAFETY_S,
     SPAWN,
+    WRITER_CHUNK,
+    WRITER_SHARD,
+    bucket_objects,
     check_sample,
     join_all,
+    kill_9,
     make_sample,
     name_of,
+    restarted_once_seen_gone,
     writer_options,
+    writer_process,
 )
+from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 import h5feed
 from h5feed import (
@@ -77,7 +81,7 @@ def as_one_writers_layout(objects: dict[str, bytes]) -> dict[str, bytes]:
 
 def bucket_writer(url: str, s3: S3, staging: Path, **options: Any) -> h5feed.StoreWriter:
     return open_writer(url, **options, bucket=BucketOptions(storage_options=s3.storage_options, staging_dir=staging),
-                       settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
+                       settings=StoreSettings(chunk_tokens=WRITER_CHUNK, shard_tokens=WRITER_SHARD))
 
 
 def append_into_bucket(url: str, storage_options: dict, staging: str, w: int, count: int, pause: float,
@@ -113,7 +117,7 @@ def check_bucket_store(url: str, s3: S3, counts: dict[int, int]) -> Store:
 def test_a_bucket_store_holds_the_objects_a_local_writer_writes_and_reads_back_exactly(s3, bucket, tmp_path):
     url, local = f"s3://{bucket}/hs.zarr", tmp_path / "local"
     with bucket_writer(url, s3, tmp_path / "staging", writing=WriteOptions(publish_every=3)) as remote, \
-            open_writer(local, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
+            open_writer(local, settings=StoreSettings(chunk_tokens=WRITER_CHUNK, shard_tokens=WRITER_SHARD),
                         writing=WriteOptions(publish_every=3)) as here:
         for i in range(7):
             sample = make_sample(1, i)  # 60-140 tokens: some span two or three shards

@@ -1,4 +1,4 @@
-"""The `h5feed` command (issue 2): convert on bad input and on a full disk, verify, inspect.
+"""The `h5feed` command: convert on bad input and on a full disk, verify, inspect.
 
 Every failure must exit non-zero, say what is wrong and with which file, and
 lose nothing that was already converted.
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import inner_chunk_span
+from conftest import NeedsCode, RunsShell, inner_chunk_span
 
 from h5feed import StoreSettings
 from h5feed.conversion.converter import convert
@@ -33,14 +33,6 @@ CHUNK = 16
 LENGTHS = [3, 20, 16, 40, 17]  # sample 3 spans chunks 4, 5 and 6
 LEGACY = "speculators-legacy-pt"
 ZSTD = {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
-
-
-class NeedsCode:
-    """An object that torch.load(weights_only=True) must refuse to build."""
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def rewrite(path: Path, change) -> None:
@@ -222,17 +214,7 @@ def test_the_real_command_exits_1_on_a_bad_file(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# --------------------------------------------------------------------------- trust in the sources (issue 7)
-
-
-class RunsShell:
-    """Unpickling it runs a shell command through os.system: torch words that as a blocked module's GLOBAL."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+# --------------------------------------------------------------------------- code in the sources, refused
 
 
 def test_a_pickle_that_runs_os_system_is_refused_as_needing_code(tmp_path, cli):
@@ -286,8 +268,6 @@ def test_an_entry_discovery_cannot_use_stops_a_conversion_and_is_named(tmp_path,
     assert r.status == 1
     assert f"h5feed convert: error: {src.resolve() / relpath}: {problem}\n" in r.output
     assert not dst.exists()
-
-
 
 
 @pytest.mark.parametrize("kind", UNUSABLE)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from conftest import REPO
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 import h5feed
@@ -30,7 +31,6 @@ from h5feed.store.attributes import KeptCompanion
 from h5feed.store.layout import INDEX_COLUMNS, IndexDigest, crc32c, read_info, write_info
 from h5feed.testing.synthetic import write_synthetic
 
-WORKTREE = Path(__file__).resolve().parents[1]
 H = 32
 
 
@@ -47,7 +47,7 @@ def storage_flags(s3: S3) -> list[str]:
 
 def h5feed_cli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`h5feed ARGS` in its own process, killed after `timeout` seconds (a FIFO opened would block it for ever)."""
-    env = {**os.environ, "PYTHONPATH": str(WORKTREE / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     return subprocess.run([sys.executable, "-m", "h5feed", "-q", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, check=False)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_formats import RunsEval, RunsShell  # payloads that run code when unpickled
+from conftest import RunsEval, RunsShell
 
 from h5feed import SkipPolicy, StoreSettings
 from h5feed.conversion.converter import PLAN_FILE, convert

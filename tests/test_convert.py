@@ -1,4 +1,4 @@
-"""`h5feed convert` (issue 2): exact round trips of every input format, the store's self-description,
+"""`h5feed convert`: exact round trips of every input format, the store's self-description,
 and crash safety: a conversion killed at any moment resumes to the bytes of an uninterrupted one."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bits
 
 from h5feed import StoreSettings
 from h5feed.conversion.converter import convert
@@ -36,10 +37,6 @@ STARTS = [0, 112, 224, 336, 448, 560]  # every sample starts on a shard boundary
 ZSTD = {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
 LZ4 = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20}
 LEGACY = "speculators-legacy-pt"
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def legacy_source(root: Path, lengths: list[int] | tuple[int, int] = LENGTHS, **kwargs) -> list[Path]:

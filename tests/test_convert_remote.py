@@ -1,4 +1,4 @@
-"""`h5feed convert` to and from a bucket (issue 9): a real S3 API (moto's server behind the fault proxy).
+"""`h5feed convert` to and from a bucket: a real S3 API (moto's server behind the fault proxy).
 
 Sources are read from the bucket, the store is published to it; the bucket store holds, object
 for object, what a local conversion of the same sources holds; a converter killed with SIGKILL
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, bits, bucket_objects
 from s3_server import S3, Fault, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 
 import h5feed
@@ -31,7 +32,6 @@ from h5feed.testing.synthetic import FileOptions, write_synthetic
 
 N = 8
 CHUNK = 16
-WORKTREE = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,20 +58,8 @@ def src_url(source: Path, s3: S3, bucket: str) -> str:
     return url
 
 
-def bucket_objects(s3: S3, bucket: str, prefix: str) -> dict[str, bytes]:
-    """Every object under the prefix, read straight from moto (not through the proxy), by key relative to it."""
-    keys = []
-    for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        keys += [o["Key"] for o in page.get("Contents", [])]
-    return {k[len(prefix) + 1:]: s3.client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)}
-
-
 def local_files(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def assert_same_samples(a: h5feed.Store, b: h5feed.Store) -> None:
@@ -174,11 +162,11 @@ def test_a_killed_converter_resumes_to_the_objects_of_an_uninterrupted_run(src_u
     dst = f"s3://{bucket}/killed"
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", src_url, dst, "--workers", "0", "--chunk-tokens",
                str(CHUNK), "--staging-dir", str(tmp_path / "staging"), *cli_options(s3)]
-    env = {**os.environ, "PYTHONPATH": str(WORKTREE / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     log = tmp_path / "run.log"
     s3.proxy.delay = 0.08  # every request slowed down: the run is still going when it is killed
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=WORKTREE, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
     def wait_for(what: str, ready) -> None:
@@ -209,7 +197,7 @@ def test_a_killed_converter_resumes_to_the_objects_of_an_uninterrupted_run(src_u
     killed_at = len(keys())
 
     s3.proxy.reset()
-    done = subprocess.run(command, check=False, cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"taking over the lock {LOCK_FILE} of host {socket.gethostname()}, pid {proc.pid}" in done.stderr
     assert "that process no longer runs" in done.stderr

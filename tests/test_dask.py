@@ -1,4 +1,4 @@
-"""Conversion on Dask distributed (issue 10): the per-sample work as tasks on a cluster of worker
+"""Conversion on Dask distributed: the per-sample work as tasks on a cluster of worker
 processes (a real `distributed.LocalCluster` on loopback), with the driver's plan, journal and
 finalize unchanged: the same bytes as the local pool, a killed worker's sample redone elsewhere,
 a run killed as a whole resumed."""
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 distributed = pytest.importorskip("distributed")
+from conftest import REPO
 
 from h5feed import RunOptions, StoreSettings
 from h5feed.conversion.converter import convert
@@ -27,7 +28,6 @@ from h5feed.testing.synthetic import FileOptions, write_synthetic
 H = 64
 CHUNK = 16
 LEGACY = "speculators-legacy-pt"
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

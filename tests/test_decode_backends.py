@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import inner_chunk_span
-from test_batch_layouts import CASES, IDS, reference, restated_collate, store  # noqa: F401 (store: fixture)
-from test_batching import LENGTHS as BATCHING_LENGTHS
-from test_batching import H as BATCHING_H
-from test_loader_trust import assert_a_killed_worker_is_named, stores  # noqa: F401 (stores: fixture)
-from test_trainers import assert_same
+from conftest import (
+    PIPELINE_CASE_IDS,
+    PIPELINE_CASES,
+    assert_a_killed_worker_is_named,
+    assert_same,
+    inner_chunk_span,
+    pipeline_reference,
+    restated_collate,
+)
 
 import h5feed
 from h5feed import (
@@ -81,27 +84,21 @@ def one_pass(loader: BatchLoader, backend: str, epoch: int = 0) -> list[Any]:
         return [on_host(batch, backend) for batch in loader]
 
 
-@pytest.fixture(scope="module")
-def legacy_store(synthetic_store: Any) -> Any:
-    """test_batching.py's store (the session makes it once)."""
-    return synthetic_store("ba_legacy", "speculators-legacy-pt", len(BATCHING_LENGTHS), BATCHING_H, BATCHING_LENGTHS,
-                           chunk_tokens=16, seed=7)
-
-
 # =========================================================================== the trainer's batches
 
 
 @pytest.mark.parametrize("backend", EVERY_BACKEND)
-@pytest.mark.parametrize(("name", "flavor", "max_len"), CASES, ids=IDS)
-def test_batches_equal_each_flavors_trainer_collate(store: Any, backend: str, name: str, flavor: str,
+@pytest.mark.parametrize(("name", "flavor", "max_len"), PIPELINE_CASES, ids=PIPELINE_CASE_IDS)
+def test_batches_equal_each_flavors_trainer_collate(pipeline_store: Any, backend: str, name: str, flavor: str,
                                                     max_len: int | None) -> None:
-    """Key by key and bit for bit the trainer's released collate (restated in test_trainers.py) over the flavor's
+    """Key by key and bit for bit the trainer's released collate (restated in conftest) over the flavor's
     items, for two epochs and two batch sizes; every worker's counters count the samples it was dealt."""
-    path = store(name)
+    path = pipeline_store(name)
     for batch_size in (1, 3):
         loader = loader_on(backend, path, flavor=flavor, max_len=max_len, batch_size=batch_size, seed=4)
         for epoch in (0, 1):
-            got, want = one_pass(loader, backend, epoch), reference(path, flavor, max_len, batch_size, epoch, seed=4)
+            got = one_pass(loader, backend, epoch)
+            want = pipeline_reference(path, flavor, max_len, batch_size, epoch, seed=4)
             assert len(got) == len(want) == len(loader)
             assert_same(got, want, f"batch_size {batch_size}, epoch {epoch}")
         workers = max(loader.num_workers, 1)
@@ -124,10 +121,10 @@ def assert_same_batches(got: list[Any], want: list[Any], assert_same_batch: Any)
 
 
 @pytest.mark.parametrize("backend", EVERY_BACKEND)
-def test_resume_continues_with_the_batches_not_delivered(legacy_store: Any, assert_same_batch: Any,
+def test_resume_continues_with_the_batches_not_delivered(batch_loader_store: Any, assert_same_batch: Any,
                                                          backend: str) -> None:
     def make() -> BatchLoader:
-        return loader_on(backend, legacy_store.path, flavor="speculators", max_len=30, batch_size=2, seed=4)
+        return loader_on(backend, batch_loader_store.path, flavor="speculators", max_len=30, batch_size=2, seed=4)
 
     full = copies(make(), backend)
     loader = make()
@@ -143,14 +140,14 @@ def test_resume_continues_with_the_batches_not_delivered(legacy_store: Any, asse
 
 
 @pytest.mark.parametrize("backend", EVERY_BACKEND)
-def test_two_ranks_and_epochs(legacy_store: Any, assert_same_batch: Any, backend: str) -> None:
+def test_two_ranks_and_epochs(batch_loader_store: Any, assert_same_batch: Any, backend: str) -> None:
     for rank in range(2):
-        loader = loader_on(backend, legacy_store.path, flavor="speculators", max_len=30, batch_size=2, rank=rank,
+        loader = loader_on(backend, batch_loader_store.path, flavor="speculators", max_len=30, batch_size=2, rank=rank,
                            world_size=2, seed=9)
         for epoch in range(2):
             loader.set_epoch(epoch)
             got = copies(loader, backend)
-            stream = HiddenStatesStream(legacy_store.path, "speculators", 30,
+            stream = HiddenStatesStream(batch_loader_store.path, "speculators", 30,
                                         schedule=h5feed.ScheduleOptions(seed=9, rank=rank, world_size=2))
             stream.set_epoch(epoch)
             want = list(StreamLoader(stream, batch_size=2, collate_fn=trainer_collate("speculators", 30)))
@@ -165,11 +162,11 @@ def test_two_ranks_and_epochs(legacy_store: Any, assert_same_batch: Any, backend
     ("modelopt-hf", "modelopt", 12, "aux_hidden_states"),
     ("nemo-topk", "nemo-eagle3", None, "target_probs_values"),  # an optional array, decoded beside the batch
 ])
-def test_skip_leaves_out_exactly_the_damaged_samples(store: Any, tmp_path: Path, name: str, flavor: str,
+def test_skip_leaves_out_exactly_the_damaged_samples(pipeline_store: Any, tmp_path: Path, name: str, flavor: str,
                                                      max_len: int | None, array: str, backend: str) -> None:
     """on_corrupt="skip": each batch of the schedule, collated from its sound samples (read from the sound
     store); a retried batch leaves no row of the abandoned attempt behind."""
-    sound, damaged = store(name), tmp_path / "damaged"
+    sound, damaged = pipeline_store(name), tmp_path / "damaged"
     shutil.copytree(sound, damaged)
     for sample in (1, 6):
         path, offset, length = inner_chunk_span(damaged, sample, array, 0)
@@ -189,9 +186,9 @@ def test_skip_leaves_out_exactly_the_damaged_samples(store: Any, tmp_path: Path,
 
 
 @pytest.mark.parametrize("backend", EVERY_BACKEND)
-def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_memory_back(legacy_store: Any,
+def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_memory_back(batch_loader_store: Any,
                                                                                      backend: str) -> None:
-    loader = loader_on(backend, legacy_store.path, flavor="speculators-legacy", max_len=64)
+    loader = loader_on(backend, batch_loader_store.path, flavor="speculators-legacy", max_len=64)
     delivery = loader.backend.delivery_thread
     batches = iter(loader)
     next(batches)
@@ -210,8 +207,9 @@ def test_dropping_a_pass_midway_stops_its_delivery_thread_and_gives_the_memory_b
 
 
 @pytest.mark.parametrize("backend", WITH_WORKER_PROCESSES)
-def test_a_killed_worker_is_named_with_its_pid_and_sample(stores: Any, monkeypatch: Any, backend: str) -> None:
-    _, sound = stores
+def test_a_killed_worker_is_named_with_its_pid_and_sample(damaged_and_sound: Any, monkeypatch: Any,
+                                                          backend: str) -> None:
+    _, sound = damaged_and_sound
     assert_a_killed_worker_is_named(monkeypatch, sound, "read_rows_into", lambda stream: loader_on(
         backend, stream, multiprocessing_context="fork"))
 
@@ -260,11 +258,11 @@ class _GpuStandIn(DecodeBackend):
     (None, {}, "threads", 0),  # no GPU: the step runs on the CPU
     (None, {"num_workers": 2}, "workers", 2),
 ])
-def test_auto_takes_what_leaves_the_step_fastest(legacy_store: Any, monkeypatch: Any, cores_a_gpu: float | None,
+def test_auto_takes_what_leaves_the_step_fastest(batch_loader_store: Any, monkeypatch: Any, cores_a_gpu: float | None,
                                                  kwargs: dict[str, Any], chosen: str, workers: int) -> None:
     monkeypatch.setitem(BACKENDS, "cuda", _GpuStandIn)
     monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: cores_a_gpu)
-    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30, **kwargs) as loader:
+    with BatchLoader(batch_loader_store.path, decode="auto", flavor="speculators", max_len=30, **kwargs) as loader:
         assert (loader.backend.name, loader.num_workers) == (chosen, workers)
         assert loader.auto is not None and loader.auto.backend == chosen and loader.auto.reason
 
@@ -283,11 +281,11 @@ def test_cores_a_gpu_are_the_cores_over_the_ranks_on_this_node(monkeypatch: Any)
     assert auto.cores_per_gpu() is None
 
 
-def test_auto_stays_on_the_cpu_where_the_gpu_cannot_run(legacy_store: Any, monkeypatch: Any) -> None:
+def test_auto_stays_on_the_cpu_where_the_gpu_cannot_run(batch_loader_store: Any, monkeypatch: Any) -> None:
     monkeypatch.setattr("h5feed.loading.auto.cores_per_gpu", lambda: 1.0)
     if why_unavailable() is None:
         pytest.skip("CUDA and nvCOMP are here")
-    with BatchLoader(legacy_store.path, decode="auto", flavor="speculators", max_len=30) as loader:
+    with BatchLoader(batch_loader_store.path, decode="auto", flavor="speculators", max_len=30) as loader:
         assert (loader.backend.name, loader.num_workers) == ("workers", 1)
         assert "the GPU cannot decode here (no CUDA device" in loader.auto.reason
 

@@ -26,14 +26,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import LAUNCH_TIMEOUT_S, make_stream, torchrun
+from conftest import LAUNCH_TIMEOUT_S, REPO, make_stream, torchrun
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import h5feed
 from h5feed import HiddenStatesStream, StreamLoader
 
-REPO = Path(__file__).resolve().parents[1]
 SEED = 7
 SAMPLES = 12  # divisible by 2 and 3: every rank of either world size gets the same share
 SLOW_RANK, SLOW_S = 1, 0.2  # that rank's loader sleeps this long per sample

@@ -13,17 +13,16 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 H = 32
 LENGTHS = [9, 40, 3, 25, 60, 17, 1]  # 7 samples: the last batch of each epoch is short
 
 
 def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -63,9 +62,9 @@ def test_speculators_04_noise_goes_onto_the_batch(pre_norm_store):
 
 def test_a_script_runs_as_users_run_it(pre_norm_store):
     """`python examples/speculators_04.py STORE --workers 2`: DataLoader worker processes, the script's own CLI."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     out = subprocess.run([sys.executable, "examples/speculators_04.py", str(pre_norm_store), "--max-len", "48",
-                          "--workers", "2", "--steps", "4"], check=False, cwd=ROOT, env=env, capture_output=True,
+                          "--workers", "2", "--steps", "4"], check=False, cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert [line.split()[:2] for line in out.stdout.splitlines()] == [["step", str(i)] for i in range(4)]
@@ -78,7 +77,7 @@ def test_the_readmes_quickstart_runs_as_written(tmp_path, cli, monkeypatch):
 
     from h5feed.testing.synthetic import write_synthetic
 
-    text = (ROOT / "README.md").read_text()
+    text = (REPO / "README.md").read_text()
     section = text.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
     shell, code = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.DOTALL)
     paths = {"/data/hidden_states": str(tmp_path / "src"), "/data/hs.zarr": str(tmp_path / "hs.zarr"),
@@ -145,10 +144,10 @@ def test_extraction_without_transformers_says_what_to_install(tmp_path, monkeypa
 def test_the_folder_that_holds_the_clone_imports_the_package(tmp_path):
     """A clone named h5feed, and Python started beside it: the package lives in src/, so the clone's own folder
     cannot stand in for it as an empty namespace package (which has no BatchLoader)."""
-    assert (ROOT / "src" / "h5feed" / "__init__.py").is_file() and not (ROOT / "h5feed").exists()
-    (tmp_path / "h5feed").symlink_to(ROOT, target_is_directory=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    assert (REPO / "src" / "h5feed" / "__init__.py").is_file() and not (REPO / "h5feed").exists()
+    (tmp_path / "h5feed").symlink_to(REPO, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", "import h5feed; print(h5feed.__file__, h5feed.BatchLoader.__name__)"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(ROOT / "src" / "h5feed" / "__init__.py"), "BatchLoader"]
+    assert done.stdout.split() == [str(REPO / "src" / "h5feed" / "__init__.py"), "BatchLoader"]

@@ -8,10 +8,8 @@ published when is decided by the test, not by timing.  Samples are told apart by
 from __future__ import annotations
 
 import json
-import os
 import logging
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_stream, torchrun
+from conftest import (
+    CHECKOUT_ENV,
+    CRASHED,
+    SAFETY_S,
+    kill_9,
+    make_stream,
+    restarted_once_seen_gone,
+    torchrun,
+    writer_process,
+)
 
 import h5feed
 from h5feed import (
@@ -41,8 +48,6 @@ from h5feed.testing.synthetic import write_synthetic
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # the writers run this checkout's h5feed
-SAFETY_S = 60.0  # an idle bound so that a regression ends a test instead of hanging it; no test waits for it
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +339,7 @@ def test_a_store_whose_writer_let_it_go_with_nothing_published_is_refused_saying
               "w.append(torch.load(sys.argv[2], weights_only=True))\nos._exit(0)\n")
     source = tmp_path / "one.pt"
     torch.save(samples[0], source)
-    subprocess.run([sys.executable, "-c", script, str(killed), str(source)], check=True, env=ENV)
+    subprocess.run([sys.executable, "-c", script, str(killed), str(source)], check=True, env=CHECKOUT_ENV)
     with pytest.raises(StoreError, match=r"killed: no writer holds it and it has no published sample: its writer "
                        r"\(`h5feed.open_writer`\) let it go before publishing one"):
         follower(killed)
@@ -363,68 +368,6 @@ def test_a_batch_loader_refuses_a_following_stream_saying_to_use_stream_loader(s
 
 
 # =========================================================================== 5. a writer that crashes, a store replaced
-
-
-CRASHING_WRITER = """
-import json, sys, time, torch, h5feed
-store, source, options, ready, upto, unpublished, end = sys.argv[1:]
-samples = torch.load(source, weights_only=True)
-w = h5feed.open_writer(store, writer="w0", settings=h5feed.StoreSettings(chunk_tokens=16, shard_tokens=64),
-                      writing=h5feed.WriteOptions(publish_every=1000), bucket=h5feed.BucketOptions(**json.loads(options)))
-for i in range(w.report.samples, int(upto)):  # a restarted writer resumes after what it journaled
-    w.append(samples[i], name=f"data_{i}.pt")
-    if i + 1 == int(upto) - int(unpublished):
-        w.publish()
-open(ready, "w").close()
-if end == "close":
-    w.close()
-else:
-    time.sleep(600)  # until killed
-"""
-
-
-def writer_process(store: str | Path, tmp_path: Path, samples: list[dict], upto: int, unpublished: int = 0,
-                   end: str = "hang", options: dict | None = None) -> subprocess.Popen:
-    """Writer 'w0' in a process of its own: appends samples up to `upto` (after what it journaled before), the last
-    `unpublished` of them journaled but not published, then hangs until killed (or, `end="close"`, closes).
-    `options`: its `BucketOptions` (storage_options, staging_dir), for a store in a bucket."""
-    source, ready = tmp_path / "samples.pt", tmp_path / f"ready-{time.monotonic_ns()}"
-    if not source.exists():
-        torch.save(samples, source)
-    process = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER, str(store), str(source),
-                                json.dumps(options or {}), str(ready), str(upto), str(unpublished), end], env=ENV)
-    deadline = time.monotonic() + SAFETY_S
-    while not ready.exists():
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    return process
-
-
-def kill_9(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGKILL)
-    assert process.wait(SAFETY_S) == -signal.SIGKILL  # reaped: its pid no longer runs
-
-
-def restarted_once_seen_gone(caplog, store: str | Path, tmp_path: Path, samples: list[dict],
-                             options: dict | None = None) -> threading.Thread:
-    """Writer 'w0' restarted (resuming what it journaled, appending the rest, closing) once a follower has said
-    that it went away: in a thread, started."""
-    caplog.set_level("WARNING", logger="h5feed")
-
-    def restart() -> None:
-        deadline = time.monotonic() + SAFETY_S
-        while "went away without closing" not in caplog.text:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert writer_process(store, tmp_path, samples, len(samples), end="close",
-                              options=options).wait(SAFETY_S) == 0
-
-    thread = threading.Thread(target=restart)
-    thread.start()
-    return thread
-
-
-CRASHED = r"writer 'w0' \(host [^,]+, pid \d+, started at [^)]+\) went away without closing"
 
 
 @pytest.mark.parametrize("idle_timeout", [None, 0.5])
@@ -550,7 +493,7 @@ def test_two_gloo_ranks_following_a_writer_take_the_same_number_of_steps(samples
     torch.save(samples[:11], tmp_path / "samples.pt")  # 11: the last round of 2 ranks is short
     holding = tmp_path / "holding"
     writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(dst), str(tmp_path / "samples.pt"),
-                               str(holding)], env=ENV)
+                               str(holding)], env=CHECKOUT_ENV)
     try:
         while not holding.exists():
             assert writer.poll() is None

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, NeedsCode, RunsEval, RunsShell, bits
 
 from h5feed.errors import SourceError
 from h5feed.formats import (
@@ -44,24 +45,12 @@ LENGTHS = (8, 60)
 ALL_FORMATS = ["speculators-legacy-pt", "speculators-v0-pt", "specforge-ckpt", "speculators-safetensors"]
 
 
-class NeedsCode:
-    """A class that torch.load(weights_only=True) must refuse to build."""
-
-    def __init__(self) -> None:
-        self.x = 1
-
-
 # --------------------------------------------------------------------------- helpers
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a bf16 tensor, so equality is exact (NaN-safe, -0 vs 0 distinct)."""
-    assert t.dtype == torch.bfloat16
-    return t.view(torch.int16)
-
-
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype
+    """Two bf16 tensors of one shape, equal bit for bit (NaN-safe, -0 vs 0 distinct)."""
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16
     assert torch.equal(bits(a), bits(b))
 
 
@@ -695,24 +684,7 @@ def test_gz_probe_reads_the_pickle_at_the_head_only(tmp_path):
         fmt.load(sources[1])
 
 
-# --------------------------------------------------------------------------- trust (issue 7)
-
-
-class RunsShell:
-    """Unpickling it runs a shell command through os.system (posix.system)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-class RunsEval(RunsShell):
-    """Unpickling it evaluates Python source (builtins.eval)."""
-
-    def __reduce__(self):
-        return (eval, (f"open({str(self.marker)!r}, 'w').close()",))
+# --------------------------------------------------------------------------- code in the sources, refused
 
 
 class RunsPopen(RunsShell):
@@ -1042,7 +1014,7 @@ if os.geteuid() == 0:
 def run_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run python ``code`` in a child that file permissions bind (see BECOME_NOBODY)."""
     code = code.replace("# BECOME_NOBODY", BECOME_NOBODY)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "HOME": str(cwd)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HOME": str(cwd)}
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=300, check=False)
 

@@ -6,11 +6,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO
 
 
 def _house_check():
-    spec = importlib.util.spec_from_file_location("house_check", ROOT / "tools" / "house_check.py")
+    spec = importlib.util.spec_from_file_location("house_check", REPO / "tools" / "house_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["house_check"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

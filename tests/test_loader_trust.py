@@ -1,69 +1,41 @@
 """The loaders under damage, drops and kills: BatchLoader's ring goes back with the loader, on_corrupt="skip"
-keeps every loader's batches to the schedule (order and resume exact), and a dead worker names itself.
-Each test first reproduced what the reliability probe found."""
+keeps every loader's batches to the schedule (order and resume exact), and a dead worker names itself."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_batch_loader
+from conftest import (
+    DAMAGE_FLAVOR,
+    DAMAGE_LENGTHS,
+    DAMAGE_MAX_LEN,
+    DAMAGED,
+    assert_a_killed_worker_is_named,
+    make_batch_loader,
+)
 
 import h5feed
 from h5feed import (
     BatchLoader,
     HiddenStatesDataset,
     HiddenStatesStream,
-    StoreSettings,
     StreamLoader,
-    convert,
     trainer_collate,
 )
-from h5feed.errors import WorkerDiedError
 from h5feed.gpu import why_unavailable
-from h5feed.store import Store
-from h5feed.testing.synthetic import write_synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
-H = 32
-CHUNK = 16
-LENGTHS = [20, 35, 40, 8, 33, 17, 5, 48, 26, 12, 3, 30]  # distinct: a sample is known by its length
+LENGTHS, FLAVOR, MAX_LEN = DAMAGE_LENGTHS, DAMAGE_FLAVOR, DAMAGE_MAX_LEN
 N = len(LENGTHS)
-DAMAGED = (2, 7, 8)  # one flipped byte each, in a chunk every flavor here reads
-FLAVOR, MAX_LEN = "speculators", 40
 RING = "/memfd:h5feed-batch-slots"  # how /proc names the file
-
-
-def make_store(root: Path, name: str) -> Path:
-    src = root / "src"
-    if not src.exists():
-        write_synthetic(src, "speculators-legacy-pt", N, H, lengths=LENGTHS, seed=5)
-    convert(src, root / name, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
-    return root / name
-
-
-@pytest.fixture(scope="module")
-def stores(tmp_path_factory):
-    """(damaged, sound): two conversions of the same files, samples DAMAGED flipped in the first."""
-    from conftest import inner_chunk_span
-
-    root = tmp_path_factory.mktemp("loader_trust")
-    damaged, sound = make_store(root, "damaged"), make_store(root, "sound")
-    for sample in DAMAGED:
-        path, offset, length = inner_chunk_span(damaged, sample, "aux_hidden_states", 0)
-        data = bytearray(path.read_bytes())
-        data[offset + length // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
-    return damaged, sound
 
 
 # --------------------------------------------------------------------------- the ring goes with the loader
@@ -115,8 +87,8 @@ def within(seconds: float, condition: Callable[[], bool]) -> bool:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_workers):
-    _damaged, sound = stores
+def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(damaged_and_sound, num_workers):
+    _damaged, sound = damaged_and_sound
 
     def use_one() -> None:
         loader = make_batch_loader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2, num_workers=num_workers,
@@ -139,8 +111,8 @@ def test_fifty_loaders_made_and_dropped_leave_no_memory_behind(stores, num_worke
     assert within(5, lambda: open_fds() <= fds), (open_fds(), fds)
 
 
-def test_close_and_with_give_the_ring_back_once_the_trainer_drops_its_batches(stores):
-    _, sound = stores
+def test_close_and_with_give_the_ring_back_once_the_trainer_drops_its_batches(damaged_and_sound):
+    _, sound = damaged_and_sound
     loader = BatchLoader(sound, flavor=FLAVOR, max_len=MAX_LEN, batch_size=2,
                          decode=h5feed.WorkersOptions(num_workers=1, multiprocessing_context="spawn"))
     batches = iter(loader)
@@ -199,9 +171,9 @@ needs_gpu_decode = pytest.mark.skipif(why_unavailable() is not None,
 
 @pytest.mark.parametrize("kind, workers", [("batch", 0), ("batch", 2), ("stream", 0), ("stream", 2), ("stream", 3),
                                            pytest.param("cuda", 0, marks=needs_gpu_decode)])
-def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(stores, assert_same_batch, kind,
-                                                                               workers):
-    damaged, sound = stores
+def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(damaged_and_sound, assert_same_batch,
+                                                                               kind, workers):
+    damaged, sound = damaged_and_sound
     for seed, batch_size in ((0, 1), (1, 2), (2, 3), (3, 2)):
         loader = skipping_loader(kind, damaged, seed, batch_size, workers)
         sequence = loader.dataset.rank_sequence()
@@ -230,8 +202,8 @@ def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(s
             assert_same_batch(g, w)
 
 
-def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
-    damaged, _sound = stores
+def test_skip_is_counted_and_logged_once_per_damaged_sample(damaged_and_sound, caplog):
+    damaged, _sound = damaged_and_sound
     caplog.set_level(logging.ERROR, logger="h5feed")
     loader = BatchLoader(HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip",
                                             schedule=h5feed.ScheduleOptions(shuffle=False)),
@@ -246,8 +218,8 @@ def test_skip_is_counted_and_logged_once_per_damaged_sample(stores, caplog):
     assert (snapshot.total("corrupt"), snapshot.total("samples")) == (len(DAMAGED), N - len(DAMAGED))
 
 
-def test_a_stream_read_directly_leaves_the_damaged_samples_out(stores):
-    damaged, _sound = stores
+def test_a_stream_read_directly_leaves_the_damaged_samples_out(damaged_and_sound):
+    damaged, _sound = damaged_and_sound
     stream = HiddenStatesStream(damaged, FLAVOR, MAX_LEN, on_corrupt="skip", schedule=h5feed.ScheduleOptions(seed=4),
                                 reading=h5feed.ReadOptions(threads=2))
     order = stream.rank_sequence()
@@ -255,15 +227,15 @@ def test_a_stream_read_directly_leaves_the_damaged_samples_out(stores):
                                                            if i not in DAMAGED]
 
 
-def test_without_skip_the_first_damaged_sample_ends_every_loader(stores):
-    damaged, _ = stores
+def test_without_skip_the_first_damaged_sample_ends_every_loader(damaged_and_sound):
+    damaged, _ = damaged_and_sound
     for workers in (0, 2):
         with pytest.raises(Exception, match="sample 2 \\(converted from data_2.pt\\): inner chunk 0 fails its checksum"):
             list(BatchLoader(damaged, flavor=FLAVOR, max_len=MAX_LEN, num_workers=workers, schedule=h5feed.ScheduleOptions(shuffle=False)))
 
 
-def test_the_dataset_serves_the_next_sound_sample_in_a_damaged_ones_place(stores, assert_same_batch):
-    damaged, sound = stores
+def test_the_dataset_serves_the_next_sound_sample_in_a_damaged_ones_place(damaged_and_sound, assert_same_batch):
+    damaged, sound = damaged_and_sound
     dataset = HiddenStatesDataset(damaged, FLAVOR, MAX_LEN, on_corrupt="skip")
     reference = HiddenStatesDataset(sound, FLAVOR, MAX_LEN)
     got = list(torch.utils.data.DataLoader(dataset, num_workers=2, collate_fn=list))
@@ -276,62 +248,8 @@ def test_the_dataset_serves_the_next_sound_sample_in_a_damaged_ones_place(stores
 # --------------------------------------------------------------------------- a dead worker names itself
 
 
-def hold_sample(target_length: int, read):
-    """`read`, made to wait (as on a stalled disk) on the sample with this many tokens."""
-
-    def held(store, i, *args, **kwargs):
-        if int(store.sample_lengths[i]) == target_length:
-            time.sleep(60)
-        return read(store, i, *args, **kwargs)
-
-    return held
-
-
-def kill_when_reading(counters, sample: int, killed: list[tuple[int, int]]) -> threading.Thread:
-    """A thread that SIGKILLs the worker once its counters show it reading `sample`, as the OOM killer would."""
-
-    def run() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for worker in counters.snapshot().workers:
-                if worker.current_sample == sample and worker.pid:
-                    killed.append((worker.worker, worker.pid))
-                    os.kill(worker.pid, signal.SIGKILL)
-                    return
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-def assert_a_killed_worker_is_named(monkeypatch, sound: Path, read: str,
-                                    make_loader: Callable[[HiddenStatesStream], object]) -> None:
-    """A worker SIGKILLed while it reads a sample (held in `Store.<read>`) raises a WorkerDiedError naming the worker,
-    its pid and the sample, within 20 s, for the loader `make_loader(stream)` makes."""
-    victim = 5
-    monkeypatch.setattr(Store, read, hold_sample(LENGTHS[victim], getattr(Store, read)))
-    stream = HiddenStatesStream(sound, FLAVOR, MAX_LEN, schedule=h5feed.ScheduleOptions(shuffle=False),
-                                reading=h5feed.ReadOptions(prefetch=0))
-    loader = make_loader(stream)
-    killed: list[tuple[int, int]] = []
-    killer = kill_when_reading(stream.counters, victim, killed)
-    started = time.monotonic()
-    with pytest.raises(WorkerDiedError) as error:
-        for _ in loader:
-            pass
-    killer.join()
-    [(worker, pid)] = killed
-    assert worker == victim % 2 and time.monotonic() - started < 20
-    assert (error.value.worker, error.value.pid, error.value.sample) == (worker, pid, victim)
-    assert str(error.value) == (
-        f"{sound}: DataLoader worker {worker} (pid {pid}) was killed by SIGKILL while reading sample {victim} "
-        f"(converted from data_{victim}.pt); something outside h5feed ended it (often the kernel's out-of-memory "
-        "killer: see `dmesg`); continue from the last state_dict() in a new loader")
-
-
-def test_a_killed_worker_is_named_with_its_pid_and_sample(stores, monkeypatch):
+def test_a_killed_worker_is_named_with_its_pid_and_sample(damaged_and_sound, monkeypatch):
     """StreamLoader's workers; BatchLoader's backends with worker processes: test_decode_backends.py."""
-    _, sound = stores
+    _, sound = damaged_and_sound
     assert_a_killed_worker_is_named(monkeypatch, sound, "read_sample", lambda stream: StreamLoader(
         stream, num_workers=2, collate_fn=list, multiprocessing_context="fork"))

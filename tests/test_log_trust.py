@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from torch.utils.data import DataLoader, Dataset
 
 import h5feed
 from h5feed.cli import main as cli_main
 from h5feed.observe.report import write_report
 
-REPO = Path(__file__).resolve().parents[1]
 HOSTILE = "evil\x1b]0;owned title\x07\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07\x9b31m\x9d8;;x\x9c\x07\x00name"
 CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # every C0 but the newline, DEL and C1
 

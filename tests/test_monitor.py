@@ -11,16 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, SlowDataset
 from torch.utils.data import DataLoader, get_worker_info
-
-from conftest import SlowDataset
 
 import h5feed
 from h5feed.cli import main as cli_main
 from h5feed.observe.renderer import format_line, format_workers
 from h5feed.observe.watchdog import StallEpisode, classify_stall
 
-REPO = Path(__file__).resolve().parents[1]
 STALLED_SAMPLE = 3  # with 2 workers and batch_size 1, DataLoader worker 1 reads it
 STALL_S = 2.5
 

@@ -18,7 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import (
+    SPAWN,
+    WRITER_CHUNK,
+    WRITER_H,
+    WRITER_SHARD,
+    check_sample,
+    join_all,
+    make_sample,
+    name_of,
+    writer_options,
+)
 
 import h5feed
 from h5feed import Follow, HiddenStatesStream, StoreError, StoreSettings, WriteOptions, convert, open_writer
@@ -36,29 +46,7 @@ from h5feed.store.writer_state import (
 )
 from h5feed.testing.synthetic import write_synthetic
 
-H, K, CHUNK, SHARD, BLOCK = 32, 2, 16, 64, 2
-LENGTHS = ((5, 20), (60, 140), (1, 64), (30, 200))  # writer w's samples: some span two or four shards
-PUBLISH_EVERY = (1, 3, 5, 2)
-SPAWN = multiprocessing.get_context("spawn")
-
-
-def name_of(w: int, i: int) -> str:
-    return f"w{w}-{i}"
-
-
-def make_sample(w: int, i: int) -> dict:
-    """Writer w's sample i, the same in every process."""
-    g = torch.Generator().manual_seed(1000 * w + i)
-    low, high = LENGTHS[w]
-    t = int(torch.randint(low, high + 1, (1,), generator=g))
-    return {"input_ids": torch.randint(0, 50000, (t,), generator=g),
-            "hidden_states": [torch.randn(t, H, generator=g).bfloat16() for _ in range(K + 1)],
-            "loss_mask": torch.randint(0, 2, (t,), generator=g)}
-
-
-def writer_options(w: int) -> dict:
-    return {"settings": StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD),
-            "writing": WriteOptions(block_shards=BLOCK, publish_every=PUBLISH_EVERY[w])}
+H, CHUNK, SHARD = WRITER_H, WRITER_CHUNK, WRITER_SHARD  # the writers' samples and stores, as in conftest
 
 
 def append_samples(store: str, w: int, count: int, pause: float, opened: multiprocessing.synchronize.Barrier) -> None:
@@ -85,25 +73,6 @@ def start_writers(dst: Path, counts: dict[int, int], pause: float = 0.0) -> Writ
     for process in processes.values():
         process.start()
     return processes
-
-
-def join_all(processes: dict[int, multiprocessing.Process]) -> None:
-    for w, process in processes.items():
-        process.join(300)
-        assert process.exitcode == 0, f"writer w{w} exited with {process.exitcode}"
-
-
-def check_sample(store: Store, j: int) -> str:
-    """Store sample j is exactly the sample appended under its name; returns the name."""
-    name = store.source_paths[j]
-    w, i = (int(x) for x in name.removeprefix("w").split("-"))
-    want, got = make_sample(w, i), store.read_sample(j)
-    assert torch.equal(got.input_ids, want["input_ids"]), name
-    assert torch.equal(got.loss_mask, want["loss_mask"]), name
-    assert torch.equal(got.aux_hidden_states, torch.cat(want["hidden_states"][:-1], dim=1)), name
-    assert torch.equal(got.last_hidden_state, want["hidden_states"][-1]), name
-    assert int(store.source_indices[j]) == i
-    return name
 
 
 def check_store(dst: Path, counts: dict[int, int]) -> Store:

@@ -9,14 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import make_batch_loader
 from s3_server import REGION, S3, bucket_fixture, running_s3, s3_fixture  # noqa: F401
 from torch.utils.data import DataLoader
 
+import h5feed
 from h5feed import HiddenStatesDataset, Store
 from h5feed.io import S3Store, open_url
 from h5feed.io.s3 import S3Settings
-import h5feed
-from conftest import make_batch_loader
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

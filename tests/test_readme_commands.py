@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from h5feed.store import Store
 from h5feed.testing.synthetic import write_synthetic
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLES = 8
 
 

@@ -14,16 +14,15 @@ import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 import h5feed
 from h5feed.store import plain_allocator
 from h5feed.store.fp8 import dequantize_into, dequantized, quantize, token_scales
 
-ROOT = Path(__file__).resolve().parents[1]
 H, LAYERS, SAMPLES, EVAL_SAMPLES, DRAFTER_STEPS = 32, 7, 6, 2, 6
 TINY = ["--device", "cpu", "--hidden-size", str(H), "--layers", str(LAYERS), "--train-steps", "30", "--train-len", "64",
         "--batch-size", "4", "--samples", str(SAMPLES), "--tokens", "16:64", "--drafter-steps", str(DRAFTER_STEPS),
@@ -31,7 +30,7 @@ TINY = ["--device", "cpu", "--hidden-size", str(H), "--layers", str(LAYERS), "--
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("real_activations_bench", ROOT / "bench" / "training" / "real_activations.py")
+    spec = importlib.util.spec_from_file_location("real_activations_bench", REPO / "bench" / "training" / "real_activations.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _tree, bits
+from conftest import REPO, bits, file_tree
 
 import h5feed
 from h5feed.errors import StoreError
@@ -25,7 +25,6 @@ from h5feed.store.writer_state import LOCK_FILE, PLAN_FILE
 from h5feed.testing.synthetic import write_synthetic
 
 CHUNK = 16
-REPO = Path(__file__).resolve().parents[1]
 
 
 def converted(tmp_path: Path, num: int = 6, hidden: int = 32, lengths=(20, 60)) -> tuple[Path, Path, Path]:
@@ -95,13 +94,13 @@ def test_a_source_changed_since_conversion_is_unrecoverable_and_left_alone(tmp_p
         os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
     else:
         source.unlink()
-    before = _tree(dst)
+    before = file_tree(dst)
 
     r = cli("repair", dst)
     assert r.status == 1
     assert "UNRECOVERABLE sample 2" in r.output and source.name in r.output
     assert ("is gone" if change == "gone" else "changed since it was converted") in r.output
-    assert _tree(dst) == before  # nothing written
+    assert file_tree(dst) == before  # nothing written
     report = h5feed.repair(dst, progress=False)
     assert not report.ok and report.repaired == [] and [u.sample for u in report.unrecoverable] == [2]
 
@@ -227,12 +226,12 @@ def test_drop_unrecoverable_drops_the_sample_records_why_and_convert_leaves_it(t
         assert sum(len(batch["lengths"]) for batch in loader) == 5
     assert len(h5feed.HiddenStatesDataset(dst)) == 5
 
-    before = _tree(dst)
+    before = file_tree(dst)
     r = cli("convert", src, dst, "--chunk-tokens", CHUNK)  # left skipped, neither re-added nor tripped over
     assert r.status == 0, r.output
     assert "nothing to do; 1 file(s) were skipped: once repaired, --retry-skipped converts them" in r.output
-    assert _tree(dst) == before
-    assert cli("repair", dst).status == 0 and _tree(dst) == before  # nothing to repair: the drop stays
+    assert file_tree(dst) == before
+    assert cli("repair", dst).status == 0 and file_tree(dst) == before  # nothing to repair: the drop stays
 
     r = cli("convert", src, dst, "--chunk-tokens", CHUNK, "--retry-skipped", "--skip-bad")  # asked for: tried again
     assert r.status == 0, r.output

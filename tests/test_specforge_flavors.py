@@ -12,26 +12,21 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import CAPTURE_H, CAPTURE_K, specforge_provider, write_capture
 from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 from hs_connectors.transfer import FP8Transfer
 from safetensors.torch import save_file
-from specforge.algorithms.builtin import builtin_algorithm_registry
 from specforge.runtime.data_plane.feature_store import load_feature_file
-from test_specforge_formats import H, K, write_capture
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError, trainer_collate
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
+H, K = CAPTURE_H, CAPTURE_K  # SpecForge's captures as conftest writes them
 FLAVOR = {"eagle3": "specforge", "dflash": "specforge-dflash", "domino": "specforge-dflash",
           "dspark": "specforge-dspark"}
 BATCH = 3
-
-
-def specforge_provider(algorithm: str) -> Any:
-    """The installed SpecForge's offline data provider of `algorithm` (its reader, normalizer and collator)."""
-    return builtin_algorithm_registry().resolve(algorithm).providers.offline_for("text")
 
 
 def specforge_items(store: h5feed.Store, src: Path, algorithm: str, max_len: int) -> list[dict]:

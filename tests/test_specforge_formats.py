@@ -7,13 +7,12 @@ config.json.  Every file is checked against what SpecForge's `load_feature_file`
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CAPTURE_H, CAPTURE_K, CAPTURE_LENGTHS, EAGLE3_LAYERS, dflash_dict, dspark_dict, write_capture
 from specforge.runtime.data_plane.feature_store import load_feature_file
 from specforge.runtime.data_plane.offline_reader import list_feature_files
 
@@ -21,61 +20,7 @@ import h5feed
 from h5feed.errors import SourceError
 from h5feed.formats import FORMATS, detect_format
 
-H, K = 16, 5  # five captured layers, as SpecForge's shipped DFlash configs capture
-EAGLE3_LAYERS = 3  # EAGLE-3's draft reads three (its fc is 3*H wide)
-LENGTHS = (7, 12, 9, 15, 6, 11, 8, 13, 10, 14, 5, 16)  # twelve files: data_10 sorts before data_2 as paths
-
-
-def eagle3_dict(t: int, seed: int) -> dict:
-    """What SpecForge's EAGLE-3 capture saves: three aux layers [1, T, 3*H] and the post-norm last state."""
-    g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 1000, (t,), generator=g), "loss_mask": supervised_mask(t, g),
-            "aux_hidden_state": torch.randn(1, t, EAGLE3_LAYERS * H, generator=g).to(torch.bfloat16),
-            "hidden_state": torch.randn(1, t, H, generator=g).to(torch.bfloat16)}
-
-
-def dflash_dict(t: int, seed: int) -> dict:
-    """What SpecForge's DFlash / Domino capture saves: the captured layers concatenated, no last state."""
-    g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 1000, (t,), generator=g), "loss_mask": supervised_mask(t, g),
-            "hidden_states": torch.randn(1, t, K * H, generator=g).to(torch.bfloat16)}
-
-
-def dspark_dict(t: int, seed: int) -> dict:
-    """DSpark's: DFlash's keys and the post-norm last state."""
-    d = dflash_dict(t, seed)
-    d["target_last_hidden_states"] = torch.randn(1, t, H, generator=torch.Generator().manual_seed(seed + 99)
-                                                 ).to(torch.bfloat16)
-    return d
-
-
-MAKERS = {"eagle3": eagle3_dict, "dflash": dflash_dict, "domino": dflash_dict, "dspark": dspark_dict}
-
-
-def supervised_mask(t: int, g: torch.Generator) -> torch.Tensor:
-    """A loss mask with some unsupervised tokens and at least two supervised ones in a row (DFlash needs them)."""
-    mask = (torch.rand(t, generator=g) > 0.3).to(torch.int64)
-    mask[-3:-1] = 1
-    return mask
-
-
-def write_capture(root: Path, algorithm: str, lengths=LENGTHS, compress: bool = False, config: dict | None = None
-                  ) -> list[dict]:
-    """SpecForge's layout: rows_{g}-{g+2000}/data_{i}.ckpt (here 8 files a folder, to have two folders), gzipped
-    with compress; the DFlash family's folder gets the verifier's config.json (`config`, default its hidden_size)."""
-    samples = [MAKERS[algorithm](t, seed=i) for i, t in enumerate(lengths)]
-    for i, d in enumerate(samples):
-        folder = root / f"rows_{i // 8 * 2000}-{i // 8 * 2000 + 2000}"
-        folder.mkdir(parents=True, exist_ok=True)
-        if compress:
-            buffer = io.BytesIO()
-            torch.save(d, buffer)
-            (folder / f"data_{i}.ckpt.gz").write_bytes(gzip.compress(buffer.getvalue()))
-        else:
-            torch.save(d, folder / f"data_{i}.ckpt")
-    if algorithm in ("dflash", "domino"):
-        (root / "config.json").write_text(json.dumps(config if config is not None else {"hidden_size": H}))
-    return samples
+H, K, LENGTHS = CAPTURE_H, CAPTURE_K, CAPTURE_LENGTHS  # SpecForge's captures as conftest writes them
 
 
 def convert(src: Path, dst: Path) -> h5feed.Store:

@@ -20,20 +20,19 @@ from typing import Any
 import pytest
 import specforge.launch
 import torch
+from conftest import CAPTURE_H, CAPTURE_LENGTHS, REPO, specforge_provider, write_capture
 from specforge.data.preprocessing import process_token_dict_to_mappings
 from specforge.runtime.data_plane import offline_reader
 from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
 from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 from specforge.training.vocab_mapping import count_effective_feature_tokens
-from test_specforge_flavors import specforge_provider
-from test_specforge_formats import LENGTHS, H, write_capture
 
 import h5feed
 from h5feed.errors import CorruptSampleError, H5feedError, StoreError
 from h5feed.integrations.specforge import StoreAccess, count_loss_tokens, install
 from h5feed.integrations.specforge_train import NEEDS, prepared, unmet_requirement
 
-REPO = Path(__file__).resolve().parents[1]
+H, LENGTHS = CAPTURE_H, CAPTURE_LENGTHS  # SpecForge's captures as conftest writes them
 VOCAB = 1000
 MAX_LEN = 12  # cuts most of LENGTHS (5..16)
 ALGORITHMS = ("eagle3", "dflash", "domino", "dspark")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from hs_connectors import FileTransfer, HiddenStatesBackend
 from s3_server import CREDENTIALS, REGION, S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
 from speculators.train.data import ArrowDataset
@@ -33,7 +34,6 @@ H, K = 32, 3
 NUM_SAMPLES = 10
 LENGTHS = (5, 40)
 SEQ_LEN = 96  # speculators' total_seq_len: several samples packed in one batch
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

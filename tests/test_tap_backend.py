@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from hs_connectors import FileTransfer, HiddenStatesBackend
 from speculators.train.data import ArrowDataset
 
@@ -40,7 +41,6 @@ from h5feed.testing.synthetic import write_synthetic
 H, K, N = 32, 3, 8
 LENGTHS = (5, 40)
 SEQ_LEN = 96
-REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
        "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1", "OMP_NUM_THREADS": "1"}
 # a trainer lends the store no memory, so the objects live in the stand-in's (as they can in vLLM's): otherwise the

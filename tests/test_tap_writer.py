@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, TESTS
 
 from h5feed import Store, StoreError, StoreSettings, WriteOptions, open_writer
 from h5feed.store.journal import journal_records
 from h5feed.store.writer_state import WriterFiles
 
 H, CHUNK, SHARD = 32, 16, 32
-TESTS = Path(__file__).resolve().parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}  # this checkout's h5feed
+# this checkout's h5feed, and this module and conftest for the writers that import them
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(TESTS), str(Path(__file__).resolve().parent)])}
 
 
 def sample(row: int, tokens: int = 12, salt: int = 0) -> dict:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import REPO, angelslim_collate, assert_same, bits, modelopt_collate, nemo_collate
 
 import h5feed
 from h5feed import HiddenStatesDataset, HiddenStatesStream, StreamLoader, TrainerCollate, trainer_collate
@@ -28,11 +29,11 @@ from h5feed.verify import describe_store, verify_store
 H, K, N = 16, 3, 6
 LENGTHS = [6, 30, 11, 25, 9, 17]
 CHUNK = 8
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------- the trainers, restated
-# Each function restates the released code named in its docstring, on the source files, without h5feed.
+# Each function restates the released code named in its docstring, on the source files, without h5feed (their
+# collates: conftest's modelopt_collate, angelslim_collate and nemo_collate).
 
 
 def modelopt_item(path: Path, answer_only_loss: bool = False, release: str = "0.46") -> dict[str, Any]:
@@ -58,46 +59,12 @@ def modelopt_item(path: Path, answer_only_loss: bool = False, release: str = "0.
     return item
 
 
-def modelopt_collate(features: list[dict[str, Any]], train_len: int) -> dict[str, Any]:
-    """Model-Optimizer `EagleOfflineDataCollator(train_len).__call__`."""
-
-    def pad_or_truncate(x: torch.Tensor, length: int) -> torch.Tensor:
-        out = x.new_zeros([length, *x.shape[1:]])
-        out[: min(length, x.size(0))] = x[: min(length, x.size(0))]
-        return out
-
-    batch = {k: torch.stack([pad_or_truncate(f[k], train_len) for f in features])
-             for k in ["input_ids", "attention_mask", "loss_mask", "labels"]}
-    outputs: dict[str, Any] = {k: torch.stack([pad_or_truncate(f[k], train_len) for f in features])
-                               for k in ["base_model_hidden_states", "aux_hidden_states"]}
-    if "base_hidden_prenorm" in features[0]:
-        flags = {bool(f["base_hidden_prenorm"]) for f in features}
-        assert len(flags) == 1
-        outputs["base_hidden_prenorm"] = flags.pop()
-    return {**batch, "base_model_outputs": outputs}
-
-
 def angelslim_item(path: Path) -> dict[str, Any]:
     """AngelSlim `OfflineEagle3Dataset._load_ckpt` (offline_dataset_builder.py): the file's dict plus
     `attention_mask` (it loads with torch.load's default, weights_only=True since torch 2.6)."""
     data = torch.load(path, map_location="cpu", weights_only=True)
     data["attention_mask"] = torch.ones_like(data["input_ids"])
     return data
-
-
-def angelslim_collate(features: list[dict[str, Any]]) -> dict[str, Any]:
-    """AngelSlim `DataCollatorWithPadding.__call__` with `paddingtensor2D` / `paddingtensor` (data_utils.py)."""
-    n = max(f["input_ids"].shape[1] for f in features)
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat((t, torch.zeros(t.shape[0], n - t.shape[1], *t.shape[2:], dtype=t.dtype)), dim=1)
-
-    batch: dict[str, Any] = {k: torch.cat([pad(f[k]) for f in features]) for k in ("input_ids", "attention_mask", "loss_mask")}
-    batch["hidden_states"] = batch["target_hiddens"] = None
-    for key in ("hidden_states", "target_hiddens"):
-        if all(key in f for f in features):
-            batch[key] = torch.cat([pad(f[key]) for f in features])
-    return batch
 
 
 class NemoCachedDataset:
@@ -127,12 +94,6 @@ class NemoCachedDataset:
         return sample
 
 
-def nemo_collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """NeMo Automodel `_collate_cached` (stack of CACHE_KEYS)."""
-    keys = ("input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "position_mask", "target_probs")
-    return {key: torch.stack([f[key] for f in features], dim=0) for key in keys}
-
-
 def without_pad_activations(item: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The cache's item as h5feed keeps it: the pad tokens' aux states and distributions (rows the trainer
     masks out: attention_mask 0, position_mask False) are zeros; everything else as stored."""
@@ -143,31 +104,6 @@ def without_pad_activations(item: dict[str, torch.Tensor]) -> dict[str, torch.Te
         out[key] = item[key].clone()
         out[key][t:] = 0
     return out
-
-
-# --------------------------------------------------------------------------- comparisons
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_same(got: Any, want: Any, what: str = "item") -> None:
-    """Same keys in the same order, tensors equal bit for bit with the same dtype and shape, other values equal."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), (what, list(got), list(want))
-        for key in want:
-            assert_same(got[key], want[key], f"{what}[{key!r}]")
-    elif isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), (what, len(got), len(want))
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{what}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), what
-        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), (what, got.dtype, got.shape, want.shape)
-        assert torch.equal(bits(got.contiguous()), bits(want.contiguous())), f"{what} differs"
-    else:
-        assert type(got) is type(want) and got == want, (what, got, want)
 
 
 # --------------------------------------------------------------------------- sources and stores
@@ -588,7 +524,7 @@ def test_the_cli_names_the_missing_option(tmp_path: Path) -> None:
 
     def run(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(tmp_path / "store"),
-                               "--workers", "0", *extra], cwd=ROOT / "src", capture_output=True, text=True, timeout=120,
+                               "--workers", "0", *extra], cwd=REPO / "src", capture_output=True, text=True, timeout=120,
                               check=False)
 
     r = run()

@@ -1,5 +1,4 @@
-"""Issue 7: no wrong sample is ever delivered silently, and no second writer, crash or damaged
-index can spoil a store.  Each test first reproduces what the reliability probe found."""
+"""No wrong sample is ever delivered silently, and no second writer, crash or damaged index can spoil a store."""
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import bits
+from conftest import REPO, same_item
 
 import h5feed
 from h5feed import HiddenStatesDataset, HiddenStatesStream, SkipPolicy, Store, StoreSettings, StreamLoader, convert
-from h5feed.store.journal import JOURNAL_FILE
 from h5feed.errors import CorruptSampleError, SourceError, StoreError
+from h5feed.store.journal import JOURNAL_FILE
 from h5feed.store.writer_state import LOCK_FILE
 from h5feed.testing.synthetic import write_synthetic
 from h5feed.verify import verify_store
@@ -29,7 +28,6 @@ H = 32
 CHUNK = 16
 LENGTHS = [20, 35, 40, 8, 33, 17]
 LEGACY = "speculators-legacy-pt"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def make_store(tmp_path: Path, name: str = "store", **kwargs) -> tuple[Path, Path]:
@@ -41,14 +39,7 @@ def make_store(tmp_path: Path, name: str = "store", **kwargs) -> tuple[Path, Pat
     return src, dst
 
 
-def same_item(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(bits(a[k]) if a[k].is_floating_point() else a[k], bits(b[k]) if b[k].is_floating_point() else b[k])
-        for k in a
-    )
-
-
-# --------------------------------------------------------------------------- 1. silent wrong data
+# --------------------------------------------------------------------------- silent wrong data
 
 
 @pytest.fixture
@@ -173,7 +164,7 @@ def test_a_complete_store_without_plan_and_journal_says_what_to_run(tmp_path):
         convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
 
 
-# --------------------------------------------------------------------------- 2. two writers
+# --------------------------------------------------------------------------- two writers
 
 
 def _cli(*args: object) -> list[str]:
@@ -212,7 +203,7 @@ def test_a_second_converter_is_refused_and_the_store_stays_intact(tmp_path, asse
     assert_same_tree(dst, ref)
 
 
-# --------------------------------------------------------------------------- 5. edge cases
+# --------------------------------------------------------------------------- edge cases
 
 
 def test_a_resume_that_skips_every_remaining_sample_keeps_the_converted_ones(tmp_path, interrupted_convert):
@@ -243,7 +234,7 @@ def test_a_run_that_converts_nothing_ends_with_a_clear_error(tmp_path, interrupt
                                      "data_0.pt: not a readable torch.save file (truncated or corrupt)")
 
 
-# --------------------------------------------------------------------------- 6. leftovers
+# --------------------------------------------------------------------------- leftovers
 
 
 def _sems() -> set[str]:
@@ -316,7 +307,7 @@ def test_clean_runs_leave_nothing_in_dev_shm(tmp_path):
     assert new == set()
 
 
-# --------------------------------------------------------------------------- 7. verify and zarr
+# --------------------------------------------------------------------------- verify and zarr
 
 
 @pytest.mark.parametrize("array, message", [

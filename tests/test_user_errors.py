@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import REPO
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream, StreamLoader
@@ -171,14 +172,13 @@ def test_a_script_that_converts_unguarded_is_told_to_guard_the_call(tmp_path):
     the same call under `if __name__ == "__main__":` converts."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from h5feed.testing.synthetic import write_synthetic
 
     src = tmp_path / "src"
     write_synthetic(src, "speculators-legacy-pt", 2, H, lengths=(4, 8), seed=5)
     call = f"h5feed.convert({str(src)!r}, {str(tmp_path / 'store')!r}, workers=2, progress=False)"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
 
     def run(body: str) -> subprocess.CompletedProcess[str]:
         script = tmp_path / "convert_it.py"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bits
 from safetensors.torch import save_file
 
 from h5feed import HiddenStatesDataset, SkipPolicy, StoreSettings
@@ -59,10 +60,6 @@ def write_arrow(src: Path, rows: list[dict[str, list[int]]]) -> None:
 
     datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
                                 "seq_len": [len(r["input_ids"]) for r in rows]}).save_to_disk(str(src))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def assert_sample_is_file(store: Store, i: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CHECKOUT_ENV
 
 import h5feed
 from h5feed import (
@@ -30,7 +31,6 @@ from h5feed.testing.synthetic import write_synthetic
 
 H, N, CHUNK, SHARD = 32, 12, 16, 64
 LENGTHS = (10, 90)  # some samples span two shards
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # the writers run this checkout's h5feed
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ time.sleep(60)
 def test_kill_9_loses_only_unjournaled_samples_and_the_next_writer_resumes(source, converted, tmp_path, journaled,
                                                                           caplog):
     dst, (src, files) = tmp_path / "store", source
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(src)], env=ENV)
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(src)], env=CHECKOUT_ENV)
     try:
         deadline = time.monotonic() + 120
         while len(read_journal(dst)) < journaled:
@@ -194,7 +194,7 @@ with h5feed.open_writer(sys.argv[1], settings=h5feed.StoreSettings(chunk_tokens=
 
 def start_writer(dst: Path, src: Path, pause: float, hold: float = 0.0) -> subprocess.Popen:
     writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(dst), str(src), str(pause), str(hold)],
-                              env=ENV)
+                              env=CHECKOUT_ENV)
     deadline = time.monotonic() + 120
     while True:  # the trainer starts on the first published sample
         try:

@@ -8,19 +8,19 @@ import errno
 import threading
 
 import pytest
-from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
+from conftest import WRITER_CHUNK, WRITER_SHARD, check_sample, make_sample, name_of
 
 import h5feed.conversion.lock
 import h5feed.conversion.writer
 from h5feed import StoreError, StoreSettings, WriteOptions, open_writer
-from h5feed.errors import DiskFullError
 from h5feed.conversion.lock import held_briefly
+from h5feed.errors import DiskFullError
 from h5feed.store import Store
 from h5feed.store.writer_state import PUBLISH_LOCK, ROWS_LOCK, WRITER_API, WRITERS_DIR
 
 
 def writer_of(path, **options):
-    return open_writer(path, **options, settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
+    return open_writer(path, **options, settings=StoreSettings(chunk_tokens=WRITER_CHUNK, shard_tokens=WRITER_SHARD))
 
 
 def test_a_writer_waiting_for_a_step_says_who_holds_it_and_for_how_long(tmp_path, monkeypatch, caplog):

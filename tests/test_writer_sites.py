@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import WRITER_CHUNK, WRITER_SHARD, check_sample, make_sample, name_of
 from s3_server import S3, bucket_fixture, s3_fixture  # noqa: F401 (fixtures s3, bucket)
-from test_multi_writer import CHUNK, SHARD, check_sample, make_sample, name_of
 
 from h5feed import BucketOptions, StoreError, StoreSettings, WriteOptions, open_writer
 from h5feed.conversion.samples import array_rows, grow_arrays
@@ -39,7 +39,7 @@ class Place:
     def writer(self, staging: str = "staging", **options):
         return open_writer(self.location, **options,
                            bucket=BucketOptions(storage_options=self.options, staging_dir=self.tmp_path / staging),
-                           settings=StoreSettings(chunk_tokens=CHUNK, shard_tokens=SHARD))
+                           settings=StoreSettings(chunk_tokens=WRITER_CHUNK, shard_tokens=WRITER_SHARD))
 
     def store(self) -> Store:
         return Store(self.location, storage_options=self.options)
@@ -93,7 +93,7 @@ def test_each_sites_commits_give_each_step_the_state_the_last_commit_left(place)
         def reserve() -> int:  # a rows step: the rows where the arrays end, taken by growing them
             start = array_rows(site.staging)
             time.sleep(0.01)  # the other writer's step runs meanwhile, or waits
-            grow_arrays(site.staging, start + SHARD, durable=False)
+            grow_arrays(site.staging, start + WRITER_SHARD, durable=False)
             return start
 
         with site.hold(WriterFiles(site.staging, f"w{k}")):
@@ -106,7 +106,8 @@ def test_each_sites_commits_give_each_step_the_state_the_last_commit_left(place)
     for thread in threads:
         thread.join(120)
     taken = sorted(starts)  # no rows given twice (in a bucket, rows a losing step grew may be left as holes)
-    assert len(taken) == 2 * rounds and taken[0] >= base and all(b - a >= SHARD for a, b in zip(taken, taken[1:]))
+    assert len(taken) == 2 * rounds and taken[0] >= base
+    assert all(b - a >= WRITER_SHARD for a, b in zip(taken, taken[1:]))
 
 
 def test_a_samples_shards_are_in_the_store_once_sample_written_returns(place, monkeypatch):
@@ -117,7 +118,7 @@ def test_a_samples_shards_are_in_the_store_once_sample_written_returns(place, mo
 
         def check_after(info, start, rows):
             original(info, start, rows)
-            seen.append(all(place.holds(object_key(info, name, start // SHARD)) for name in info.array_names))
+            seen.append(all(place.holds(object_key(info, name, start // WRITER_SHARD)) for name in info.array_names))
 
         monkeypatch.setattr(site, "sample_written", check_after)
         writer.append(make_sample(0, 0), name="a0")
