@@ -143,7 +143,7 @@ READER = Path(__file__).parent / "trace_reader"
 @pytest.fixture(scope="module")
 def devtools_trace_engine() -> Path:
     """Chrome DevTools' trace engine (the reader its Performance panel opens trace files with, published on npm as
-    @paulirish/trace_engine), installed at the version tests/trace_reader/package-lock.json pins.  Perfetto's
+    @paulirish/trace_engine), installed at the version tests/observe/trace_reader/package-lock.json pins.  Perfetto's
     trace processor needs a binary that its Python package (`perfetto`) downloads from outside the package
     registries, and Debian's Chromium serves no chrome://tracing viewer: this is the real reader CI can have."""
     node, npm = shutil.which("node"), shutil.which("npm")

@@ -265,7 +265,7 @@ def test_fp8_attributes_that_do_not_go_together_are_refused(pairs, tmp_path):
 def test_every_flavors_items_equal_fp8transfers(pairs, assert_same_batch, flavor):
     """HiddenStatesDataset (in this process and in DataLoader workers) and HiddenStatesStream: each item's hidden
     states are FP8Transfer's dequantization (bf16, then the trainer's own cast), everything else as exact."""
-    # SpecForge's DFlash family refuses LENGTHS' one-token sample: tests/test_specforge_flavors.py holds its FP8 items
+    # SpecForge's DFlash family refuses LENGTHS' one-token sample: tests/flavors/test_specforge_flavors.py holds its FP8 items
     assert set(FLAVOR_SOURCES) == set(FLAVORS) - {"specforge-dflash", "specforge-dspark"}
     pair = pairs(FLAVOR_SOURCES[flavor])
     want = [fp8transfer_item(pair, i, flavor) for i in range(N)]

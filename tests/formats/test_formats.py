@@ -215,12 +215,12 @@ def test_norm_and_names() -> None:
         "speculators-legacy-pt": "pre",
         "speculators-v0-pt": "post",
         "specforge-ckpt": "post",
-        "specforge-dflash-ckpt": None,  # it stores no last state (tests/test_specforge_formats.py)
+        "specforge-dflash-ckpt": None,  # it stores no last state (tests/formats/test_specforge_formats.py)
         "speculators-safetensors": "pre",
-        "modelopt-pt": None,  # the files say it, or the user does (tests/test_trainers.py)
+        "modelopt-pt": None,  # the files say it, or the user does (tests/flavors/test_modelopt_angelslim_nemo.py)
         "angelslim-ckpt": None,
         "nemo-eagle3-cache": None,  # it stores no last state
-        "vllm-safetensors": None,  # the user states it (tests/test_vllm_files.py)
+        "vllm-safetensors": None,  # the user states it (tests/formats/test_vllm_files.py)
     }
     for n, f in FORMATS.items():
         assert f.name == n

@@ -219,7 +219,7 @@ def test_a_flipped_byte_in_the_bucket_raises_naming_the_object(local, s3, bucket
 def test_transient_failures_are_retried_and_counted_for_the_monitor(local, remote, s3, caplog, assert_same_batch):
     """503s, and connections cut.  Spawned workers read with obstore, which counts every cut; a worker forked
     from this process (which used obstore in earlier tests) reads with s3fs, where aiohttp re-sends a request
-    cut in its response head once itself, uncounted (tests/test_io_failures.py)."""
+    cut in its response head once itself, uncounted (tests/io/test_io_failures.py)."""
     s3.proxy.add(Fault(status=503, code="SlowDown", path="/last_hidden_states/c/", times=3))
     s3.proxy.add(Fault(drop_after=100, path="/aux_hidden_states/c/", times=2))
     stream = HiddenStatesStream(h5feed.StoreOptions(remote, storage_options=s3.storage_options),

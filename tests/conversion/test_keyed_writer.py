@@ -103,7 +103,7 @@ def test_a_row_one_writer_appends_twice_is_stored_once_the_first(tmp_path):
 
 KILLED = """
 import os, signal, sys
-from test_tap_writer import WriteOptions, keyed, sample
+from test_keyed_writer import WriteOptions, keyed, sample
 with keyed(sys.argv[1], sys.argv[2], writing=WriteOptions(publish_every=100)) as w:
     for row in (9, 4, 6):
         w.append(sample(row), source_index=row)
@@ -158,7 +158,7 @@ def test_concurrent_keyed_writers_in_processes_store_each_row_once(tmp_path):
     """Four processes append the same 8 rows each, in another order, publishing every 2: one sample per row."""
     code = """
 import sys
-from test_tap_writer import WriteOptions, keyed, sample
+from test_keyed_writer import WriteOptions, keyed, sample
 w = int(sys.argv[2])
 with keyed(sys.argv[1], f"w{w}", writing=WriteOptions(publish_every=2)) as writer:
     for row in [(r * (2 * w + 1)) % 8 for r in range(8)]:

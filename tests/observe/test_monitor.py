@@ -135,7 +135,7 @@ def test_jsonl_log_and_watch_show_the_same_figures(tmp_path, caplog, capsys, sma
 
 def test_one_file_per_rank_and_watch_names_the_slowest_rank(tmp_path, capsys, monkeypatch):
     """Under torchrun (RANK, WORLD_SIZE set) each rank writes its own file; watch shows every rank and names
-    the one that waits longest for data.  (tests/test_distributed.py does the same with real ranks.)"""
+    the one that waits longest for data.  (tests/loading/test_distributed.py does the same with real ranks.)"""
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank, delay in ((0, 0.0), (1, 0.05)):
         monkeypatch.setenv("RANK", str(rank))
