@@ -38,6 +38,24 @@ TESTS = Path(__file__).resolve().parent  # this folder, where `conftest` and `s3
 CHECKOUT_ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}  # a child process that runs this checkout's h5feed
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip, saying why, where this machine cannot run them: `@pytest.mark.gpu` needs CUDA and
+    nvCOMP (h5feed's GPU decode), `@pytest.mark.gpu(nvcomp=False)` CUDA alone.  `pytest -m gpu` runs them on a GPU
+    box; CI deselects them (`-m "not gpu"`)."""
+    from h5feed.gpu import why_unavailable
+
+    no_decode = why_unavailable()
+    for item in items:
+        mark = item.get_closest_marker("gpu")
+        if mark is None:
+            continue
+        if mark.kwargs.get("nvcomp", True):
+            if no_decode is not None:
+                item.add_marker(pytest.mark.skip(reason=f"GPU decode unavailable: {no_decode}"))
+        elif not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 def _source_sample(fmt: str, root: Path, relpath: str, index: int) -> dict[str, Any]:
     """input_ids, loss_mask (None when absent), aux [T, K*H] and last [T, H] of one source file, as its trainer reads it."""
     path = Path(root) / relpath

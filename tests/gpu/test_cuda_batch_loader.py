@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import h5feed
 from h5feed import HiddenStatesStream, StreamLoader
 from h5feed.flavors import trainer_collate
 from h5feed.gpu import why_unavailable
-import h5feed
-
-gpu = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}")
 
 
 def test_without_cuda_the_error_names_the_cpu_loader(synthetic_store):
@@ -23,7 +21,7 @@ def test_without_cuda_the_error_names_the_cpu_loader(synthetic_store):
         CudaBatchLoader(s.path, max_len=64)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("flavor, fmt, batch_size, max_len", [
     ("speculators-legacy", "speculators-legacy-pt", 1, 64),
     ("speculators-legacy", "speculators-legacy-pt", 3, 64),

@@ -38,7 +38,6 @@ from h5feed.store.layout import chunk_codec, frame_encoder
 from h5feed.testing.synthetic import column_scales, make_sample
 
 MIB = 1 << 20
-gpu = pytest.mark.skipif(not nvcomp.available(), reason=f"GPU decode unavailable: {nvcomp.why_unavailable()}")
 
 
 def encode(a: np.ndarray, **kw) -> bytes:
@@ -386,7 +385,7 @@ def _case_frames() -> list[tuple[bytes, bytes]]:
     return [(encode(a, **kw), a.tobytes()) for a, kw, _ in CASES.values()]
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("sync_free, unshuffle", [(True, "triton"), (False, "triton"), (True, "torch")])
 def test_gpu_equals_numcodecs(sync_free, unshuffle):
     """Every CPU case plus Kimi-shaped bf16 chunks (256 x 3 x 7168), in one batch, bit for bit."""
@@ -407,7 +406,7 @@ def test_gpu_equals_numcodecs(sync_free, unshuffle):
     assert min(times) > 0 and times.total_ms >= times.decode_ms
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_rows_of_a_batch_and_buffer_reuse():
     """Decoding into rows of one bf16 batch tensor, then a larger and a smaller batch with the same buffers."""
     encode_hidden = frame_encoder(chunk_codec("zstd"), 2)
@@ -421,7 +420,7 @@ def test_gpu_rows_of_a_batch_and_buffer_reuse():
             assert torch.equal(batch[i].cpu().view(torch.uint16), chunks[i].view(torch.uint16))
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_from_pinned_memory():
     """Frames at odd offsets of one pinned buffer, with gaps between them, as a loader reads chunk files into it."""
     cases = _case_frames()
@@ -446,7 +445,7 @@ def test_gpu_from_pinned_memory():
         decoder.decode_from_pinned(torch.zeros(4, dtype=torch.uint8), [(0, 4)], outs[:1])
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_refuses_damage_before_touching_outputs():
     good = encode((np.arange(1_500_000) % 977).astype(np.uint16))
     outs = [torch.full((3_000_000,), 7, dtype=torch.uint8, device="cuda") for _ in range(2)]
@@ -456,7 +455,7 @@ def test_gpu_refuses_damage_before_touching_outputs():
     assert all(bool((out == 7).all()) for out in outs)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("unshuffle", ["triton", "torch"])
 def test_gpu_placements_into_rows_of_a_batch(unshuffle):
     """decode_placed writes row ranges of chunks straight into a CUDA batch (a shifted key, cut last chunks, an
@@ -498,7 +497,7 @@ def test_gpu_placements_into_rows_of_a_batch(unshuffle):
         assert torch.equal(cpu["i"][n, : length - 1], ids[n][1:length]) and bool((cpu["i"][n, length - 1 :] == -1).all())
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_call_returns_before_the_gpu_has_decoded():
     """The launching thread only queues work: with the decoder's stream held busy, the call returns while its
     decode is still to run, and the outputs are right once it has."""

@@ -301,7 +301,7 @@ def test_train_on_the_store_is_train_on_the_files(run, algorithm: str) -> None:
     assert (run / algorithm / "store" / "specforge-run-step3").is_dir()
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(nvcomp=False)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SpecForge's EAGLE-3 objective is a Triton kernel: CUDA")
 def test_eagle3_train_on_the_store_is_train_on_the_files(run) -> None:
     """On a GPU: FSDP as SpecForge shards by default, the vocabulary mapping made from the store."""

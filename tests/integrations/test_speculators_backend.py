@@ -298,6 +298,7 @@ def test_a_missing_package_is_named_with_what_to_install(monkeypatch):
     assert "pip install 'speculators>=0.9,<0.10'" in NEEDS and "a GPU" in NEEDS
 
 
+@pytest.mark.gpu(nvcomp=False)
 @pytest.mark.skipif(not torch.accelerator.is_available(), reason="speculators' Trainer needs an accelerator")
 def test_train_runs_a_few_steps_on_the_store(run, verifier):
     """3 steps (the first compiles the draft's forward: torch.compile on CUDA), then speculators' validation."""

@@ -262,10 +262,8 @@ def test_arguments_are_checked(batch_loader_store):
 
 # =========================================================================== CUDA (skipped without it)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-
-@cuda
+@pytest.mark.gpu(nvcomp=False)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_cuda_batches_equal_and_slots_are_page_locked(batch_loader_store, assert_same_batch, num_workers):
     want = reference(batch_loader_store.path, "speculators", 40, 2)

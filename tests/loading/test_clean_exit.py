@@ -15,9 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from h5feed.gpu import why_unavailable
 
 TRAINER = """
 import sys, torch, h5feed
@@ -38,10 +35,8 @@ if ending == "close":
 print("done", flush=True)
 """
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-GPU_DECODE = pytest.mark.skipif(why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}")
-PLACES = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=CUDA),
-          pytest.param("decode-cuda", id="decode-cuda", marks=GPU_DECODE)]
+PLACES = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu(nvcomp=False)),
+          pytest.param("decode-cuda", id="decode-cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("place", PLACES)

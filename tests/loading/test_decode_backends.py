@@ -41,9 +41,7 @@ from h5feed.store import Store
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
-on_the_gpu = [pytest.mark.gpu, pytest.mark.skipif(why_unavailable() is not None,
-                                                  reason=f"GPU decode unavailable: {why_unavailable()}")]
-EVERY_BACKEND = [pytest.param(name, marks=on_the_gpu if name == "cuda" else ()) for name in BACKENDS]
+EVERY_BACKEND = [pytest.param(name, marks=pytest.mark.gpu if name == "cuda" else ()) for name in BACKENDS]
 WITH_WORKER_PROCESSES = ["workers"]
 # each backend's own arguments here: two reader threads, two worker processes, or decode on the GPU
 OWN = {"workers": {"num_workers": 2}, "threads": {"decode": ThreadsOptions(threads=2)},

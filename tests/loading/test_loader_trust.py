@@ -29,7 +29,6 @@ from h5feed import (
     StreamLoader,
     trainer_collate,
 )
-from h5feed.gpu import why_unavailable
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -165,12 +164,8 @@ def copied(batch: dict) -> dict:
     return {key: value.clone().cpu() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
 
 
-needs_gpu_decode = pytest.mark.skipif(why_unavailable() is not None,
-                                      reason=f"GPU decode unavailable: {why_unavailable()}")
-
-
 @pytest.mark.parametrize("kind, workers", [("batch", 0), ("batch", 2), ("stream", 0), ("stream", 2), ("stream", 3),
-                                           pytest.param("cuda", 0, marks=needs_gpu_decode)])
+                                           pytest.param("cuda", 0, marks=pytest.mark.gpu)])
 def test_skip_delivers_the_schedule_less_the_damaged_samples_with_exact_resume(damaged_and_sound, assert_same_batch,
                                                                                kind, workers):
     damaged, sound = damaged_and_sound

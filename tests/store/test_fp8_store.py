@@ -25,7 +25,6 @@ import h5feed
 from h5feed import BatchLoader, HiddenStatesDataset, StoreError, StoreSettings
 from h5feed.errors import CorruptSampleError
 from h5feed.flavors import FLAVORS, get_flavor
-from h5feed.gpu import why_unavailable
 from h5feed.loading.backends.fp8_crossing import DeviceDequantization
 from h5feed.loading.datasets import HiddenStatesStream
 from h5feed.store import HIDDEN_ARRAYS, Store, plain_allocator
@@ -287,8 +286,7 @@ def test_a_window_of_max_len_dequantizes_only_its_rows(pairs, assert_same_batch)
         assert_same_batch(dataset[i], fp8transfer_item(pair, i, "speculators", max_len=10))
 
 
-@pytest.mark.parametrize("decode", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    why_unavailable() is not None, reason=f"GPU decode unavailable: {why_unavailable()}"))])
+@pytest.mark.parametrize("decode", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(("flavor", "num_workers", "max_len"), [
     ("speculators", 0, 24), ("speculators-legacy", 2, 24), ("specforge", 0, 20), ("specforge-shifted", 2, 64),
     ("modelopt", 0, 32), ("modelopt-answer-only", 2, 32), ("angelslim", 2, None), ("nemo-eagle3", 0, None),
@@ -313,11 +311,7 @@ def test_batch_loader_batches_equal_fp8transfers(pairs, assert_same_batch, decod
         assert_same_batch(g, w)
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@requires_cuda
+@pytest.mark.gpu(nvcomp=False)
 @pytest.mark.parametrize(("flavor", "num_workers", "max_len"), [
     ("speculators-legacy", 2, 24), ("specforge-shifted", 0, 24), ("modelopt", 2, 24), ("nemo-eagle3", 0, None)])
 def test_cpu_backends_send_fp8_to_the_gpu_and_dequantize_there(pairs, assert_same_batch, flavor, num_workers,
