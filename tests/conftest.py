@@ -499,6 +499,51 @@ def restated_collate(flavor: str, max_len: int | None) -> Callable[[list[dict[st
     return angelslim_collate if flavor == "angelslim" else nemo_collate
 
 
+def speculators_shift_batch(batch: dict[str, torch.Tensor], clamp: bool = False) -> dict[str, torch.Tensor]:
+    """speculators' `shift_batch` (0.4 `train/data.py`, 0.9 `models/eagle3/data.py`): the tokens one ahead of the
+    states; 0.9 clamps `lengths` at 0, 0.4/0.5 do not."""
+    lengths = batch["lengths"] - 1
+    return {
+        "input_ids": batch["input_ids"][1:],
+        "hidden_states": batch["hidden_states"][:-1],
+        "verifier_last_hidden_states": batch["verifier_last_hidden_states"][1:],
+        "loss_mask": batch["loss_mask"][1:],
+        "lengths": torch.clamp(lengths, min=0) if clamp else lengths,
+        "position_ids": batch["position_ids"][1:],
+    }
+
+
+def speculators_04_collate(max_len: int, preprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+                           ) -> Callable[[list[dict[str, Any] | None]], dict[str, Any]]:
+    """speculators 0.4 `create_collate_fn(max_len)`: cat, slice and zero-pad to max_len, cut `lengths`; with
+    `preprocess` the 0.5 one (None items dropped first)."""
+
+    def slice_and_pad_to_length(tensor: torch.Tensor) -> torch.Tensor:
+        sliced = tensor[:max_len]
+        return torch.nn.functional.pad(sliced, [0, 0] * (sliced.dim() - 1) + [0, max_len - sliced.shape[0]])
+
+    def collate_fn(batch: list[dict[str, Any] | None]) -> dict[str, Any]:
+        items = [b for b in batch if b is not None]
+        if preprocess is not None:
+            items = [preprocess(b) for b in items]
+        collated = {}
+        for key in items[0]:
+            collated[key] = torch.cat([b[key] for b in items], dim=0)
+            if key != "lengths":
+                collated[key] = slice_and_pad_to_length(collated[key]).unsqueeze(0)
+        new_lengths, cum_length = [], 0
+        for length in collated["lengths"]:
+            if length + cum_length >= max_len:
+                new_lengths.append(max_len - cum_length)
+                break
+            new_lengths.append(length)
+            cum_length += length
+        collated["lengths"] = torch.tensor(new_lengths, dtype=torch.long)
+        return collated
+
+    return collate_fn
+
+
 # --- stores of Model-Optimizer's, AngelSlim's and NeMo Automodel's files, and their trainers' batches ---------
 
 PIPELINE_H, PIPELINE_K, PIPELINE_CHUNK = 32, 3, 8

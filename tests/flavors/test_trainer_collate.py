@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import speculators_04_collate, speculators_shift_batch
 
 from h5feed import trainer_collate
 from h5feed.loading.datasets import HiddenStatesDataset
@@ -34,51 +34,11 @@ def specforge_store(synthetic_store):
 # --------------------------------------------------------------------------- the released collates, restated
 
 
-def speculators_04_collate(max_len):
-    """speculators 0.4 `create_collate_fn(max_len)`: cat, slice and zero-pad to max_len, cut `lengths`."""
-
-    def slice_and_pad_to_length(tensor, length):
-        sliced = tensor[:length]
-        padding = [0, 0] * sliced.dim()
-        padding[-1] = length - sliced.shape[0]
-        return F.pad(sliced, padding)
-
-    def collate_fn(batch):
-        collated = {}
-        for key in batch[0]:
-            collated[key] = torch.cat([b[key] for b in batch], dim=0)
-            if key != "lengths":
-                collated[key] = slice_and_pad_to_length(collated[key], max_len).unsqueeze(0)
-        new_lengths, cum_length = [], 0
-        for length in collated["lengths"]:
-            if length + cum_length >= max_len:
-                new_lengths.append(max_len - cum_length)
-                break
-            new_lengths.append(length)
-            cum_length += length
-        collated["lengths"] = torch.tensor(new_lengths, dtype=torch.long)
-        return collated
-
-    return collate_fn
-
-
-def eagle3_shift_batch(batch):
-    """speculators 0.9 `models/eagle3/data.py::shift_batch`."""
-    return {
-        "input_ids": batch["input_ids"][1:],
-        "hidden_states": batch["hidden_states"][:-1],
-        "verifier_last_hidden_states": batch["verifier_last_hidden_states"][1:],
-        "loss_mask": batch["loss_mask"][1:],
-        "lengths": torch.clamp(batch["lengths"] - 1, min=0),
-        "position_ids": batch["position_ids"][1:],
-    }
-
-
 def speculators_09_collate(max_len, dtype=torch.bfloat16):
     """speculators 0.9 `CollateFn(max_len, hidden_size, dtype=dtype, preprocess=shift_batch)` on items that all load."""
 
     def collate_fn(batch):
-        batch = [eagle3_shift_batch(item) for item in batch]
+        batch = [speculators_shift_batch(item, clamp=True) for item in batch]
         collated = {}
         for key in batch[0]:
             if key == "lengths":

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import speculators_04_collate, speculators_shift_batch
 
 from h5feed import Store, StoreError
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, split_samples
@@ -82,18 +83,6 @@ def standardize_data_v1(data):
     }
 
 
-def shift_batch(batch, clamp=False):
-    lengths = batch["lengths"] - 1
-    return {
-        "input_ids": batch["input_ids"][1:],
-        "hidden_states": batch["hidden_states"][:-1],
-        "verifier_last_hidden_states": batch["verifier_last_hidden_states"][1:],
-        "loss_mask": batch["loss_mask"][1:],
-        "lengths": torch.clamp(lengths, min=0) if clamp else lengths,  # 0.9 clamps, 0.4/0.5 do not
-        "position_ids": batch["position_ids"][1:],
-    }
-
-
 def base_dataset_getitem(data, hidden_states_dtype, transform):
     """speculators 0.5 `BaseDataset.__getitem__` after `_get_raw_data` (0.9 = no cast, no transform)."""
     data = {k: v.to(hidden_states_dtype) if "hidden_states" in k else v for k, v in data.items()}
@@ -112,43 +101,12 @@ def eagle3_sample_file_getitem(path, hidden_states_dtype=torch.float, transform=
         data = {"input_ids": data["input_ids"][:max_tokens], "loss_mask": data["loss_mask"][:max_tokens],
                 "hidden_states": [h[:max_tokens] for h in data["hidden_states"]]}
     data = standardize_data_v1(data)
-    return shift_batch(base_dataset_getitem(data, hidden_states_dtype, transform))
-
-
-def slice_and_pad_to_length(tensor, max_len):
-    sliced = tensor[:max_len]
-    return F.pad(sliced, [0, 0] * (sliced.dim() - 1) + [0, max_len - sliced.shape[0]])
-
-
-def create_collate_fn(max_len, preprocess=None):
-    """speculators 0.4 `create_collate_fn(max_len)`; with `preprocess` the 0.5 one (None items dropped first)."""
-
-    def collate_fn(batch):
-        batch = [b for b in batch if b is not None]
-        if preprocess is not None:
-            batch = [preprocess(b) for b in batch]
-        collated = {}
-        for key in batch[0]:
-            collated[key] = torch.cat([b[key] for b in batch], dim=0)
-            if key != "lengths":
-                collated[key] = slice_and_pad_to_length(collated[key], max_len).unsqueeze(0)
-        lengths = collated["lengths"]
-        new_lengths, cum_length = [], 0
-        for length in lengths:
-            if length + cum_length >= max_len:
-                new_lengths.append(max_len - cum_length)
-                break
-            new_lengths.append(length)
-            cum_length += length
-        collated["lengths"] = torch.tensor(new_lengths, dtype=torch.long)
-        return collated
-
-    return collate_fn
+    return speculators_shift_batch(base_dataset_getitem(data, hidden_states_dtype, transform))
 
 
 def collate_fn_09(batch, max_len, dtype=torch.bfloat16):
     """speculators 0.9 `CollateFn(max_len, hidden_size, dtype=bf16, preprocess=shift_batch)`."""
-    batch = [shift_batch(b, clamp=True) for b in batch]
+    batch = [speculators_shift_batch(b, clamp=True) for b in batch]
     out = {}
     for key in batch[0]:
         if key == "lengths":
@@ -348,7 +306,7 @@ def test_one_token_samples(legacy, specforge):
     # a batch of only 1-token samples still collates the way speculators 0.4 does
     ds = HiddenStatesDataset(legacy.path, "speculators-legacy", max_len=8)
     ones = [ds[i] for i, t in enumerate(LEGACY_LENGTHS) if t == 1]
-    batch = create_collate_fn(8)(ones)
+    batch = speculators_04_collate(8)(ones)
     assert batch["lengths"].tolist() == [0, 0] and batch["hidden_states"].shape == (1, 8, K * H)
 
 
@@ -376,7 +334,7 @@ def test_speculators_legacy_max_len_gives_the_same_batches(legacy, max_len, tran
         # the item is the trainer's item of the sample cut to max_len + 1 tokens
         assert_same_item(item, eagle3_sample_file_getitem(legacy.files[i], torch.bfloat16, TRANSFORMS[transform],
                                                           max_tokens=max_len + 1))
-    collate = create_collate_fn(max_len)
+    collate = speculators_04_collate(max_len)
     for group in _groups(n):
         got = collate([cut_items[i] for i in group])
         want = collate([full_items[i] for i in group])
@@ -396,7 +354,8 @@ def test_speculators_max_len_gives_the_same_batches(safetensors_src, max_len):
         assert item["lengths"].tolist() == [min(t, max_len + 1)]
         want = base_dataset_getitem(arrow_dataset_raw(safetensors_src.src, i, max_len + 1), torch.bfloat16, None)
         assert_same_item(item, want)
-    collates = [create_collate_fn(max_len, preprocess=shift_batch), lambda b: collate_fn_09(b, max_len)]
+    collates = [speculators_04_collate(max_len, preprocess=speculators_shift_batch),
+                lambda b: collate_fn_09(b, max_len)]
     groups = [[i] for i in range(n)] + [list(range(n)), list(range(n))[::-1], [3, 2], [1, 3, 6]]
     for collate in collates:
         for group in groups:
