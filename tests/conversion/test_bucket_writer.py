@@ -131,6 +131,7 @@ def test_a_bucket_store_holds_the_objects_a_local_writer_writes_and_reads_back_e
     assert len(read_journal(staging)) == 7  # the journal stays in the staging folder
 
 
+@pytest.mark.slow
 def test_writers_appending_into_a_bucket_together_publish_each_sample_once_and_readers_see_whole_ones(
         s3, bucket, tmp_path):
     url, counts = f"s3://{bucket}/hs.zarr", {0: 10, 1: 6, 2: 8}
@@ -175,6 +176,7 @@ def open_url_of(url: str, s3: S3) -> Any:
     return open_url(url, s3.storage_options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_kill_9_of_a_bucket_writer_loses_only_unjournaled_samples_and_its_staging_folder_resumes_them(
         s3, bucket, tmp_path, seed, caplog):

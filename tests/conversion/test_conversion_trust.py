@@ -78,6 +78,7 @@ def _semaphore_inodes() -> set[int]:
 KILL_AFTER_S = (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
+@pytest.mark.slow
 def test_a_sigkill_while_workers_start_leaves_no_process_and_no_semaphore(tmp_path: Path, assert_same_tree) -> None:
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, "speculators-legacy-pt", 24, H, lengths=(20, 60), seed=6)

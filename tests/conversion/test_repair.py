@@ -142,6 +142,7 @@ def test_help_shows_an_example(cli):
     assert "h5feed repair /data/hs.zarr" in EXAMPLES["repair"]
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_repair_then_a_second_repair_finishes_it(tmp_path, assert_same_tree):
     """A repair killed at a random moment leaves each shard as it was or repaired: the next one finishes the job."""
     src, damaged, ref = converted(tmp_path, num=40, hidden=256, lengths=(100, 200))
@@ -258,6 +259,7 @@ def test_the_python_api_drops_as_the_cli_does_and_reports_it(tmp_path, flip_byte
     assert_samples_are(dst, ref, [0, 1, 2, 3, 4])
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_drop_then_a_second_run_finishes_it(tmp_path, assert_same_tree):
     """kill -9 at random moments of `repair --drop-unrecoverable`, and once just as it publishes the index without
     the dropped samples: the next run leaves the store as an uninterrupted one does, every sound sample kept."""

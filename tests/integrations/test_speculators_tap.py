@@ -202,6 +202,7 @@ def test_the_backend_is_registered_as_hs_connectors_expects():
     ))["kv_connector"] == "MooncakeHiddenStatesConnector"
 
 
+@pytest.mark.slow
 def test_the_trainer_receives_the_mooncake_backends_samples_and_the_store_keeps_them(data, master, stand_in, tmp_path,
                                                                                    assert_same_batch):
     """Epoch 1 through the tap is the mooncake backend's epoch bit for bit; epoch 2 reads the store, asking the
@@ -226,6 +227,7 @@ def test_the_trainer_receives_the_mooncake_backends_samples_and_the_store_keeps_
         assert raw.has_loss_mask and torch.equal(raw.loss_mask, on_files[i]["loss_mask"].to(torch.int64))
 
 
+@pytest.mark.slow
 def test_epoch_2_and_a_later_run_read_the_store_with_the_master_stopped(data, tmp_path, assert_same_batch):
     """The master (and the verifier) go away after epoch 1: epoch 2 of the same run reads the store, as does a later
     run, and the h5feed backend (another drafter)."""
@@ -296,6 +298,7 @@ def test_speculators_loaders_with_spawned_workers_tap_once_and_read_the_store_in
 # --------------------------------------------------------------------------- crash safety
 
 
+@pytest.mark.slow
 def test_a_kill_9_loses_only_unjournaled_samples_and_a_rerun_continues(data, master, stand_in, tmp_path,
                                                                       assert_same_batch):
     store = tmp_path / "hs.zarr"

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 import h5feed
 from h5feed import HiddenStatesStream, StreamLoader
 
+pytestmark = pytest.mark.slow  # the launches' ranks take ~25 s together, the bench's ~20 s
 SEED = 7
 SAMPLES = 12  # divisible by 2 and 3: every rank of either world size gets the same share
 SLOW_RANK, SLOW_S = 1, 0.2  # that rank's loader sleeps this long per sample
