@@ -43,6 +43,7 @@ CPU instead::
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -146,9 +147,13 @@ class _CachedDeviceBuffer:
     def __init__(self, nbytes: int, stream: object) -> None:
         self.ptr = torch.cuda.caching_allocator_alloc(max(nbytes, 1), device=stream.device,  # type: ignore[attr-defined]
                                                       stream=stream.ptr)  # type: ignore[attr-defined]
+        # held by the buffer: at the interpreter's exit this module's globals (torch, sys) may already be gone
+        self._release = torch.cuda.caching_allocator_delete
+        self._exiting = sys.is_finalizing
 
     def __del__(self) -> None:
-        torch.cuda.caching_allocator_delete(self.ptr)
+        if not self._exiting():  # at exit the process's device memory goes with it; torch may be half torn down
+            self._release(self.ptr)
 
 
 _allocator_lock = threading.Lock()
