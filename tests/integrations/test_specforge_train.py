@@ -56,9 +56,11 @@ def run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("specforge_run")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=6, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1,
-                                 eos_token_id=2)).to(torch.bfloat16).save_pretrained(root / "verifier")
+    verifier = LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=6,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                            max_position_embeddings=512, bos_token_id=1, eos_token_id=2))
+    # sharded, as real verifiers are: SpecForge's EAGLE-3 reads the verifier's lm_head through the shards' index
+    verifier.to(torch.bfloat16).save_pretrained(root / "verifier", max_shard_size="100KB")
     for algorithm in ALGORITHMS:
         write_capture(root / algorithm / "hs", algorithm)
         h5feed.convert(root / algorithm / "hs", root / algorithm / "hs.zarr", workers=0, progress=False,
