@@ -515,31 +515,15 @@ def speculators_shift_batch(batch: dict[str, torch.Tensor], clamp: bool = False)
 
 def speculators_04_collate(max_len: int, preprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None
                            ) -> Callable[[list[dict[str, Any] | None]], dict[str, Any]]:
-    """speculators 0.4 `create_collate_fn(max_len)`: cat, slice and zero-pad to max_len, cut `lengths`; with
-    `preprocess` the 0.5 one (None items dropped first)."""
+    """speculators 0.4 `create_collate_fn(max_len)`, as `h5feed bench`'s baseline restates it (speculators 0.4
+    cannot be installed beside 0.9); with `preprocess` the 0.5 one (None items dropped first)."""
+    from h5feed.testing.baseline import create_collate_fn
 
-    def slice_and_pad_to_length(tensor: torch.Tensor) -> torch.Tensor:
-        sliced = tensor[:max_len]
-        return torch.nn.functional.pad(sliced, [0, 0] * (sliced.dim() - 1) + [0, max_len - sliced.shape[0]])
+    collate = create_collate_fn(max_len)
 
     def collate_fn(batch: list[dict[str, Any] | None]) -> dict[str, Any]:
         items = [b for b in batch if b is not None]
-        if preprocess is not None:
-            items = [preprocess(b) for b in items]
-        collated = {}
-        for key in items[0]:
-            collated[key] = torch.cat([b[key] for b in items], dim=0)
-            if key != "lengths":
-                collated[key] = slice_and_pad_to_length(collated[key]).unsqueeze(0)
-        new_lengths, cum_length = [], 0
-        for length in collated["lengths"]:
-            if length + cum_length >= max_len:
-                new_lengths.append(max_len - cum_length)
-                break
-            new_lengths.append(length)
-            cum_length += length
-        collated["lengths"] = torch.tensor(new_lengths, dtype=torch.long)
-        return collated
+        return collate([preprocess(b) for b in items] if preprocess is not None else items)
 
     return collate_fn
 
