@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import random
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from conftest import speculators_04_collate, speculators_shift_batch
 
 from h5feed import Store, StoreError
 from h5feed.loading.datasets import HiddenStatesDataset, HiddenStatesStream, split_samples
+from h5feed.testing.baseline import list_files
 from h5feed.testing.synthetic import FileOptions
 
 H = 32
@@ -134,16 +134,6 @@ def collate_fn_09(batch, max_len, dtype=torch.bfloat16):
     out["document_ids"] = F.pad(docs, [0, max_len - len(docs)], value=-1).unsqueeze(0)
     out["error_records"] = 0
     return out
-
-
-def list_files(path):
-    datapath = []
-    for root, _dirs, files in os.walk(path):
-        for file in files:
-            if not file.endswith("pt"):
-                continue
-            datapath.append(Path(root) / file)
-    return datapath
 
 
 def split_files(datapath, ratio=0.9, seed=0):
