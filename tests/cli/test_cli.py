@@ -30,6 +30,7 @@ from h5feed.verify import describe_store, verify_store
 H = 32
 K = 3
 CHUNK = 16
+CHUNKED = StoreSettings(chunk_tokens=CHUNK)  # the store settings of most conversions here
 LENGTHS = [3, 20, 16, 40, 17]  # sample 3 spans chunks 4, 5 and 6
 LEGACY = "speculators-legacy-pt"
 ZSTD = {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
@@ -107,8 +108,8 @@ def test_bad_file_met_while_resuming_keeps_what_was_converted(
 ):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     files = make_source(src, kind)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
-    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
+    assert sorted(interrupted_convert(src, dst, after=2, settings=CHUNKED)) == [0, 1]
     good = files[3].read_bytes()
     damage, problem = BAD[kind]
     damage(files[3])  # changed after it was probed and planned
@@ -167,7 +168,7 @@ def test_skip_bad_on_resume_records_a_file_that_went_bad(
 ):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)
-    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
+    interrupted_convert(src, dst, after=2, settings=CHUNKED)
     BAD["hidden-size"][0](files[3])
 
     r = cli(*convert_args(src, dst, "--skip-bad"))
@@ -301,7 +302,7 @@ def test_skip_bad_with_nothing_readable_and_no_format_given(tmp_path, cli):
 def test_rerun_is_a_no_op_and_another_codec_is_refused(tmp_path, cli, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
+    interrupted_convert(src, dst, after=2, settings=CHUNKED)
     r = cli(*convert_args(src, dst, "--codec", "lz4"))
     assert r.status == 1
     assert (f"h5feed convert: error: {dst}: was started with codec zstd, not codec lz4: "
@@ -483,7 +484,7 @@ def test_inspect_prints_what_the_store_holds(tmp_path, cli):
 def test_inspect_and_verify_refuse_what_is_not_a_finished_store(tmp_path, cli, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     make_source(src)
-    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
+    interrupted_convert(src, dst, after=2, settings=CHUNKED)
     for command in ("inspect", "verify"):
         r = cli(command, dst)
         assert r.status == 1
@@ -536,7 +537,7 @@ def test_a_file_skipped_while_converting_is_retried_once_repaired(tmp_path, cli,
     reported as skipped."""
     src, dst = tmp_path / "src", tmp_path / "store"
     files = make_source(src)
-    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
+    assert sorted(interrupted_convert(src, dst, after=2, settings=CHUNKED)) == [0, 1]
     good = files[3].read_bytes()
     BAD["truncated-pt"][0](files[3])
     resumed = cli(*convert_args(src, dst, "--skip-bad"))

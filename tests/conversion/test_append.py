@@ -32,6 +32,7 @@ from h5feed.verify import verify_store
 
 H = 32
 CHUNK = 16
+CHUNKED = StoreSettings(chunk_tokens=CHUNK)  # the store settings of most conversions here
 LEGACY = "speculators-legacy-pt"
 # rows_0-4 (the first conversion, longest 40: shards of 48 rows), then rows_4-8, whose 100- and
 # 64-token samples are longer than a shard and span 3 and 2
@@ -61,13 +62,13 @@ def arrive(staged: Path, src: Path, folder: str) -> None:
 def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     before = Store(dst)
     assert before.sample_starts.tolist() == [0, 48, 96, 144] and before.info.shard_tokens == 48
     shards_before = {k: v for k, v in tree(dst).items() if "/c/" in k and not k.startswith("index/")}
 
     arrive(staged, src, SECOND)
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed) == (8, sum(LENGTHS), 4, 4)
     store = Store(dst)
@@ -95,7 +96,7 @@ def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_p
     assert plan["append_from"] == 4
 
     # nothing new: a no-op that touches no file
-    again = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    again = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert (again.num_samples, again.converted_now, again.resumed) == (8, 0, 8)
     assert tree(dst) == after
 
@@ -103,13 +104,13 @@ def test_new_files_are_appended_after_the_old_samples_which_stay_untouched(tmp_p
 def test_readers_open_across_an_append_keep_their_samples_and_new_readers_see_all(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     old = HiddenStatesDataset(dst)
     old_items = [old[i] for i in range(4)]
     pickled = pickle.dumps(old.store)  # what a DataLoader worker started later receives
 
     arrive(staged, src, SECOND)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
 
     assert len(old) == 4 and all(same_item(old[i], old_items[i]) for i in range(4))
     assert len(pickle.loads(pickled)) == 4  # re-opened after the append: the same snapshot
@@ -130,10 +131,10 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     arrive(staged, src, FIRST)
     for store in (dst, ref):
-        convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, store, workers=0, progress=False, settings=CHUNKED)
     old_items = [HiddenStatesDataset(dst)[i] for i in range(4)]
     arrive(staged, src, SECOND)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # an uninterrupted append
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)  # an uninterrupted append
     module = sys.modules["h5feed.conversion.converter"]
     if where == "planned":  # the plan holds the new samples; the arrays are not resized yet
         monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)
@@ -160,7 +161,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
     else:  # index and journal written: the status and sample count not flipped yet
         monkeypatch.setattr(sys.modules["h5feed.conversion.samples"], "write_info", _raise_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     monkeypatch.undo()
 
     reader = HiddenStatesDataset(dst)  # opened in the middle of the append: the samples before it
@@ -171,7 +172,7 @@ def test_an_append_killed_at_any_step_is_invisible_to_readers_and_a_rerun_comple
 
         assert zarr.open_group(dst, mode="r")["index"]["sample_start"].shape == (8,)  # longer than published
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # the same command again
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)  # the same command again
     assert report.num_samples == 8
     assert_same_tree(dst, ref)
 
@@ -182,10 +183,10 @@ def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_
                     files=FileOptions(layout="rows", rows_per_folder=8))
     shutil.copytree(staging / "rows_0-8", src / "rows_0-8")
     for store in (dst, ref):
-        convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, store, workers=0, progress=False, settings=CHUNKED)
     for folder in ("rows_8-16", "rows_16-24"):
         shutil.copytree(staging / folder, src / folder)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # uninterrupted
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)  # uninterrupted
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(dst), "--workers", "0",
                "--chunk-tokens", str(CHUNK)]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -211,7 +212,7 @@ def test_an_append_killed_by_sigkill_then_rerun_equals_an_uninterrupted_one(tmp_
 def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     old_items = [HiddenStatesDataset(dst)[i] for i in range(4)]
     arrive(staged, src, SECOND)
     changed = src / FIRST / "data_1.pt"
@@ -219,7 +220,7 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
     before = tree(dst)
 
     with pytest.raises(SourceError) as err:
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     problem = err.value.problem
     assert err.value.path == str(changed)
     assert problem.startswith(f"changed since it was converted (size {(staged / FIRST / 'data_1.pt').stat().st_size} "
@@ -228,7 +229,7 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
                             "as skipped and keep the samples converted before")
     assert tree(dst) == before  # nothing appended, nothing rewritten
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED,
                      skips=SkipPolicy(skip_bad=True))
     assert (report.num_samples, report.converted_now) == (8, 4)
     assert [s.path for s in report.skipped] == [f"{FIRST}/data_1.pt"]
@@ -237,7 +238,7 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
     assert store.info.skipped == report.skipped
     reader = HiddenStatesDataset(dst)
     assert all(same_item(reader[i], old_items[i]) for i in range(4))  # sample 1 is what it was
-    again = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+    again = convert(src, dst, workers=0, progress=False, settings=CHUNKED,
                     skips=SkipPolicy(skip_bad=True))  # recorded once
     assert again.converted_now == 0 and Store(dst).info.skipped == report.skipped
 
@@ -245,10 +246,10 @@ def test_a_converted_file_that_changed_is_refused_or_recorded_as_skipped(tmp_pat
 def test_appending_from_another_folder_is_refused(tmp_path, staged):
     src, dst, other = tmp_path / "src", tmp_path / "store", tmp_path / "other"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     arrive(staged, other, SECOND)
     with pytest.raises(StoreError) as err:
-        convert(other, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(other, dst, workers=0, progress=False, settings=CHUNKED)
     assert str(err.value) == (f"{dst}: was converted from {src.resolve()}, not {other.resolve()}: run the command with "
                               "that SRC (new files there are appended), or convert into another DST")
     assert len(Store(dst)) == 4
@@ -260,18 +261,18 @@ def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypa
                     files=FileOptions(layout="rows", rows_per_folder=4))
     shutil.copytree(staging / "rows_0-4", src / "rows_0-4")
     for store in (dst, ref):
-        convert(src, store, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, store, workers=0, progress=False, settings=CHUNKED)
     shutil.copytree(staging / "rows_4-8", src / "rows_4-8")
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
     module = sys.modules["h5feed.conversion.converter"]
     monkeypatch.setattr(module, "grow_arrays", _raise_interrupt)  # planned, then killed
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     monkeypatch.undo()
     shutil.copytree(staging / "rows_8-12", src / "rows_8-12")  # more files arrive before the rerun
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
 
     assert (report.num_samples, report.converted_now, report.resumed) == (12, 8, 4)
     a, b = tree(dst), tree(ref)
@@ -283,10 +284,10 @@ def test_files_arriving_while_an_append_is_unfinished_join_it(tmp_path, monkeypa
 def test_a_store_whose_journal_is_gone_is_not_appended_to(tmp_path, staged):
     src, dst = tmp_path / "src", tmp_path / "store"
     arrive(staged, src, FIRST)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     (dst / "h5feed-journal.jsonl").unlink()
     arrive(staged, src, SECOND)
     with pytest.raises(StoreError, match=r"cannot append: its journal \(h5feed-journal.jsonl\) lacks samples converted "
                                          "before, and an append rewrites the index from it"):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert len(Store(dst)) == 4

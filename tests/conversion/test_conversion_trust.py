@@ -31,6 +31,7 @@ from h5feed.testing.synthetic import write_synthetic
 
 H = 32
 CHUNK = 16
+CHUNKED = StoreSettings(chunk_tokens=CHUNK)  # the store settings of most conversions here
 
 
 # --------------------------------------------------------------------------- SIGKILL while the workers start
@@ -82,7 +83,7 @@ KILL_AFTER_S = (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.25, 1.5)
 def test_a_sigkill_while_workers_start_leaves_no_process_and_no_semaphore(tmp_path: Path, assert_same_tree) -> None:
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, "speculators-legacy-pt", 24, H, lengths=(20, 60), seed=6)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
     args = ["-q", "convert", str(src), str(dst), "--workers", "2", "--chunk-tokens", str(CHUNK)]
     script = Path(sys.executable).with_name("h5feed")  # the `h5feed` command: its workers re-run it before h5feed's code
     commands = [[sys.executable, "-m", "h5feed", *args], [sys.executable, str(script), *args]]
@@ -208,7 +209,7 @@ def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as
     src.mkdir()
     for name in ("data_0.pt", "data_1.pt", "data_2.pt"):
         shutil.copy2(staged / name, src / name)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     old = json.loads((dst / PLAN_FILE).read_text())
     del old["store"]  # nor a copy of the store's attributes
     for entry in old["samples"]:
@@ -216,7 +217,7 @@ def test_a_plan_written_before_appending_existed_is_extended_with_its_entries_as
     (dst / PLAN_FILE).write_text(json.dumps(old))
     for name in ("data_3.pt", "data_4.pt"):
         shutil.copy2(staged / name, src / name)
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert (report.num_samples, report.converted_now, report.resumed) == (5, 2, 3)
     plan = json.loads((dst / PLAN_FILE).read_text())
     assert list(plan) == ["options", "samples", "skipped", "total_rows", "append_from"]

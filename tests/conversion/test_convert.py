@@ -30,6 +30,7 @@ from h5feed.verify import describe_store, verify_store
 H = 32
 K = 3
 CHUNK = 16
+CHUNKED = StoreSettings(chunk_tokens=CHUNK)  # the store settings of most conversions here
 # one token, exactly one chunk, one token past a chunk, short, many chunks, three chunks
 LENGTHS = [1, 16, 17, 5, 100, 33]
 SHARD = 112  # by default a shard holds the longest sample (100 tokens), rounded up to whole chunks
@@ -66,7 +67,7 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, fmt, len(LENGTHS), H, lengths=LENGTHS, seed=3, files=layout)
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed, report.skipped) == (
         6, sum(LENGTHS), 6, 0, [])
@@ -100,7 +101,7 @@ def test_every_format_round_trips_bit_exactly(tmp_path, assert_sample_matches_so
 def test_missing_loss_mask_is_stored_as_ones_and_flagged(tmp_path, assert_sample_matches_source, fmt):
     src, dst = tmp_path / "src", tmp_path / "store"
     write_synthetic(src, fmt, 3, H, lengths=[1, 20, 7], files=FileOptions(loss_mask=False))
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     store = Store(dst)
     assert store.has_loss_mask.tolist() == [False] * 3
     for i in range(3):
@@ -112,7 +113,7 @@ def test_missing_loss_mask_is_stored_as_ones_and_flagged(tmp_path, assert_sample
 def test_other_float_dtypes_round_trip(tmp_path, assert_sample_matches_source, dtype, name):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src, dtype=dtype)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     store = Store(dst)
     assert store.info.dtype == name
     for i in range(len(LENGTHS)):
@@ -189,10 +190,10 @@ def test_read_sample_max_tokens_truncates_and_reads_only_the_chunks_it_needs(tmp
 def test_rerun_of_a_complete_store_is_a_no_op(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in dst.rglob("*") if p.is_file()}
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
 
     assert (report.num_samples, report.num_tokens, report.converted_now, report.resumed) == (6, sum(LENGTHS), 0, 6)
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in dst.rglob("*") if p.is_file()} == before
@@ -201,8 +202,8 @@ def test_rerun_of_a_complete_store_is_a_no_op(tmp_path):
 def test_rerun_with_other_options_is_refused(tmp_path, interrupted_convert, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
-    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
+    assert sorted(interrupted_convert(src, dst, after=2, settings=CHUNKED)) == [0, 1]
     journal = (dst / JOURNAL_FILE).read_bytes()
 
     with pytest.raises(StoreError) as err:
@@ -214,7 +215,7 @@ def test_rerun_with_other_options_is_refused(tmp_path, interrupted_convert, asse
         convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=32))
     assert (dst / JOURNAL_FILE).read_bytes() == journal
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert (report.converted_now, report.resumed) == (4, 2)
     assert_same_tree(dst, ref)
 
@@ -235,7 +236,7 @@ def test_a_folder_that_is_not_a_store_is_left_alone(tmp_path):
     dst.mkdir()
     (dst / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="exists and is not an h5feed store; choose another DST or pass --overwrite"):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert [p.name for p in dst.iterdir()] == ["notes.txt"]
 
 
@@ -245,7 +246,7 @@ def test_a_folder_that_is_not_a_store_is_left_alone(tmp_path):
 def test_unfinished_store_is_refused_by_every_reader(tmp_path, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     legacy_source(src)
-    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
+    interrupted_convert(src, dst, after=2, settings=CHUNKED)
     for read in (Store, verify_store, describe_store):
         with pytest.raises(StoreError) as err:
             read(dst)
@@ -258,7 +259,7 @@ def test_unfinished_store_is_refused_by_every_reader(tmp_path, interrupted_conve
 def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
     module = sys.modules["h5feed.conversion.plan"]
 
     def killed(*args, **kwargs):
@@ -266,13 +267,13 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
 
     monkeypatch.setattr(module, "write_atomically", killed)  # arrays created, plan not yet written
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     monkeypatch.undo()
     assert (dst / "zarr.json").exists() and not (dst / PLAN_FILE).exists()
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert (report.converted_now, report.resumed) == (6, 0)
     assert_same_tree(dst, ref)
 
@@ -280,19 +281,19 @@ def test_killed_while_planning_starts_again(tmp_path, monkeypatch, assert_same_t
 def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sys.modules["h5feed.conversion.samples"], "write_info", killed)  # index and journal written, status still "converting"
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     monkeypatch.undo()
     with pytest.raises(StoreError, match="has not finished"):
         Store(dst)
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert (report.converted_now, report.resumed) == (0, 6)
     assert_same_tree(dst, ref)
 
@@ -300,26 +301,26 @@ def test_killed_just_before_the_status_flip_resumes(tmp_path, monkeypatch, asser
 def test_a_partial_write_left_by_a_kill_is_removed_on_resume(tmp_path, interrupted_convert, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
-    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
+    interrupted_convert(src, dst, after=2, settings=CHUNKED)
     # chunk files are written as NAME.<id>.partial, then renamed; a SIGKILL in between leaves one behind
     (dst / "aux_hidden_states" / "c" / "5").mkdir(parents=True, exist_ok=True)
     (dst / "aux_hidden_states" / "c" / "5" / "0.0123456789abcdef0123456789abcdef.partial").write_bytes(b"half a chunk")
     (dst / "input_ids" / "c" / "5.fedcba9876543210fedcba9876543210.partial").write_bytes(b"half")
 
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert_same_tree(dst, ref)
 
 
 def test_a_journal_line_cut_short_loses_no_sample(tmp_path, interrupted_convert, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     legacy_source(src)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
-    interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
+    interrupted_convert(src, dst, after=2, settings=CHUNKED)
     with open(dst / JOURNAL_FILE, "a") as journal:  # killed (or out of disk) in the middle of a line
         journal.write('{"i": 2, "checksum": [1234')
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)
     assert (report.num_samples, report.converted_now, report.resumed) == (6, 4, 2)
     assert_same_tree(dst, ref)
 
@@ -346,7 +347,7 @@ def test_sigkill_at_several_moments_then_the_same_command_gives_the_same_bytes(t
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     num = 30
     legacy_source(src, (150, 300), num_samples=num, seed=5)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
     command = [sys.executable, "-m", "h5feed.cli", "-q", "convert", str(src), str(dst), "--workers", "2",
                "--chunk-tokens", str(CHUNK)]
 

@@ -27,6 +27,7 @@ from h5feed.testing.synthetic import FileOptions, write_synthetic
 
 H = 64
 CHUNK = 16
+CHUNKED = StoreSettings(chunk_tokens=CHUNK)  # the store settings of most conversions here
 LEGACY = "speculators-legacy-pt"
 
 
@@ -68,10 +69,10 @@ class KillOnce(distributed.WorkerPlugin):
 
 def test_conversion_on_a_cluster_equals_the_local_pool_byte_for_byte(tmp_path, source, cluster, assert_same_tree):
     dst, ref = tmp_path / "store", tmp_path / "ref"
-    convert(source, ref, workers=2, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(source, ref, workers=2, progress=False, settings=CHUNKED)
 
     report = convert(source, dst, progress=False, run=RunOptions(scheduler=cluster.scheduler_address),
-                     settings=StoreSettings(chunk_tokens=CHUNK))
+                     settings=CHUNKED)
 
     assert (report.num_samples, report.converted_now, report.resumed, report.skipped) == (12, 12, 0, [])
     assert_same_tree(dst, ref)  # shards, index, plan, journal, attributes: every file
@@ -84,13 +85,13 @@ def test_conversion_on_a_cluster_equals_the_local_pool_byte_for_byte(tmp_path, s
 
 def test_a_worker_killed_while_it_converts_has_its_sample_redone_elsewhere(tmp_path, source, cluster, assert_same_tree):
     dst, ref = tmp_path / "store", tmp_path / "ref"
-    convert(source, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(source, ref, workers=0, progress=False, settings=CHUNKED)
     marker = tmp_path / "killed"
     with distributed.Client(cluster) as client:
         client.register_plugin(KillOnce(marker))
         try:
             report = convert(source, dst, progress=False, run=RunOptions(scheduler=cluster.scheduler_address),
-                             settings=StoreSettings(chunk_tokens=CHUNK))
+                             settings=CHUNKED)
         finally:
             client.unregister_worker_plugin(KillOnce.name)
         key, pid = marker.read_text().split()
@@ -105,7 +106,7 @@ def test_a_worker_killed_while_it_converts_has_its_sample_redone_elsewhere(tmp_p
 
 def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluster, assert_same_tree):
     dst, ref = tmp_path / "store", tmp_path / "ref"
-    convert(source, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(source, ref, workers=0, progress=False, settings=CHUNKED)
     command = [sys.executable, "-m", "h5feed.cli", "convert", str(source), str(dst), "--scheduler",
                cluster.scheduler_address, "--chunk-tokens", str(CHUNK)]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -135,7 +136,7 @@ def test_a_run_killed_as_a_whole_resumes_on_the_cluster(tmp_path, source, cluste
 def test_dask_flag_starts_a_local_cluster(tmp_path, cli, assert_same_tree):
     src, dst, ref = tmp_path / "src", tmp_path / "store", tmp_path / "ref"
     write_synthetic(src, LEGACY, 4, H, lengths=(20, 60), seed=1)
-    convert(src, ref, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, ref, workers=0, progress=False, settings=CHUNKED)
 
     r = cli("convert", src, dst, "--dask", "--workers", 1, "--chunk-tokens", CHUNK)
 

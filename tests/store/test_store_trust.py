@@ -26,6 +26,7 @@ from h5feed.verify import verify_store
 
 H = 32
 CHUNK = 16
+CHUNKED = StoreSettings(chunk_tokens=CHUNK)  # the store settings of most conversions here
 LENGTHS = [20, 35, 40, 8, 33, 17]
 LEGACY = "speculators-legacy-pt"
 
@@ -35,7 +36,7 @@ def make_store(tmp_path: Path, name: str = "store", **kwargs) -> tuple[Path, Pat
     if not src.exists():
         write_synthetic(src, LEGACY, len(LENGTHS), H, lengths=LENGTHS, seed=2)
     dst = tmp_path / name
-    convert(src, dst, workers=0, progress=False, **kwargs, settings=StoreSettings(chunk_tokens=CHUNK))
+    convert(src, dst, workers=0, progress=False, **kwargs, settings=CHUNKED)
     return src, dst
 
 
@@ -129,7 +130,7 @@ def test_a_damaged_index_is_refused_at_open_and_rebuilt_by_a_rerun(tmp_path, ass
     with pytest.raises(StoreError, match="the sample index is damaged"):
         HiddenStatesDataset(dst)
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # the same command again
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED)  # the same command again
     assert (report.num_samples, report.converted_now, report.resumed) == (6, 0, 6)
     assert_same_tree(dst, ref)
 
@@ -141,7 +142,7 @@ def test_swapped_starts_that_overlap_nothing_are_refused_by_the_index_digest_and
     _rewrite_index(dst, "sample_start", lambda v: v.__setitem__(slice(1, 3), v[[2, 1]]))
     with pytest.raises(StoreError, match="the sample index fails the checksum recorded at conversion"):
         Store(dst)
-    convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))  # the same command again
+    convert(src, dst, workers=0, progress=False, settings=CHUNKED)  # the same command again
     assert_same_tree(dst, ref)
 
 
@@ -161,7 +162,7 @@ def test_a_complete_store_without_plan_and_journal_says_what_to_run(tmp_path):
     (dst / JOURNAL_FILE).unlink()
     with pytest.raises(StoreError, match="is complete but damaged .* no plan and journal to rebuild its index from: "
                                          "pass --overwrite to convert again"):
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK))
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED)
 
 
 # --------------------------------------------------------------------------- two writers
@@ -209,11 +210,11 @@ def test_a_second_converter_is_refused_and_the_store_stays_intact(tmp_path, asse
 def test_a_resume_that_skips_every_remaining_sample_keeps_the_converted_ones(tmp_path, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, LEGACY, 5, H, lengths=[20, 30, 5, 7, 9], seed=1)
-    assert sorted(interrupted_convert(src, dst, after=2, settings=StoreSettings(chunk_tokens=CHUNK))) == [0, 1]
+    assert sorted(interrupted_convert(src, dst, after=2, settings=CHUNKED)) == [0, 1]
     for f in files[2:]:
         f.write_bytes(b"junk")
 
-    report = convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+    report = convert(src, dst, workers=0, progress=False, settings=CHUNKED,
                      skips=SkipPolicy(skip_bad=True))
 
     assert (report.num_samples, report.converted_now, report.resumed) == (2, 0, 2)
@@ -224,11 +225,11 @@ def test_a_resume_that_skips_every_remaining_sample_keeps_the_converted_ones(tmp
 def test_a_run_that_converts_nothing_ends_with_a_clear_error(tmp_path, interrupted_convert):
     src, dst = tmp_path / "src", tmp_path / "store"
     files = write_synthetic(src, LEGACY, 3, H, lengths=[20, 30, 5], seed=1)
-    assert interrupted_convert(src, dst, after=0, settings=StoreSettings(chunk_tokens=CHUNK)) == {}  # planned, nothing converted yet
+    assert interrupted_convert(src, dst, after=0, settings=CHUNKED) == {}  # planned, nothing converted yet
     for f in files:
         f.write_bytes(b"junk")
     with pytest.raises(SourceError) as err:
-        convert(src, dst, workers=0, progress=False, settings=StoreSettings(chunk_tokens=CHUNK),
+        convert(src, dst, workers=0, progress=False, settings=CHUNKED,
                 skips=SkipPolicy(skip_bad=True))
     assert str(err.value).startswith(f"{src.resolve()}: no sample could be converted: all 3 were skipped (first: "
                                      "data_0.pt: not a readable torch.save file (truncated or corrupt)")
@@ -294,7 +295,7 @@ def test_clean_runs_leave_nothing_in_dev_shm(tmp_path):
     before = set(os.listdir("/dev/shm"))
     _, dst = make_store(tmp_path)
     convert(tmp_path / "src", tmp_path / "pooled", workers=2, progress=False,
-            settings=StoreSettings(chunk_tokens=CHUNK))
+            settings=CHUNKED)
     for context in ("fork", "spawn", "forkserver"):
         stream = HiddenStatesStream(dst, schedule=h5feed.ScheduleOptions(shuffle=False))
         assert len(list(StreamLoader(stream, num_workers=2, collate_fn=list, multiprocessing_context=context))) == 6
