@@ -70,9 +70,13 @@ def test_the_step_runs_on_every_batch_of_every_loader_and_ranks_them(tiny, user_
                        progress=False, step=StepOptions("bench_user_step:make", device="cpu"))
     n = len(tiny.files)
     assert result.step is not None and result.step.name == "bench_user_step:make" and result.step.device == "CPU"
-    # warm-up, the step alone (both on the first batch), then every batch of each loader's timed pass
-    assert len(user_step.SEEN) == 3 + STEP_ALONE_STEPS + n * len(LOADERS)
-    alone, passes = user_step.SEEN[:3 + STEP_ALONE_STEPS], user_step.SEEN[3 + STEP_ALONE_STEPS:]
+    assert result.step_after is not None and result.step_after.name == result.step.name
+    # warm-up and the step alone (both on the first batch), every batch of each loader's timed pass, then the
+    # warm-up and the step alone again
+    timed_alone = 3 + STEP_ALONE_STEPS
+    assert len(user_step.SEEN) == 2 * timed_alone + n * len(LOADERS)
+    alone = user_step.SEEN[:timed_alone] + user_step.SEEN[-timed_alone:]
+    passes = user_step.SEEN[timed_alone:-timed_alone]
     collate = trainer_collate("speculators-legacy", MAX_LEN, hidden_states_dtype=torch.bfloat16)
     stream = HiddenStatesStream(tiny.path, "speculators-legacy", MAX_LEN, hidden_states_dtype=torch.bfloat16,
                                 schedule=h5feed.ScheduleOptions(shuffle=False))

@@ -81,6 +81,7 @@ class BenchResult:
     checks: dict[str, str] = field(default_factory=dict)  # loader -> "reference", "equal" or what differs
     notes: list[str] = field(default_factory=list)
     step: StepAlone | None = None  # the training step alone, when one ran beside the loaders
+    step_after: StepAlone | None = None  # the same, timed again after every loader's passes (the GPU's drift)
 
     def get(self, loader: str, cache: str) -> PassResult | None:
         for p in self.passes:
@@ -195,9 +196,16 @@ class BenchResult:
              f"{load.get('start', float('nan')):.2f} at the start, {load.get('end', float('nan')):.2f} at the end"),
             (f"training step: {self.step.name}, run on every batch; alone, its batch already on the {self.step.device}: "
              f"{1e3 * self.step.seconds:.1f} ms ({self.step.samples_per_s:.2f} samples/s, "
-             f"{self.step.cpu_seconds / self.step.seconds:.2f} CPU cores)" if self.step is not None
+             f"{self.step.cpu_seconds / self.step.seconds:.2f} CPU cores)" + self._step_drift() if self.step is not None
              else "training step: none (each batch's data is touched and dropped)"),
         ]
+
+    def _step_drift(self) -> str:
+        if self.step is None or self.step_after is None:
+            return ""
+        drift = self.step_after.seconds / self.step.seconds - 1
+        return (f"; again after the loaders: {1e3 * self.step_after.seconds:.1f} ms ({100 * drift:+.1f}%: shares of the "
+                "step alone are good to about that)")
 
     def loader_names(self) -> list[str]:
         """Each loader benched, as "short name = full name": the short names are the table's and the plots'."""

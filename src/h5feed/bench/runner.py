@@ -410,6 +410,7 @@ def run_bench(
             f"{100 * p.other_cpu_share:.0f}% of the CPUs")
 
     reference: list[dict[str, Any]] | None = None
+    alone_batch: Any = None  # the first batch, which the step is timed alone on before the loaders and after
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # said once, in the notes
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # more workers than cores: asked for
@@ -427,7 +428,7 @@ def run_bench(
                     f"batches {result.checks[name]}")
             if first is not None and trainer is not None:
                 trainer = _time_step_alone(trainer, first, result, say)
-                del first
+                alone_batch, first = first, None
             for cache in caches:
                 if cache == "cold":
                     problem = drop_page_cache()
@@ -438,6 +439,9 @@ def run_bench(
                 result.passes.append(_timed_pass(built, name, cache, sampler, beside))
                 report(result.passes[-1])
             del built
+    if trainer is not None and result.step is not None:  # the GPU's own drift over the run, beside the shares
+        result.step_after = trainer.alone(alone_batch, STEP_ALONE_STEPS)
+        say(f"the training step alone again, after the loaders: {1e3 * result.step_after.seconds:.1f} ms")
     machine["load_average"]["end"] = os.getloadavg()[0]
     _judge(result, len(opened))
     return result
