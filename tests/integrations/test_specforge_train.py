@@ -60,7 +60,8 @@ def run(tmp_path_factory) -> Path:
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                             max_position_embeddings=512, bos_token_id=1, eos_token_id=2))
     # sharded, as real verifiers are: SpecForge's EAGLE-3 reads the verifier's lm_head through the shards' index
-    verifier.to(torch.bfloat16).save_pretrained(root / "verifier", max_shard_size="100KB")
+    verifier.to(torch.bfloat16).save_pretrained(root / "verifier", max_shard_size="20KB")
+    assert (root / "verifier" / "model.safetensors.index.json").is_file(), "the verifier was saved in one file"
     for algorithm in ALGORITHMS:
         write_capture(root / algorithm / "hs", algorithm)
         h5feed.convert(root / algorithm / "hs", root / algorithm / "hs.zarr", workers=0, progress=False,
