@@ -226,18 +226,23 @@ def test_delivery_runs_on_take_on_the_trainers_thread_while_its_thread_waits():
 def test_pacing_waits_half_a_step_after_a_take_unless_the_trainer_waited_or_the_work_would_be_late():
     pacing = Pacing()
     assert pacing.pause(0.0) == 0.0  # nothing learnt yet
-    pacing.took(10.0, waited=True)
-    pacing.took(10.1, waited=False)  # the trainer takes a ready batch every 100 ms
-    assert pacing.pause(10.1) == pytest.approx(0.05)
-    assert pacing.pause(10.13) == pytest.approx(0.02)  # what has passed since the take counts
-    assert pacing.pause(10.2) == 0.0
+    for now in (10.0, 10.1, 10.2):
+        pacing.took(now, waited=False)  # the trainer takes a ready batch every 100 ms
+    assert pacing.pause(10.2) == pytest.approx(0.05)
+    assert pacing.pause(10.23) == pytest.approx(0.02)  # what has passed since the take counts
+    assert pacing.pause(10.3) == 0.0
     pacing.made(0.04)  # the work takes 40 ms: starting at 20 ms leaves it twice its time
-    assert pacing.pause(10.1) == pytest.approx(0.02)
+    assert pacing.pause(10.2) == pytest.approx(0.02)
     pacing.made(0.06)
-    assert pacing.pause(10.1) == 0.0
-    pacing.made(0.0)
-    pacing.took(10.2, waited=True)  # the trainer waited for its batch: the loader is behind, no pause
     assert pacing.pause(10.2) == 0.0
+    pacing.made(0.0)
+    pacing.took(70.2, waited=False)  # a minute's checkpoint between two takes: the step is still 100 ms
+    assert pacing.pause(70.2) == pytest.approx(0.05)
+    for now in (71.0, 72.0, 73.0):
+        pacing.took(now, waited=False)  # a step of a second: the pause stops at MAX_PAUSE
+    assert pacing.pause(73.0) == pytest.approx(Pacing.MAX_PAUSE)
+    pacing.took(73.1, waited=True)  # the trainer waited for its batch: the loader is behind, no pause
+    assert pacing.pause(73.1) == 0.0
 
 
 def test_delivery_starts_the_next_batch_half_a_step_after_a_take_while_the_trainer_is_ahead():

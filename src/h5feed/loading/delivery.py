@@ -13,7 +13,7 @@ interpreter's switch interval (5 ms), at every tenth `next()` or so on the H200 
 Nor does the thread start on the next batch the moment the trainer takes one (`Pacing`): that is
 when the trainer launches its step's first kernels onto an idle GPU, and every millisecond the
 thread's Python work holds the GIL then is a millisecond the GPU waits.  While the trainer keeps
-finding its batch ready, the thread waits up to half a step first, into the part of the step
+finding its batch ready, the thread waits up to half a step (at most 0.1 s) first, into the part of the step
 where the GPU has work queued (or the trainer waits for its loss, the GIL let go).
 """
 
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -46,19 +46,23 @@ class Pacing:
     """When the delivery thread starts on the next result, learnt from the trainer's takes.
 
     The trainer's thread reports each take (`took`); the delivery thread asks how long to wait
-    before it works on the next result (`pause`): half the trainer's last interval between takes,
-    less what has passed since, and never so long that the result, made in the time the last one
-    took (`made`), would come later than the trainer's next take.  No wait while the trainer
-    waited for its last batch: a loader that is behind makes each result as soon as it can."""
+    before it works on the next result (`pause`): half the trainer's step (the shorter of its last
+    two intervals between takes, so that one long pause of the trainer's, a checkpoint or an
+    evaluation, does not set it; at most `MAX_PAUSE`), less what has passed since, and never so
+    long that the result, made in the time the last one took (`made`), would come later than the
+    trainer's next take.  No wait while the trainer waited for its last batch: a loader that is
+    behind makes each result as soon as it can."""
+
+    MAX_PAUSE: ClassVar[float] = 0.1  # s; a step's launches onto an idle GPU take some 20 ms at Kimi's shape
 
     last_take: float | None = None
-    interval: float = 0.0  # between the trainer's last two takes
+    intervals: tuple[float, float] = (0.0, 0.0)  # the trainer's last two intervals between takes
     trainer_waited: bool = True
     making: float = 0.0  # how long the thread took to make its last result
 
     def took(self, now: float, waited: bool) -> None:
         if self.last_take is not None:
-            self.interval = now - self.last_take
+            self.intervals = (self.intervals[1], now - self.last_take)
         self.last_take, self.trainer_waited = now, waited
 
     def made(self, seconds: float) -> None:
@@ -67,7 +71,8 @@ class Pacing:
     def pause(self, now: float) -> float:
         if self.trainer_waited or self.last_take is None:
             return 0.0
-        start = min(self.interval / 2, self.interval - 2 * self.making)  # after the take: room for the work, twice
+        step = min(self.intervals)
+        start = min(step / 2, step - 2 * self.making, self.MAX_PAUSE)  # after the take: room for the work, twice
         return max(0.0, start - (now - self.last_take))
 
 
