@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import h5feed
 from h5feed import BatchLoader, HiddenStatesStream, StreamLoader, gpu, trainer_collate
-from h5feed.loading.delivery import Delivery
+from h5feed.loading.delivery import Delivery, Pacing
 from h5feed.loading.readahead import ReadAhead
 from h5feed.loading.schedule import SampleSchedule
 
@@ -221,6 +221,54 @@ def test_delivery_runs_on_take_on_the_trainers_thread_while_its_thread_waits():
     finally:
         delivery.close()
     assert seen == [(i, list(range(i + 1))) for i in range(5)]  # the next one is made only after on_take
+
+
+def test_pacing_waits_half_a_step_after_a_take_unless_the_trainer_waited_or_the_work_would_be_late():
+    pacing = Pacing()
+    assert pacing.pause(0.0) == 0.0  # nothing learnt yet
+    for now in (10.0, 10.1, 10.2):
+        pacing.took(now, waited=False)  # the trainer takes a ready batch every 100 ms
+    assert pacing.pause(10.2) == pytest.approx(0.05)
+    assert pacing.pause(10.23) == pytest.approx(0.02)  # what has passed since the take counts
+    assert pacing.pause(10.3) == 0.0
+    pacing.made(0.04)  # the work takes 40 ms: starting at 20 ms leaves it twice its time
+    assert pacing.pause(10.2) == pytest.approx(0.02)
+    pacing.made(0.06)
+    assert pacing.pause(10.2) == 0.0
+    pacing.made(0.0)
+    pacing.took(70.2, waited=False)  # a minute's checkpoint between two takes: the step is still 100 ms
+    assert pacing.pause(70.2) == pytest.approx(0.05)
+    for now in (71.0, 72.0, 73.0):
+        pacing.took(now, waited=False)  # a step of a second: the pause stops at MAX_PAUSE
+    assert pacing.pause(73.0) == pytest.approx(Pacing.MAX_PAUSE)
+    pacing.took(73.1, waited=True)  # the trainer waited for its batch: the loader is behind, no pause
+    assert pacing.pause(73.1) == 0.0
+
+
+def test_delivery_starts_the_next_batch_half_a_step_after_a_take_while_the_trainer_is_ahead():
+    """While the trainer finds its batch ready, the delivery thread's work on the next one begins halfway
+    into the trainer's step, not as the trainer launches it; a trainer that waited gets the next at once."""
+    step = 0.2
+    started = []
+
+    def source():
+        for i in range(6):
+            started.append(time.perf_counter())
+            yield i
+
+    delivery = Delivery(source)
+    takes = []
+    try:
+        for i in delivery:
+            takes.append(time.perf_counter())
+            time.sleep(step)
+    finally:
+        delivery.close()
+    # started[k + 1] follows the take of k; from the third take on the trainer has found its batch ready
+    # at the take before and the interval between takes is known
+    for k in range(2, 5):
+        assert started[k + 1] - takes[k] == pytest.approx(step / 2, abs=0.05)
+    assert started[1] - takes[0] < 0.05  # nothing learnt yet: at once
 
 
 def functions_called_in(call):

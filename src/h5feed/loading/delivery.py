@@ -9,15 +9,22 @@ What must happen on the trainer's thread (its CUDA stream made to wait for the b
 before the thread is let go on to the next batch: those calls release the GIL, and a
 delivery thread let go first took it then and held it for its Python work, up to the
 interpreter's switch interval (5 ms), at every tenth `next()` or so on the H200 box.
+
+Nor does the thread start on the next batch the moment the trainer takes one (`Pacing`): that is
+when the trainer launches its step's first kernels onto an idle GPU, and every millisecond the
+thread's Python work holds the GIL then is a millisecond the GPU waits.  While the trainer keeps
+finding its batch ready, the thread waits up to half a step (at most 0.1 s) first, into the part of the step
+where the GPU has work queued (or the trainer waits for its loss, the GIL let go).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -32,6 +39,41 @@ class _Failure:
 
 
 _END = object()  # the source is exhausted
+
+
+@dataclass
+class Pacing:
+    """When the delivery thread starts on the next result, learnt from the trainer's takes.
+
+    The trainer's thread reports each take (`took`); the delivery thread asks how long to wait
+    before it works on the next result (`pause`): half the trainer's step (the shorter of its last
+    two intervals between takes, so that one long pause of the trainer's, a checkpoint or an
+    evaluation, does not set it; at most `MAX_PAUSE`), less what has passed since, and never so
+    long that the result, made in the time the last one took (`made`), would come later than the
+    trainer's next take.  No wait while the trainer waited for its last batch: a loader that is
+    behind makes each result as soon as it can."""
+
+    MAX_PAUSE: ClassVar[float] = 0.1  # s; a step's launches onto an idle GPU take some 20 ms at Kimi's shape
+
+    last_take: float | None = None
+    intervals: tuple[float, float] = (0.0, 0.0)  # the trainer's last two intervals between takes
+    trainer_waited: bool = True
+    making: float = 0.0  # how long the thread took to make its last result
+
+    def took(self, now: float, waited: bool) -> None:
+        if self.last_take is not None:
+            self.intervals = (self.intervals[1], now - self.last_take)
+        self.last_take, self.trainer_waited = now, waited
+
+    def made(self, seconds: float) -> None:
+        self.making = seconds
+
+    def pause(self, now: float) -> float:
+        if self.trainer_waited or self.last_take is None:
+            return 0.0
+        step = min(self.intervals)
+        start = min(step / 2, step - 2 * self.making, self.MAX_PAUSE)  # after the take: room for the work, twice
+        return max(0.0, start - (now - self.last_take))
 
 
 class Delivery(Generic[Delivered]):
@@ -52,14 +94,17 @@ class Delivery(Generic[Delivered]):
         self._room.put(None)
         self._ready: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_deliver, args=(source, self._room, self._ready, self._stop),
-                                        name=name, daemon=True)
+        self._pacing = Pacing()
+        self._thread = threading.Thread(target=_deliver, args=(source, self._room, self._ready, self._stop,
+                                                               self._pacing), name=name, daemon=True)
         self._thread.start()
 
     def __iter__(self) -> Iterator[Delivered]:
         """The source's results, in order, on the trainer's thread; what it raised, raised here."""
         while True:
+            waited = self._ready.empty()
             delivered = self._ready.get()
+            self._pacing.took(time.perf_counter(), waited)
             try:
                 if delivered is _END:
                     return
@@ -115,16 +160,18 @@ def _record_on(batch: Mapping[str, Any], stream: torch.cuda.Stream) -> None:
 
 
 def _deliver(source: Callable[[], Iterator[Delivered]], room: queue.SimpleQueue[None],
-             ready: queue.SimpleQueue[object], stop: threading.Event) -> None:
+             ready: queue.SimpleQueue[object], stop: threading.Event, pacing: Pacing) -> None:
     """The thread: one result of the source per free place, until the source ends, fails or is stopped."""
     try:
         results = source()
         try:
             while True:
                 room.get()
-                if stop.is_set():
+                if stop.wait(pacing.pause(time.perf_counter())):
                     return
+                started = time.perf_counter()
                 result = next(results, _END)
+                pacing.made(time.perf_counter() - started)
                 ready.put(result)
                 if result is _END:
                     return
