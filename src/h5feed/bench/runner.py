@@ -410,7 +410,8 @@ def run_bench(
             f"{100 * p.other_cpu_share:.0f}% of the CPUs")
 
     reference: list[dict[str, Any]] | None = None
-    alone_batch: Any = None  # the first batch, which the step is timed alone on before the loaders and after
+    alone_batch: Any = None  # the first batch, on the step's device, which the step is timed alone on before the
+    # loaders and after (on the GPU it adds nothing to the passes' host memory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # said once, in the notes
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # more workers than cores: asked for
@@ -428,7 +429,8 @@ def run_bench(
                     f"batches {result.checks[name]}")
             if first is not None and trainer is not None:
                 trainer = _time_step_alone(trainer, first, result, say)
-                alone_batch, first = first, None
+                alone_batch = on_device(first, trainer.device) if trainer is not None else None
+                del first
             for cache in caches:
                 if cache == "cold":
                     problem = drop_page_cache()
